@@ -1,0 +1,1 @@
+"""Training, data, checkpointing, export and generation for the `moe` models."""
