@@ -1,0 +1,293 @@
+"""Routing statistics for MoE layers: a streaming accumulator plus pure metric functions (numpy only).
+
+Shape key: L MoE layers, E routed experts, K top-k, D domains, V vocabulary, T tracked tokens, N tokens.
+
+Usage (the CLI runs the model batch by batch and feeds each batch's routing extras):
+    acc = RoutingAccumulator(n_layers, n_experts, top_k, n_domains, vocab_size, track_tokens=[13, 262])
+    for batch in batches:
+        acc.update(routing_per_layer, tokens_BxL, domains_BxL, valid_BxL, segment_ids_BxL)
+    result = acc.finalize()            # dict of numpy arrays: np.savez(path, **result)
+    json.dump(to_jsonable(result), f)  # small arrays only, NaN -> null
+Only counts are kept, never activations; memory is dominated by the L*V*E int32 token table
+(disable with track_vocab=False, which drops vocabulary specialization and the frequent-token table).
+"""
+
+import json
+import math
+import re
+
+import numpy as np
+
+
+def locality_baseline(n_experts, top_k):
+    """Random-router expectations: (P[same first choice] = 1/E,
+    P[two independent top-k sets overlap] = 1 - C(E-K, K) / C(E, K), E[|A & B|] / K = K/E)."""
+    any_overlap = 1.0 - math.comb(n_experts - top_k, top_k) / math.comb(n_experts, top_k)
+    return 1.0 / n_experts, any_overlap, top_k / n_experts
+
+
+def domain_share(counts_LxDxE, n_tokens_D):
+    """share[l, d, e] = #tokens of domain d with expert e in their top-k / #tokens of domain d.
+
+    Counting every top-k choice, a row sums to K and the uniform value is K/E. Pass top-1 counts to get the
+    OLMoE k=1 specialization (sums to 1), or divide by K for the per-k normalized version (sums to 1,
+    uniform 1/E). Domains with no tokens give NaN."""
+    n_1xDx1 = np.asarray(n_tokens_D, np.float64)[None, :, None]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(n_1xDx1 > 0, counts_LxDxE / np.maximum(n_1xDx1, 1), np.nan)
+
+
+def maxvio(load_LxE):
+    """MaxVio_global[l] = (max_e load[l, e] - mean_e load[l, e]) / mean_e load[l, e] (0 = perfectly balanced)."""
+    load_LxE = np.asarray(load_LxE, np.float64)
+    mean_L = load_LxE.mean(-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (load_LxE.max(-1) - mean_L) / mean_L
+
+
+def dead_experts(counts_LxE):
+    """Per layer, the sorted list of experts that received zero assignments."""
+    return [np.flatnonzero(np.asarray(c) == 0).tolist() for c in counts_LxE]
+
+
+def coactivation(pairs_LxExE, counts_LxE):
+    """coact[l, i, j] = N(e_i, e_j) / N(e_i): among tokens that chose e_i (anywhere in their top-k), the share
+    that also chose e_j. N counts all ordered pairs of distinct experts in each token's top-k, so rows sum to
+    K-1 (the diagonal is 0); rows of unused experts are 0."""
+    n_LxEx1 = np.asarray(counts_LxE, np.float64)[..., None]
+    return np.asarray(pairs_LxExE, np.float64) / np.maximum(n_LxEx1, 1)
+
+
+def vocab_specialization(tok_counts_LxVxE, tok_n_V, top_k, min_count=10):
+    """OLMoE vocabulary specialization over top-k assignments.
+
+    For a token id v seen n_v >= min_count times: spec[l, v] = max_e count[l, v, e] / (K * n_v), the share of
+    its K * n_v assignments that go to its most frequent expert (1 = always the same expert, uniform = 1/E).
+    Returns (spec_LxE, mean_L, n_eligible): spec_LxE[l, e] is the mean spec over eligible tokens whose most
+    frequent expert is e (NaN if none); mean_L is the unweighted mean over eligible tokens."""
+    eligible_V = np.asarray(tok_n_V) >= min_count
+    n_elig = int(eligible_V.sum())
+    n_layers, _, n_experts = tok_counts_LxVxE.shape
+    spec_LxE = np.full((n_layers, n_experts), np.nan)
+    mean_L = np.full(n_layers, np.nan)
+    if n_elig == 0:
+        return spec_LxE, mean_L, 0
+    counts_LxVxE = tok_counts_LxVxE[:, eligible_V]
+    spec_LxV = counts_LxVxE.max(-1) / (top_k * np.asarray(tok_n_V)[eligible_V])[None]
+    best_LxV = counts_LxVxE.argmax(-1)
+    for layer in range(n_layers):
+        n_E = np.bincount(best_LxV[layer], minlength=n_experts)
+        sum_E = np.bincount(best_LxV[layer], weights=spec_LxV[layer], minlength=n_experts)
+        with np.errstate(invalid="ignore"):
+            spec_LxE[layer] = np.where(n_E > 0, sum_E / np.maximum(n_E, 1), np.nan)
+    mean_L[:] = spec_LxV.mean(-1)
+    return spec_LxE, mean_L, n_elig
+
+
+def saturation(early_ids_NxK, final_ids_NxK):
+    """OLMoE router saturation for one layer: mean over tokens of |topk_early & topk_final| / K."""
+    early, final = np.asarray(early_ids_NxK), np.asarray(final_ids_NxK)
+    if early.shape[0] == 0:
+        return float("nan")
+    return float(_overlap_count(early, final).mean() / final.shape[-1])
+
+
+def _overlap_count(a_NxK, b_NxK):
+    # Top-k ids are distinct within a token, so matching pairs count the set intersection exactly.
+    return (a_NxK[:, :, None] == b_NxK[:, None, :]).sum((1, 2))
+
+
+def _ids_of(routing):
+    ids = routing["expert_ids"] if isinstance(routing, dict) else routing
+    return np.asarray(ids)
+
+
+class RoutingAccumulator:
+    """Streams per-batch routing into count tables; `finalize` turns them into metrics (keys listed there).
+
+    A token counts if valid; its "previous token" for locality must be valid and in the same segment
+    (document) of the same row. track_tokens: token ids whose expert distribution is always reported;
+    n_frequent: how many most frequent token ids to report (needs track_vocab)."""
+
+    def __init__(self, n_layers, n_experts, top_k, n_domains, vocab_size, track_tokens=(),
+                 track_vocab=True, n_frequent=20, vocab_min_count=10):
+        self.L, self.E, self.K, self.D, self.V = n_layers, n_experts, top_k, n_domains, vocab_size
+        self.track_ids_T = np.asarray(track_tokens, np.int64).reshape(-1)
+        self.track_vocab, self.n_frequent, self.vocab_min_count = track_vocab, n_frequent, vocab_min_count
+        L, E, D = n_layers, n_experts, n_domains
+        self.n_tokens_D = np.zeros(D, np.int64)
+        self.counts_LxDxE = np.zeros((L, D, E), np.int64)
+        self.first_LxDxE = np.zeros((L, D, E), np.int64)
+        self.gate_LxDxE = np.zeros((L, D, E), np.float64)
+        self.pairs_LxExE = np.zeros((L, E, E), np.int64)
+        self.loc_first_L = np.zeros(L, np.int64)
+        self.loc_any_L = np.zeros(L, np.int64)
+        self.loc_overlap_L = np.zeros(L, np.int64)  # sum of |A & B| over pairs; / (K * pairs) at the end
+        self.n_pairs = 0
+        self.track_n_T = np.zeros(len(self.track_ids_T), np.int64)
+        self.track_LxTxE = np.zeros((L, len(self.track_ids_T), E), np.int64)
+        if track_vocab:  # int32: L*V*E entries is the one large table
+            self.tok_n_V = np.zeros(vocab_size, np.int64)
+            self.tok_LxVxE = np.zeros((L, vocab_size, E), np.int32)
+
+    def update(self, layer_routing, tokens, domains, valid=None, segment_ids=None):
+        """layer_routing: per MoE layer a dict with `expert_ids` [B,L,K] (first = highest score) and optionally
+        `gates` [B,L,K] (or just the ids array). tokens/domains/valid/segment_ids: [B,L]."""
+        if len(layer_routing) != self.L:
+            raise ValueError(f"got routing for {len(layer_routing)} layers, accumulator has n_layers={self.L}")
+        tokens, domains = np.asarray(tokens), np.asarray(domains)
+        valid_BxS = np.ones(tokens.shape, bool) if valid is None else np.asarray(valid, bool)
+        seg_BxS = np.zeros(tokens.shape, np.int64) if segment_ids is None else np.asarray(segment_ids)
+        dom_N, tok_N = domains[valid_BxS].astype(np.int64), tokens[valid_BxS].astype(np.int64)
+        if dom_N.size and (dom_N.min() < 0 or dom_N.max() >= self.D):
+            raise ValueError(f"domain ids must be in [0, {self.D}); got {dom_N.min()}..{dom_N.max()}")
+        if tok_N.size and (tok_N.min() < 0 or tok_N.max() >= self.V):
+            raise ValueError(f"token ids must be in [0, {self.V}); got {tok_N.min()}..{tok_N.max()}")
+        # Locality pairs: (t-1, t) both valid and in the same document of the same row.
+        pair_BxS1 = valid_BxS[:, 1:] & valid_BxS[:, :-1] & (seg_BxS[:, 1:] == seg_BxS[:, :-1])
+        self.n_pairs += int(pair_BxS1.sum())
+        self.n_tokens_D += np.bincount(dom_N, minlength=self.D)
+        track_hit_NxT = tok_N[:, None] == self.track_ids_T[None, :]
+        self.track_n_T += track_hit_NxT.sum(0)
+        if self.track_vocab:
+            self.tok_n_V += np.bincount(tok_N, minlength=self.V)
+        E, D, K = self.E, self.D, self.K
+        for layer, routing in enumerate(layer_routing):
+            ids_BxSxK = _ids_of(routing).astype(np.int64)
+            if ids_BxSxK.shape[-1] != K:
+                raise ValueError(f"layer {layer}: expert_ids has top-k {ids_BxSxK.shape[-1]}, expected {K}")
+            ids_NxK = ids_BxSxK[valid_BxS]
+            de_NxK = dom_N[:, None] * E + ids_NxK
+            self.counts_LxDxE[layer] += np.bincount(de_NxK.ravel(), minlength=D * E).reshape(D, E)
+            self.first_LxDxE[layer] += np.bincount(de_NxK[:, 0], minlength=D * E).reshape(D, E)
+            if isinstance(routing, dict) and routing.get("gates") is not None:
+                gates_NxK = np.asarray(routing["gates"], np.float64)[valid_BxS]
+                self.gate_LxDxE[layer] += np.bincount(
+                    de_NxK.ravel(), weights=gates_NxK.ravel(), minlength=D * E).reshape(D, E)
+            for i in range(K):
+                for j in range(K):
+                    if i != j:
+                        ij_N = ids_NxK[:, i] * E + ids_NxK[:, j]
+                        self.pairs_LxExE[layer] += np.bincount(ij_N, minlength=E * E).reshape(E, E)
+            prev_PxK, cur_PxK = ids_BxSxK[:, :-1][pair_BxS1], ids_BxSxK[:, 1:][pair_BxS1]
+            overlap_P = _overlap_count(prev_PxK, cur_PxK)
+            self.loc_first_L[layer] += int((prev_PxK[:, 0] == cur_PxK[:, 0]).sum())
+            self.loc_any_L[layer] += int((overlap_P > 0).sum())
+            self.loc_overlap_L[layer] += int(overlap_P.sum())
+            for t in range(len(self.track_ids_T)):
+                self.track_LxTxE[layer, t] += np.bincount(ids_NxK[track_hit_NxT[:, t]].ravel(), minlength=E)
+            if self.track_vocab:
+                np.add.at(self.tok_LxVxE[layer].reshape(-1), (tok_N[:, None] * E + ids_NxK).ravel(), 1)
+
+    def finalize(self):
+        """Metrics as a flat dict of numpy arrays (scalars as 0-d arrays), ready for np.savez.
+
+        Shares (see `domain_share`): share_LxDxE (top-k, sums to K), share_top1_LxDxE (first choice, sums
+        to 1), share_norm_LxDxE (top-k / K, sums to 1), gate_share_LxDxE (sum of gate weights / #tokens).
+        Load: load_LxE (top-k assignments), maxvio_L, dead_LxE (bool). Locality: loc_first_L, loc_any_L,
+        loc_overlap_L (mean |A & B| / K), baseline_first/_any/_overlap, n_pairs. coact_LxExE.
+        Tokens: track_ids_T, track_n_T, track_share_TxLxE (share of occurrences with e in top-k);
+        with track_vocab also freq_ids_N, freq_n_N, freq_share_NxLxE, vocab_spec_LxE, vocab_spec_L,
+        vocab_n_eligible, tok_n_V, tok_counts_LxVxE."""
+        load_LxE = self.counts_LxDxE.sum(1)
+        base = locality_baseline(self.E, self.K)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            pairs = self.n_pairs or np.nan  # no pairs -> NaN locality rather than 0
+            track_share_TxLxE = self.track_LxTxE.transpose(1, 0, 2) / self.track_n_T[:, None, None]
+        out = dict(
+            n_layers=self.L, n_experts=self.E, top_k=self.K, n_domains=self.D,
+            n_tokens_D=self.n_tokens_D, n_tokens=self.n_tokens_D.sum(),
+            counts_LxDxE=self.counts_LxDxE, first_LxDxE=self.first_LxDxE,
+            share_LxDxE=domain_share(self.counts_LxDxE, self.n_tokens_D),
+            share_top1_LxDxE=domain_share(self.first_LxDxE, self.n_tokens_D),
+            share_norm_LxDxE=domain_share(self.counts_LxDxE, self.n_tokens_D) / self.K,
+            gate_share_LxDxE=domain_share(self.gate_LxDxE, self.n_tokens_D),
+            load_LxE=load_LxE, maxvio_L=maxvio(load_LxE), dead_LxE=load_LxE == 0,
+            loc_first_L=self.loc_first_L / pairs, loc_any_L=self.loc_any_L / pairs,
+            loc_overlap_L=self.loc_overlap_L / (pairs * self.K), n_pairs=self.n_pairs,
+            baseline_first=base[0], baseline_any=base[1], baseline_overlap=base[2],
+            coact_LxExE=coactivation(self.pairs_LxExE, load_LxE),
+            track_ids_T=self.track_ids_T, track_n_T=self.track_n_T, track_share_TxLxE=track_share_TxLxE,
+        )
+        if self.track_vocab:
+            freq_ids_N = np.argsort(-self.tok_n_V, kind="stable")[: self.n_frequent]
+            freq_ids_N = freq_ids_N[self.tok_n_V[freq_ids_N] > 0]
+            freq_n_N = self.tok_n_V[freq_ids_N]
+            spec_LxE, spec_L, n_elig = vocab_specialization(
+                self.tok_LxVxE, self.tok_n_V, self.K, self.vocab_min_count)
+            out.update(
+                freq_ids_N=freq_ids_N, freq_n_N=freq_n_N,
+                freq_share_NxLxE=self.tok_LxVxE[:, freq_ids_N].transpose(1, 0, 2)
+                / np.maximum(freq_n_N, 1)[:, None, None],
+                vocab_spec_LxE=spec_LxE, vocab_spec_L=spec_L, vocab_n_eligible=n_elig,
+                tok_n_V=self.tok_n_V, tok_counts_LxVxE=self.tok_LxVxE)
+        return {k: np.asarray(v) for k, v in out.items()}
+
+
+class SaturationAccumulator:
+    """Streams OLMoE router saturation: for the same valid tokens, the share of the final checkpoint's top-k
+    set that an earlier checkpoint also selects, per layer (1 = routing already final, 0 = disjoint)."""
+
+    def __init__(self, n_layers):
+        self.match_L = np.zeros(n_layers, np.int64)
+        self.n_assign_L = np.zeros(n_layers, np.int64)
+
+    def update(self, early_routing, final_routing, valid=None):
+        """early_routing / final_routing: per layer a routing dict or expert_ids [B,L,K]; valid [B,L]."""
+        for layer, (early, final) in enumerate(zip(early_routing, final_routing, strict=True)):
+            early_BxSxK, final_BxSxK = _ids_of(early), _ids_of(final)
+            mask_BxS = np.ones(final_BxSxK.shape[:-1], bool) if valid is None else np.asarray(valid, bool)
+            self.match_L[layer] += int(_overlap_count(early_BxSxK[mask_BxS], final_BxSxK[mask_BxS]).sum())
+            self.n_assign_L[layer] += int(mask_BxS.sum()) * final_BxSxK.shape[-1]
+
+    def finalize(self):
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return {"saturation_L": self.match_L / self.n_assign_L, "n_tokens": self.n_assign_L}
+
+
+def read_maxvio_series(path, key_pattern=r"moe/layer_(\d+)/maxvio", step_key="step"):
+    """Reads a metrics.jsonl (one JSON object per line) and returns {layer: (steps_N, maxvio_N)}, sorted by
+    layer. The layer index is the first group of `key_pattern`; lines without a match are skipped."""
+    regex, series = re.compile(key_pattern), {}
+    with open(path) as f:
+        for line_no, line in enumerate(f):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            for key, value in record.items():
+                match = regex.fullmatch(key)
+                if match and value is not None:
+                    series.setdefault(int(match.group(1)), []).append((record.get(step_key, line_no), value))
+    return {layer: tuple(np.asarray(v, np.float64) for v in zip(*series[layer])) for layer in sorted(series)}
+
+
+def to_jsonable(result, max_size=100_000):
+    """Converts a `finalize` dict to plain JSON types (NaN -> None), dropping arrays larger than max_size."""
+    out = {}
+    for key, value in result.items():
+        value = np.asarray(value)
+        if value.size <= max_size:
+            lst = value.tolist()
+            out[key] = json.loads(json.dumps(lst).replace("NaN", "null"))
+    return out
+
+
+def summary_text(result, domain_names=None, n_top=3):
+    """A short terminal summary: per layer MaxVio, locality vs random, dead experts, and per domain the
+    most specialized experts (highest top-k share) of the last layer."""
+    L, K, E = int(result["n_layers"]), int(result["top_k"]), int(result["n_experts"])
+    names = domain_names or [f"domain {d}" for d in range(int(result["n_domains"]))]
+    lines = [f"{int(result['n_tokens'])} tokens, {L} MoE layers, top-{K} of {E} experts (uniform share {K / E:.3f})"]
+    for layer in range(L):
+        dead = np.flatnonzero(result["dead_LxE"][layer]).tolist()
+        lines.append(
+            f"layer {layer}: maxvio {result['maxvio_L'][layer]:.2f}  first-choice locality "
+            f"{result['loc_first_L'][layer]:.3f} (rand {float(result['baseline_first']):.3f})  any-overlap "
+            f"{result['loc_any_L'][layer]:.3f} (rand {float(result['baseline_any']):.3f})  dead {dead or 'none'}")
+    share_DxE = result["share_LxDxE"][L - 1]
+    for d, name in enumerate(names):
+        if not np.isfinite(share_DxE[d]).any():
+            continue
+        top = np.argsort(-np.nan_to_num(share_DxE[d]))[:n_top]
+        lines.append(f"layer {L - 1} {name}: " + ", ".join(f"e{e} {share_DxE[d, e]:.2f}" for e in top))
+    return "\n".join(lines)
