@@ -1,0 +1,78 @@
+"""KV-cache incremental decoding: prefill the prompt once, then one token per step.
+
+The cache is a list (one per layer) of {"k", "v": [B, S, N, Dh]} in the compute dtype. Logits at every position
+equal the full-sequence forward (tests/test_decode.py). In prefix mode the whole prompt is the prefix: it is
+processed bidirectionally once, then generation is causal.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moe.model import Transformer
+
+
+def init_cache(cfg, batch: int, max_len: int):
+    shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+    dt = jnp.dtype(cfg.dtype)
+    return [{"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)} for _ in range(cfg.n_layers)]
+
+
+def _prefix_len(model, prompt_BxP):
+    B, P = prompt_BxP.shape
+    return jnp.full((B,), P, jnp.int32) if model.cfg.mask in ("prefix", "mixed") else None
+
+
+def prefill(model: Transformer, prompt_BxP, cache):
+    """Run the prompt through the model, filling cache slots [0, P). Returns (logits [B,P,V], cache)."""
+    logits, aux = model(prompt_BxP, cache=cache, cache_index=0, prefix_len_B=_prefix_len(model, prompt_BxP))
+    return logits, aux["cache"]
+
+
+def step(model: Transformer, token_Bx1, index, cache, prefix_len_B=None):
+    """One token at slot `index` (its position too). Returns (logits [B,V], cache)."""
+    B = token_Bx1.shape[0]
+    positions = jnp.full((B, 1), index, jnp.int32)
+    logits, aux = model(token_Bx1, positions_BxL=positions, cache=cache, cache_index=index,
+                        prefix_len_B=prefix_len_B)
+    return logits[:, 0], aux["cache"]
+
+
+def sample(logits_BxV, rng, temperature: float, top_p: float):
+    """Greedy when temperature == 0, else temperature + nucleus (top-p) sampling."""
+    if temperature == 0.0:
+        return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+    logits_BxV = logits_BxV.astype(jnp.float32) / temperature
+    if top_p < 1.0:
+        sorted_BxV = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
+        probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
+        # Keep the smallest set whose mass reaches top_p (the top token always stays).
+        keep_BxV = (jnp.cumsum(probs_BxV, axis=-1) - probs_BxV) < top_p
+        threshold_B = jnp.min(jnp.where(keep_BxV, sorted_BxV, jnp.inf), axis=-1)
+        logits_BxV = jnp.where(logits_BxV >= threshold_B[:, None], logits_BxV, -jnp.inf)
+    return jax.random.categorical(rng, logits_BxV, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(nnx.jit, static_argnames=("max_new_tokens", "temperature", "top_p"))
+def generate(model: Transformer, prompt_BxP, rng, *, max_new_tokens: int, temperature: float = 0.0,
+             top_p: float = 1.0):
+    """Prompt [B,P] (same length for every row) -> new tokens [B, max_new_tokens]."""
+    B, P = prompt_BxP.shape
+    cache = init_cache(model.cfg, B, P + max_new_tokens)
+    logits_BxPxV, cache = prefill(model, prompt_BxP, cache)
+    prefix_len_B = _prefix_len(model, prompt_BxP)
+    rng, sub = jax.random.split(rng)
+    first_B = sample(logits_BxPxV[:, -1], sub, temperature, top_p)
+    out_BxN = jnp.zeros((B, max_new_tokens), jnp.int32).at[:, 0].set(first_B)
+
+    def body(i, carry):
+        out_BxN, cache, rng = carry
+        logits_BxV, cache = step(model, jax.lax.dynamic_slice_in_dim(out_BxN, i - 1, 1, axis=1), P + i - 1, cache,
+                                 prefix_len_B)
+        rng, sub = jax.random.split(rng)
+        return out_BxN.at[:, i].set(sample(logits_BxV, sub, temperature, top_p)), cache, rng
+
+    out_BxN, _, _ = jax.lax.fori_loop(1, max_new_tokens, body, (out_BxN, cache, rng))
+    return out_BxN

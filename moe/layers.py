@@ -1,0 +1,111 @@
+"""Building blocks: RMSNorm, rotary embedding, (grouped-query) attention with a KV cache, SwiGLU MLP.
+
+Key: B batch, L query length, S key length (= L, or cache slots), D model, H heads, G query heads per kv head,
+N kv heads, Dh head dim, F ffn width. Params are fp32; matmuls run in `dtype`; softmax and norms in fp32.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moe.sharding import constrain
+
+
+def param(rngs: nnx.Rngs, shape, names, std: float) -> nnx.Param:
+    """An fp32 parameter drawn from N(0, std^2), carrying logical axis names for sharding."""
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), out_sharding=names)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=("norm",))
+        self.eps = eps
+
+    def __call__(self, x):
+        # Normalize in fp32, then scale in the input dtype (as HF does, so exports match exactly).
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.scale.value.astype(x.dtype) * x32.astype(x.dtype)
+
+
+def rope(x_BxLxHxDh, positions_BxL, theta: float):
+    """Rotate-half (GPT-NeoX) rotary embedding, computed in fp32."""
+    Dh = x_BxLxHxDh.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, Dh, 2, dtype=jnp.float32) / Dh))
+    angles_BxLxF = positions_BxL[..., None].astype(jnp.float32) * inv_freq
+    angles_BxLx1xDh = jnp.concatenate([angles_BxLxF, angles_BxLxF], -1)[:, :, None, :]
+    x = x_BxLxHxDh.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], -1)
+    out = x * jnp.cos(angles_BxLx1xDh) + rotated * jnp.sin(angles_BxLx1xDh)
+    return out.astype(x_BxLxHxDh.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        D, H, N, Dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
+        self.wq = param(rngs, (D, H, Dh), ("embed", "heads", "head_dim"), cfg.init_std)
+        self.wk = param(rngs, (D, N, Dh), ("embed", "kv_heads", "head_dim"), cfg.init_std)
+        self.wv = param(rngs, (D, N, Dh), ("embed", "kv_heads", "head_dim"), cfg.init_std)
+        self.wo = param(rngs, (H, Dh, D), ("heads", "head_dim", "embed"), out_std)
+        self.cfg = cfg
+
+    def __call__(self, x_BxLxD, positions_BxL, mask_BxHxLxS, cache=None, cache_index=None,
+                 return_probs=False):
+        """Returns (out_BxLxD, new_cache or None, probs_BxHxLxS or None).
+
+        With `cache` ({"k","v": [B,S,N,Dh]}), this call's keys/values are written at slots
+        [cache_index, cache_index + L) and queries attend over all S slots (the mask hides unwritten ones).
+        """
+        cfg, dt = self.cfg, x_BxLxD.dtype
+        q_BxLxHxDh = jnp.einsum("bld,dhk->blhk", x_BxLxD, self.wq.value.astype(dt))
+        k_BxLxNxDh = jnp.einsum("bld,dnk->blnk", x_BxLxD, self.wk.value.astype(dt))
+        v_BxLxNxDh = jnp.einsum("bld,dnk->blnk", x_BxLxD, self.wv.value.astype(dt))
+        if cfg.rope:
+            q_BxLxHxDh = rope(q_BxLxHxDh, positions_BxL, cfg.rope_theta)
+            k_BxLxNxDh = rope(k_BxLxNxDh, positions_BxL, cfg.rope_theta)
+        q_BxLxHxDh = constrain(q_BxLxHxDh, ("batch", "length", "act_heads", None))
+        new_cache = None
+        if cache is not None:
+            at = (0, cache_index, 0, 0)
+            k_all = jax.lax.dynamic_update_slice(cache["k"], k_BxLxNxDh.astype(cache["k"].dtype), at)
+            v_all = jax.lax.dynamic_update_slice(cache["v"], v_BxLxNxDh.astype(cache["v"].dtype), at)
+            new_cache = {"k": k_all, "v": v_all}
+            k_BxSxNxDh, v_BxSxNxDh = k_all.astype(dt), v_all.astype(dt)
+        else:
+            k_BxSxNxDh, v_BxSxNxDh = k_BxLxNxDh, v_BxLxNxDh
+
+        B, L, H, Dh = q_BxLxHxDh.shape
+        N = cfg.n_kv_heads
+        q_BxLxNxGxDh = q_BxLxHxDh.reshape(B, L, N, H // N, Dh)  # query head h uses kv head h // G
+        logits = jnp.einsum("blngk,bsnk->bngls", q_BxLxNxGxDh, k_BxSxNxDh,
+                            preferred_element_type=jnp.float32) * Dh**-0.5
+        S = logits.shape[-1]
+        mask_BxNxGxLxS = jnp.broadcast_to(mask_BxHxLxS, (B, mask_BxHxLxS.shape[1], L, S))
+        if mask_BxNxGxLxS.shape[1] == 1:
+            mask_BxNxGxLxS = mask_BxNxGxLxS[:, :, None]
+        else:
+            mask_BxNxGxLxS = mask_BxNxGxLxS.reshape(B, N, H // N, L, S)
+        logits = jnp.where(mask_BxNxGxLxS, logits, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(logits, axis=-1)  # fp32 softmax
+        out_BxLxNxGxDh = jnp.einsum("bngls,bsnk->blngk", probs.astype(dt), v_BxSxNxDh)
+        out_BxLxD = jnp.einsum("blhk,hkd->bld", out_BxLxNxGxDh.reshape(B, L, H, Dh), self.wo.value.astype(dt))
+        probs_BxHxLxS = probs.reshape(B, H, L, S) if return_probs else None
+        return out_BxLxD, new_cache, probs_BxHxLxS
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(x W_gate) * x W_up)."""
+
+    def __init__(self, d_model: int, d_ff: int, cfg, rngs: nnx.Rngs):
+        out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
+        self.w_gate = param(rngs, (d_model, d_ff), ("embed", "mlp"), cfg.init_std)
+        self.w_up = param(rngs, (d_model, d_ff), ("embed", "mlp"), cfg.init_std)
+        self.w_down = param(rngs, (d_ff, d_model), ("mlp", "embed"), out_std)
+
+    def __call__(self, x_BxLxD):
+        dt = x_BxLxD.dtype
+        h_BxLxF = jax.nn.silu(x_BxLxD @ self.w_gate.value.astype(dt)) * (x_BxLxD @ self.w_up.value.astype(dt))
+        h_BxLxF = constrain(h_BxLxF, ("batch", "length", "act_mlp"))
+        return h_BxLxF @ self.w_down.value.astype(dt)
