@@ -165,7 +165,7 @@ def load_source(name: str, split: str, data_dir=None, corpus_dir=None, text_fiel
         builder = prepare(data_dir, corpus_dir)
         if split not in builder.info.splits:
             raise UserError(f"moe_corpus has no split {split!r}; use one of {sorted(builder.info.splits)}")
-        return TextSource(builder.as_data_source(split=split), f"moe_corpus-{builder.builder_config.name}",
+        return TextSource(builder.as_data_source(split=split), f"moe_corpus-{builder.builder_config.name}-{split}",
                           builder.info.features["domain"].names, text_field=text_field)
     try:
         builder = tfds.builder(name, data_dir=data_dir)
@@ -179,4 +179,4 @@ def load_source(name: str, split: str, data_dir=None, corpus_dir=None, text_fiel
         raise UserError(f"TFDS data set {name!r} has no field {text_field!r}; pass text_field= one of {list(features)}")
     domain = features["domain"] if "domain" in features else None
     names = list(domain.names) if isinstance(domain, tfds.features.ClassLabel) else []
-    return TextSource(src, f"{name}-{builder.version}", names, text_field=text_field)
+    return TextSource(src, f"{name}-{builder.version}-{split}", names, text_field=text_field)
