@@ -41,7 +41,7 @@ def test_prepare_and_read_back(tiny):
     for d, name in enumerate(train.domains):
         assert sorted(got[d]) == sorted(docs[name])  # every document once, with the right label
     val_texts = {val[i]["text"] for i in range(len(val))}
-    for name, ds in docs.items():
+    for ds in docs.values():
         want = {ds[i] for i in validation_ids(ds)}
         assert want <= val_texts and 1 <= len(want) <= len(ds) // 5
     assert not val_texts & {train[i]["text"] for i in range(len(train))}

@@ -22,7 +22,6 @@ targets = row[1:]. A document's EOS belongs to that document (it is its last tok
 import hashlib
 import json
 import os
-import queue
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -113,6 +112,7 @@ class PackedSampler:
             raise ValueError("empty token cache")
         self._epochs: OrderedDict = OrderedDict()
         self._epochs_cached = epochs_cached
+        self._lock = threading.Lock()  # iterate() calls rows() from several grain threads
 
     @property
     def rows_per_epoch(self) -> int:
@@ -120,6 +120,10 @@ class PackedSampler:
 
     def _epoch(self, e: int):
         """(perm [N], cum [N+1]) for epoch e: slot k holds document perm[k] and starts at stream offset cum[k]."""
+        with self._lock:
+            return self._epoch_locked(e)
+
+    def _epoch_locked(self, e: int):
         if e not in self._epochs:
             perm = np.random.default_rng([self.seed, e]).permutation(self.cache.n_docs)
             cum = np.zeros(len(perm) + 1, np.int64)
@@ -187,35 +191,15 @@ def eval_batches(cache: TokenCache, seq_len: int, batch_size: int, n_batches: in
 
 
 def iterate(sampler: PackedSampler, start_step: int, batch_size: int, process_index: int = 0,
-            process_count: int = 1, prefetch: int = 4):
-    """Endless (step, batch) pairs from start_step, built ahead on a background thread.
+            process_count: int = 1, prefetch: int = 4, threads: int = 2):
+    """Endless (step, batch) pairs from start_step, built ahead on grain worker threads.
 
     Batch `step` is a pure function of step, so resuming at any start_step reproduces the original run exactly.
     """
-    # grain's MapDataset gives the index -> batch mapping; one worker thread keeps the stream in order.
+    # grain maps step -> batch and prefetches on worker threads, keeping step order.
     ds = grain.MapDataset.range(start_step, 1 << 62).map(
         lambda s: (s, sampler.batch(s, batch_size, process_index, process_count)))
-    q: queue.Queue = queue.Queue(maxsize=prefetch)
-    stop = threading.Event()
-
-    def work():
-        for item in ds:
-            while not stop.is_set():
-                try:
-                    q.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            if stop.is_set():
-                return
-
-    thread = threading.Thread(target=work, daemon=True)
-    thread.start()
-    try:
-        while True:
-            yield q.get()
-    finally:
-        stop.set()
+    yield from ds.to_iter_dataset(grain.ReadOptions(num_threads=threads, prefetch_buffer_size=prefetch))
 
 
 def prefix_rows(cache: TokenCache, seq_len: int, seed: int, start: int, count: int,
