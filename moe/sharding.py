@@ -8,9 +8,9 @@ model runs unchanged on one device.
 import contextlib
 from collections.abc import Sequence
 
+import flax.linen as nn
 import jax
 from flax import nnx
-from flax.linen import partitioning as nn_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
@@ -52,7 +52,7 @@ def active_mesh():
 
 
 def logical_to_spec(names: Sequence[str | None], rules=RULES) -> PartitionSpec:
-    return nn_partitioning.logical_to_mesh_axes(tuple(names), rules)
+    return nn.logical_to_mesh_axes(tuple(names), rules)
 
 
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
@@ -66,7 +66,7 @@ def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 def state_shardings(state, mesh: jax.sharding.Mesh, rules=RULES):
     """NamedShardings for an nnx.State (params, optimizer state, ...) from its logical metadata."""
     logical = nnx.get_partition_spec(state)
-    return nn_partitioning.logical_to_mesh_sharding(logical, mesh, rules)
+    return nn.logical_to_mesh_sharding(logical, mesh, rules)
 
 
 def make_mesh(data: int, fsdp: int, expert: int, tensor: int, devices=None) -> jax.sharding.Mesh:

@@ -1,0 +1,28 @@
+"""Every config validation error names the field and what is allowed."""
+
+import pytest
+
+from moe import ConfigError, ModelConfig
+
+
+@pytest.mark.parametrize("changes,field", [
+    (dict(top_k=9, n_routed_experts=8), "model.top_k"),
+    (dict(n_routed_experts=10, n_group=4), "model.n_group"),
+    (dict(n_group=2, topk_group=3), "model.topk_group"),
+    (dict(n_heads=6, n_kv_heads=4), "model.n_kv_heads"),
+    (dict(mask="sideways"), "model.mask"),
+    (dict(d_model=0), "model.d_model"),
+    (dict(n_layers=-1), "model.n_layers"),
+    (dict(moe_d_ff=0), "model.moe_d_ff"),
+    (dict(dispatch="magic"), "model.dispatch"),
+    (dict(first_k_dense=5, n_layers=4), "model.first_k_dense"),
+    (dict(balance_loss_weight=-1.0), "model.balance_loss_weight"),
+])
+def test_validation_errors(changes, field):
+    with pytest.raises(ConfigError, match=field):
+        ModelConfig(**changes)
+
+
+def test_valid_default():
+    cfg = ModelConfig()
+    assert cfg.n_moe_layers == cfg.n_layers - cfg.first_k_dense
