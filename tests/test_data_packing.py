@@ -7,6 +7,7 @@ import pytest
 
 from train.data.packing import PackedSampler, TokenCache, eval_batches, iterate, prefix_rows, token_cache
 from train.data.tokenizer import EOS_ID, PAD_ID
+from train.errors import UserError
 
 L = 16
 
@@ -87,6 +88,11 @@ def test_process_slices_concatenate_to_global_batch(cache, process_count):
         np.testing.assert_array_equal(np.concatenate([p[k] for p in parts]), full[k])
 
 
+def test_indivisible_batch_is_user_error(cache):
+    with pytest.raises(UserError, match="process_count"):
+        PackedSampler(cache, L, seed=0).batch(0, 6, 0, 4)
+
+
 def test_iterate_resumes_exactly(cache):
     sampler = PackedSampler(cache, L, seed=9)
     from_zero = list(itertools.islice(iterate(sampler, 0, 4, 1, 2), 6))
@@ -140,12 +146,13 @@ class _ListSource:
 def test_token_cache_with_bundled_tokenizer(tmp_path):
     from train.data.tokenizer import load_tokenizer
 
-    texts = [f"Document number {i}. " * (i + 1) for i in range(5)]
+    texts = [f"Document number {i}. " * (i + 1) for i in range(4)] + ["literal <|endoftext|> and <|pad|>"]
     c = token_cache(_ListSource(texts), cache_dir=tmp_path)
     tok = load_tokenizer()
     for i, t in enumerate(texts):
         assert tok.decode(list(c.tokens[c.offsets[i]:c.offsets[i + 1]])) == t
     np.testing.assert_array_equal(c.domains, [0, 1, 0, 1, 0])
+    assert not np.isin(c.tokens, [EOS_ID, PAD_ID]).any()  # special ids come only from packing
     assert c.domain_names == ("x", "y") and c.tokens.dtype == np.uint16
     again = token_cache(_ListSource(["ignored: loaded from cache"]), cache_dir=tmp_path)
     assert again.n_docs == 5

@@ -31,6 +31,7 @@ import grain
 import numpy as np
 
 from train.data.tokenizer import DEFAULT_TOKENIZER, EOS_ID, PAD_ID, load_tokenizer, token_dtype
+from train.errors import UserError
 
 DEFAULT_CACHE_DIR = os.environ.get("MOE_LM_TOKEN_CACHE", os.path.expanduser("~/.cache/moe-lm/tokens"))
 
@@ -77,6 +78,8 @@ def token_cache(source, tokenizer_path=None, cache_dir=None, encode_batch_size=2
 
 def _write_cache(source, tok, path: Path, encode_batch_size: int):
     dtype = token_dtype(tok)
+    # Text that spells "<|endoftext|>" must not become EOS: only packing inserts EOS / PAD ids.
+    tok.encode_special_tokens = True
     ds = grain.MapDataset.source(source).batch(encode_batch_size, batch_fn=list)
     chunks, lengths, domains = [], [], []
     for exs in ds:
@@ -177,7 +180,8 @@ class PackedSampler:
     def batch(self, step: int, batch_size: int, process_index: int = 0, process_count: int = 1) -> dict:
         """This process's contiguous slice of global batch `step` (rows step*batch_size ...)."""
         if batch_size % process_count:
-            raise ValueError(f"batch_size {batch_size} not divisible by process_count {process_count}")
+            raise UserError(f"batch_size {batch_size} is not divisible by process_count {process_count}; "
+                            "pick a global batch size that is a multiple of the number of processes")
         per = batch_size // process_count
         return self.rows(step * batch_size + process_index * per, per)
 

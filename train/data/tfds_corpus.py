@@ -10,6 +10,7 @@ so editing the corpus makes a fresh prepared copy instead of silently reading a 
 
 import hashlib
 import json
+import logging
 import lzma
 import math
 import os
@@ -23,6 +24,8 @@ DEFAULT_CORPUS_DIR = Path(__file__).parent / "corpus"
 DEFAULT_DATA_DIR = os.environ.get("MOE_LM_TFDS_DIR", os.path.expanduser("~/.cache/moe-lm/tfds"))
 SUFFIXES = (".jsonl.xz", ".jsonl", ".txt")
 VAL_FRACTION, VAL_MIN_DOCS = 0.02, 20
+# The per-corpus config is intentional; TFDS warns about every "custom data configuration".
+logging.getLogger("absl").addFilter(lambda r: "custom data configuration" not in r.getMessage())
 
 
 def corpus_files(corpus_dir) -> dict[str, Path]:
