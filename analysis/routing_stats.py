@@ -157,6 +157,8 @@ class RoutingAccumulator:
             if ids_BxSxK.shape[-1] != K:
                 raise ValueError(f"layer {layer}: expert_ids has top-k {ids_BxSxK.shape[-1]}, expected {K}")
             ids_NxK = ids_BxSxK[valid_BxS]
+            if ids_NxK.size and (ids_NxK.min() < 0 or ids_NxK.max() >= E):
+                raise ValueError(f"layer {layer}: expert_ids must be in [0, {E}); check n_experts")
             de_NxK = dom_N[:, None] * E + ids_NxK
             self.counts_LxDxE[layer] += np.bincount(de_NxK.ravel(), minlength=D * E).reshape(D, E)
             self.first_LxDxE[layer] += np.bincount(de_NxK[:, 0], minlength=D * E).reshape(D, E)
@@ -183,12 +185,13 @@ class RoutingAccumulator:
         """Metrics as a flat dict of numpy arrays (scalars as 0-d arrays), ready for np.savez.
 
         Shares (see `domain_share`): share_LxDxE (top-k, sums to K), share_top1_LxDxE (first choice, sums
-        to 1), share_norm_LxDxE (top-k / K, sums to 1), gate_share_LxDxE (sum of gate weights / #tokens).
+        to 1), share_norm_LxDxE (top-k / K, sums to 1), gate_share_LxDxE (sum of gate weights / #tokens;
+        0 if no gates were given).
         Load: load_LxE (top-k assignments), maxvio_L, dead_LxE (bool). Locality: loc_first_L, loc_any_L,
         loc_overlap_L (mean |A & B| / K), baseline_first/_any/_overlap, n_pairs. coact_LxExE.
         Tokens: track_ids_T, track_n_T, track_share_TxLxE (share of occurrences with e in top-k);
         with track_vocab also freq_ids_N, freq_n_N, freq_share_NxLxE, vocab_spec_LxE, vocab_spec_L,
-        vocab_n_eligible, tok_n_V, tok_counts_LxVxE."""
+        vocab_n_eligible, vocab_min_count, tok_n_V, tok_counts_LxVxE."""
         load_LxE = self.counts_LxDxE.sum(1)
         base = locality_baseline(self.E, self.K)
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -220,6 +223,7 @@ class RoutingAccumulator:
                 freq_share_NxLxE=self.tok_LxVxE[:, freq_ids_N].transpose(1, 0, 2)
                 / np.maximum(freq_n_N, 1)[:, None, None],
                 vocab_spec_LxE=spec_LxE, vocab_spec_L=spec_L, vocab_n_eligible=n_elig,
+                vocab_min_count=self.vocab_min_count,
                 tok_n_V=self.tok_n_V, tok_counts_LxVxE=self.tok_LxVxE)
         return {k: np.asarray(v) for k, v in out.items()}
 
@@ -266,9 +270,11 @@ def to_jsonable(result, max_size=100_000):
     out = {}
     for key, value in result.items():
         value = np.asarray(value)
-        if value.size <= max_size:
-            lst = value.tolist()
-            out[key] = json.loads(json.dumps(lst).replace("NaN", "null"))
+        if value.size > max_size:
+            continue
+        if value.dtype.kind == "f":  # JSON has no NaN / inf
+            value = np.where(np.isfinite(value), value, None)
+        out[key] = value.tolist()
     return out
 
 

@@ -1,0 +1,95 @@
+"""tokens.html: sample texts with each token coloured by its first-choice expert, one tab per chosen layer.
+
+Self-contained (inline CSS, no JS: tabs are CSS radio buttons). Hovering a token shows its expert at every
+layer. Spaces are kept (white-space: pre-wrap), newlines are drawn as a visible mark plus a line break.
+"""
+
+import colorsys
+import html
+
+_WHITESPACE_MARKS = {"\n": "\u21b5\n", "\t": "\u2192\t", "\r": "\u240d"}
+
+
+def expert_colors(n_experts):
+    """A categorical palette of n_experts hex colours: golden-ratio hue steps, cycling lightness/saturation so
+    neighbours in hue still differ; returns [(background, text colour)] with text chosen for contrast."""
+    colors = []
+    for e in range(n_experts):
+        hue = (e * 0.618033988749895) % 1.0
+        light = (0.78, 0.55, 0.40)[e % 3]
+        sat = (0.75, 0.60, 0.85)[(e // 3) % 3]
+        r, g, b = colorsys.hls_to_rgb(hue, light, sat)
+        # Relative luminance (sRGB, no gamma) decides black vs white text.
+        text = "#000" if 0.299 * r + 0.587 * g + 0.114 * b > 0.55 else "#fff"
+        colors.append((f"#{int(r * 255):02x}{int(g * 255):02x}{int(b * 255):02x}", text))
+    return colors
+
+
+def _token_html(text):
+    shown = "".join(_WHITESPACE_MARKS.get(ch, ch) for ch in text)
+    return html.escape(shown, quote=True) if shown else "\u2205"
+
+
+def _sample_html(name, tokens, first_LxN, layer, layer_label, n_layers):
+    spans = []
+    for i, token in enumerate(tokens):
+        e = int(first_LxN[layer][i])
+        tip = f"{token!r}\n" + "\n".join(f"{layer_label(j)}: expert {int(first_LxN[j][i])}" for j in range(n_layers))
+        # &#10; keeps the multi-line tooltip without raw newlines inside the attribute.
+        tip_attr = html.escape(tip, quote=True).replace("\n", "&#10;")
+        spans.append(f'<span class="t e{e}" title="{tip_attr}">{_token_html(token)}</span>')
+    return f'<div class="sample"><div class="name">{html.escape(name)}</div><div class="text">{"".join(spans)}</div></div>'
+
+
+def render_tokens_html(samples, layers, n_experts, path, layer_names=None, title="Routing: first-choice expert"):
+    """Writes tokens.html and returns path.
+
+    samples: [(domain name, [token string] * N, first-choice expert per layer [n_layers][N])]; samples of one
+    domain are grouped in one section. layers: indices (into the per-layer lists) that get a tab.
+    layer_names: optional label per layer index (default "layer i")."""
+    n_layers = len(samples[0][2]) if samples else 0
+    label = (lambda j: layer_names[j]) if layer_names is not None else (lambda j: f"layer {j}")
+    layers = list(layers)
+    colors = expert_colors(n_experts)
+    css = [
+        "body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}",
+        ".sample{margin:0.6em 0 1em}.name{font-size:0.8em;color:#666}",
+        ".text{font-family:ui-monospace,Menlo,monospace;font-size:14px;line-height:1.9;white-space:pre-wrap;"
+        "word-break:break-word}",
+        ".t{border-radius:3px;padding:1px 0;margin:0 1px;outline:1px solid rgba(0,0,0,0.12)}",
+        ".t:hover{outline:2px solid #000}",
+        "input.tab{display:none}label.tab{display:inline-block;padding:4px 12px;margin:0 2px 8px 0;"
+        "border:1px solid #aaa;border-radius:4px;cursor:pointer}",
+        ".panel{display:none}.legend span{display:inline-block;min-width:2.2em;text-align:center;margin:1px;"
+        "font-size:12px;border-radius:3px;padding:1px 2px}",
+    ]
+    css += [f".e{e}{{background:{bg};color:{fg}}}" for e, (bg, fg) in enumerate(colors)]
+    # CSS-only tabs: the checked radio shows its panel and highlights its label.
+    css += [f"#tab{i}:checked~.panels .p{i}{{display:block}}#tab{i}:checked~label[for=tab{i}]"
+            "{background:#333;color:#fff}" for i in range(len(layers))]
+    by_domain = {}
+    for name, tokens, first_LxN in samples:
+        by_domain.setdefault(name, []).append((tokens, first_LxN))
+    body = [f"<h1>{html.escape(title)}</h1>",
+            "<p>Each token is coloured by its first-choice expert at the selected layer; hover for all layers."
+            " \u21b5 marks a newline.</p>",
+            '<div class="legend">Experts: '
+            + "".join(f'<span class="e{e}">{e}</span>' for e in range(n_experts)) + "</div><br>"]
+    body += [f'<input class="tab" type="radio" name="layer" id="tab{i}"{" checked" if i == 0 else ""}>'
+             for i in range(len(layers))]
+    body += [f'<label class="tab" for="tab{i}">{html.escape(label(layer))}</label>' for i, layer in enumerate(layers)]
+    body.append('<div class="panels">')
+    for i, layer in enumerate(layers):
+        body.append(f'<div class="panel p{i}">')
+        for name, items in by_domain.items():
+            body.append(f"<h2>{html.escape(name)} - {html.escape(label(layer))}</h2>")
+            body += [_sample_html(f"sample {k} ({len(tokens)} tokens)", tokens, first_LxN, layer, label, n_layers)
+                     for k, (tokens, first_LxN) in enumerate(items)]
+        body.append("</div>")
+    body.append("</div>")
+    doc = ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+           f"<title>{html.escape(title)}</title><style>{''.join(css)}</style></head>\n<body>\n"
+           + "\n".join(body) + "\n</body></html>\n")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(doc)
+    return path

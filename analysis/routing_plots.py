@@ -1,0 +1,249 @@
+"""Routing plots (matplotlib, Agg). Each function takes a `RoutingAccumulator.finalize()` dict (or the arrays
+named in its docstring) and a path, writes one PNG and returns the path.
+
+Layers are titled by `result["layer_ids_L"]` when present (the model-layer index of each MoE layer, which the
+CLI may add since leading dense layers shift it), else by MoE-layer index.
+"""
+
+import math
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+DPI = 110
+UNIFORM_STYLE = dict(color="crimson", linestyle="--", linewidth=1.0)
+
+
+def _layer_name(result, layer):
+    ids = result.get("layer_ids_L")
+    return f"Layer {int(ids[layer]) if ids is not None else layer}"
+
+
+def _expert_ticks(ax, n_experts, axis="x"):
+    # Every label up to 32 experts; beyond that every 4th (labels at 64 would overlap) with minor ticks between.
+    step = 1 if n_experts <= 32 else 4
+    ticks = np.arange(0, n_experts, step)
+    set_ticks, set_labels = (ax.set_xticks, ax.set_xticklabels) if axis == "x" else (ax.set_yticks, ax.set_yticklabels)
+    set_ticks(ticks)
+    set_labels([str(t) for t in ticks], fontsize=7 if n_experts > 16 else 8)
+    if step > 1:
+        set_ticks(np.arange(n_experts), minor=True)
+
+
+def _grid(n, ncols, w, h):
+    ncols = min(ncols, n)
+    nrows = math.ceil(n / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(w * ncols, h * nrows), squeeze=False)
+    for ax in axes.flat[n:]:
+        ax.set_visible(False)
+    return fig, list(axes.flat[:n])
+
+
+def _save(fig, path):
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def _domain_names(result, domain_names):
+    return list(domain_names) if domain_names is not None else [f"domain {d}" for d in range(int(result["n_domains"]))]
+
+
+def plot_domain_bars(result, layer, path, domain_names=None, key="share_LxDxE"):
+    """One bar chart per domain of its tokens' distribution over experts at `layer` (top-k share, sums to K),
+    with the uniform share K/E dashed. key="share_top1_LxDxE" plots first choices (uniform 1/E)."""
+    share_DxE = result[key][layer]
+    n_domains, n_experts = share_DxE.shape
+    names = _domain_names(result, domain_names)
+    uniform = (1 if "top1" in key or "norm" in key else int(result["top_k"])) / n_experts
+    fig, axes = _grid(n_domains, 3 if n_experts <= 24 else 2, max(4.0, 0.12 * n_experts + 1.5), 2.6)
+    ymax = np.nanmax(share_DxE) * 1.08 if np.isfinite(share_DxE).any() else 1.0
+    for d, ax in enumerate(axes):
+        ax.bar(np.arange(n_experts), np.nan_to_num(share_DxE[d]), color="tab:blue", width=0.8)
+        ax.axhline(uniform, **UNIFORM_STYLE, label=f"uniform {uniform:.3f}")
+        ax.set_title(f"{_layer_name(result, layer)} - {names[d]} (n={int(result['n_tokens_D'][d])})", fontsize=9)
+        ax.set_xlim(-0.6, n_experts - 0.4)
+        ax.set_ylim(0, ymax)
+        _expert_ticks(ax, n_experts)
+        ax.set_xlabel("expert", fontsize=8)
+        ax.set_ylabel("share of tokens", fontsize=8)
+        ax.tick_params(axis="y", labelsize=7)
+    axes[0].legend(fontsize=7, loc="upper right")
+    return _save(fig, path)
+
+
+def plot_domain_heatmaps(result, path, domain_names=None, layers=None, key="share_LxDxE"):
+    """Domain x expert heatmap of the top-k share per selected layer (default all), one colorbar each."""
+    share_LxDxE = result[key]
+    layers = range(share_LxDxE.shape[0]) if layers is None else layers
+    n_domains, n_experts = share_LxDxE.shape[1:]
+    names = _domain_names(result, domain_names)
+    fig, axes = _grid(len(layers), 1 if n_experts > 32 else 2, max(5.0, 0.16 * n_experts + 2.5),
+                      0.3 * n_domains + 1.4)
+    for ax, layer in zip(axes, layers):
+        im = ax.imshow(share_LxDxE[layer], aspect="auto", cmap="viridis", vmin=0, interpolation="nearest")
+        ax.set_yticks(np.arange(n_domains))
+        ax.set_yticklabels(names, fontsize=8)
+        _expert_ticks(ax, n_experts)
+        ax.set_xlabel("expert", fontsize=8)
+        ax.set_title(f"{_layer_name(result, layer)} - share of domain tokens (uniform "
+                     f"{int(result['top_k']) / n_experts:.3f})", fontsize=9)
+        fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02).ax.tick_params(labelsize=7)
+    return _save(fig, path)
+
+
+def plot_token_experts(result, path, token_text, which="track", max_tokens=12):
+    """Per token, a layer x expert heatmap of the share of its occurrences with the expert in their top-k.
+    which="track" uses the requested ids (track_*), "freq" the most frequent ones (freq_*).
+    token_text: mapping or callable id -> string; titles use repr() so whitespace stays visible."""
+    n = "T" if which == "track" else "N"  # finalize() names tracked tokens *_T, frequent ones *_N
+    ids_T, n_T, share_TxLxE = result[f"{which}_ids_{n}"], result[f"{which}_n_{n}"], result[f"{which}_share_{n}xLxE"]
+    text = token_text if callable(token_text) else (lambda i: token_text.get(int(i), f"<id {int(i)}>"))
+    keep = [t for t in range(len(ids_T)) if n_T[t] > 0][:max_tokens]
+    if not keep:
+        fig, ax = plt.subplots(figsize=(5, 1.5))
+        ax.text(0.5, 0.5, "no occurrences of the requested tokens", ha="center", va="center")
+        ax.set_axis_off()
+        return _save(fig, path)
+    n_layers, n_experts = share_TxLxE.shape[1:]
+    fig, axes = _grid(len(keep), 1 if n_experts > 32 else 2, max(5.0, 0.14 * n_experts + 2.5),
+                      0.28 * n_layers + 1.5)
+    for ax, t in zip(axes, keep):
+        im = ax.imshow(share_TxLxE[t], aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
+        ax.set_title(f"token {text(ids_T[t])!r} (id {int(ids_T[t])}, n={int(n_T[t])})", fontsize=9)
+        ax.set_yticks(np.arange(n_layers))
+        ax.set_yticklabels([_layer_name(result, i) for i in range(n_layers)], fontsize=7)
+        _expert_ticks(ax, n_experts)
+        ax.set_xlabel("expert", fontsize=8)
+        fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02, label="share of occurrences").ax.tick_params(labelsize=7)
+    return _save(fig, path)
+
+
+def plot_locality(result, path):
+    """Per layer: first-choice repeat, any top-k overlap and mean overlap fraction with the previous token,
+    against their random-router baselines (dashed)."""
+    n_layers = int(result["n_layers"])
+    x = np.arange(n_layers)
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * n_layers + 3), 4.4))
+    series = [("loc_first_L", "baseline_first", "same first choice", "tab:blue"),
+              ("loc_any_L", "baseline_any", "any top-k overlap", "tab:orange"),
+              ("loc_overlap_L", "baseline_overlap", "mean overlap fraction", "tab:green")]
+    width, handles = 0.27, []
+    for i, (key, base, label, color) in enumerate(series):
+        handles.append(ax.bar(x + (i - 1) * width, result[key], width, label=label, color=color))
+        handles.append(ax.axhline(float(result[base]), color=color, linestyle="--", linewidth=1.2,
+                                  label=f"random: {float(result[base]):.3f}"))
+    ax.set_xticks(x)
+    ax.set_xticklabels([_layer_name(result, i) for i in range(n_layers)], fontsize=8,
+                       rotation=45 if n_layers > 12 else 0)
+    ax.set_ylabel("share of consecutive token pairs")
+    ax.set_ylim(0, 1.0)
+    ax.set_title(f"Routing locality vs previous token (top-{int(result['top_k'])} of {int(result['n_experts'])})")
+    # Below the axes so tall bars are never hidden; columns pair each metric with its baseline.
+    ax.legend(handles=handles, fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.1))
+    return _save(fig, path)
+
+
+def plot_vocab_specialization(result, path):
+    """Layer x expert heatmap of vocabulary specialization (mean over tokens whose top expert is e; grey = no
+    such token); the per-layer mean is in the y labels."""
+    spec_LxE = result["vocab_spec_LxE"]
+    n_layers, n_experts = spec_LxE.shape
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.16 * n_experts + 3), 0.35 * n_layers + 1.8))
+    cmap = plt.get_cmap("viridis").with_extremes(bad="lightgrey")
+    im = ax.imshow(np.ma.masked_invalid(spec_LxE), aspect="auto", cmap=cmap, vmin=0, interpolation="nearest")
+    ax.set_yticks(np.arange(n_layers))
+    ax.set_yticklabels([f"{_layer_name(result, i)} (mean {result['vocab_spec_L'][i]:.2f})"
+                        for i in range(n_layers)], fontsize=8)
+    _expert_ticks(ax, n_experts)
+    ax.set_xlabel("expert (tokens grouped by their most frequent expert; grey = none)")
+    ax.set_title(f"Vocabulary specialization ({int(result['vocab_n_eligible'])} token ids seen >= "
+                 f"{int(result.get('vocab_min_count', 10))} times; "
+                 f"uniform 1/E = {1 / n_experts:.3f})", fontsize=9)
+    fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02, label="share to top expert")
+    return _save(fig, path)
+
+
+def plot_coactivation(result, path, layers=None):
+    """Expert co-activation N(e_i, e_j) / N(e_i) per selected layer (row i = the conditioning expert)."""
+    coact_LxExE = result["coact_LxExE"]
+    layers = range(coact_LxExE.shape[0]) if layers is None else layers
+    n_experts = coact_LxExE.shape[-1]
+    side = max(3.6, 0.09 * n_experts + 2.8)
+    fig, axes = _grid(len(layers), 1 if n_experts > 32 else 2, side + 0.8, side)
+    for ax, layer in zip(axes, layers):
+        im = ax.imshow(coact_LxExE[layer], cmap="magma", vmin=0, interpolation="nearest")
+        _expert_ticks(ax, n_experts, "x")
+        _expert_ticks(ax, n_experts, "y")
+        ax.set_xlabel("co-activated expert j", fontsize=8)
+        ax.set_ylabel("expert i", fontsize=8)
+        ax.set_title(f"{_layer_name(result, layer)} - co-activation N(i,j) / N(i)", fontsize=9)
+        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.03).ax.tick_params(labelsize=7)
+    return _save(fig, path)
+
+
+def plot_maxvio_series(series, path, log=True):
+    """MaxVio over training, one line per layer; series is `read_maxvio_series` output {layer: (steps, vals)}."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    cmap = plt.get_cmap("viridis")
+    for i, (layer, (steps, values)) in enumerate(series.items()):
+        ax.plot(steps, values, color=cmap(i / max(len(series) - 1, 1)), linewidth=1.2, label=f"layer {layer}")
+    if log and all((np.asarray(v) > 0).all() for _, v in series.values()) and series:
+        ax.set_yscale("log")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("MaxVio (batch)")
+    ax.set_title("Load imbalance over training")
+    if series:
+        ax.legend(fontsize=7, ncol=max(1, math.ceil(len(series) / 8)))
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_maxvio_global(result, path):
+    """MaxVio_global per layer on the analysed tokens ((max load - mean) / mean; 0 = balanced)."""
+    maxvio_L = result["maxvio_L"]
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.4 * len(maxvio_L) + 2.5), 3.4))
+    ax.bar(np.arange(len(maxvio_L)), maxvio_L, color="tab:purple")
+    ax.set_xticks(np.arange(len(maxvio_L)))
+    ax.set_xticklabels([_layer_name(result, i) for i in range(len(maxvio_L))], fontsize=8,
+                       rotation=45 if len(maxvio_L) > 12 else 0)
+    ax.set_ylabel("MaxVio_global")
+    ax.set_title(f"Load imbalance on {int(result['n_tokens'])} analysed tokens")
+    ax.grid(axis="y", alpha=0.3)
+    return _save(fig, path)
+
+
+def plot_saturation(sat_by_step, path, final_step=None, random_baseline=None):
+    """Router saturation per layer: {checkpoint step: saturation_L}. One line per layer over steps, or bars
+    per layer when a single earlier checkpoint is given. random_baseline (K/E: two independent random top-k
+    sets) is drawn dashed when given."""
+    steps = sorted(sat_by_step)
+    sat_CxL = np.stack([np.asarray(sat_by_step[s]) for s in steps])
+    n_layers = sat_CxL.shape[1]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.4 * n_layers + 3), 3.8))
+    suffix = f" vs final step {final_step}" if final_step is not None else " vs final checkpoint"
+    if len(steps) == 1:
+        ax.bar(np.arange(n_layers), sat_CxL[0], color="tab:cyan")
+        ax.set_xticks(np.arange(n_layers))
+        ax.set_xticklabels([f"layer {i}" for i in range(n_layers)], fontsize=8, rotation=45 if n_layers > 12 else 0)
+        ax.set_title(f"Router saturation at step {steps[0]}{suffix}")
+    else:
+        cmap = plt.get_cmap("viridis")
+        for layer in range(n_layers):
+            ax.plot(steps, sat_CxL[:, layer], marker="o", markersize=3, color=cmap(layer / max(n_layers - 1, 1)),
+                    label=f"layer {layer}")
+        ax.set_xlabel("checkpoint step")
+        ax.set_title(f"Router saturation{suffix}")
+    if random_baseline is not None:
+        ax.axhline(random_baseline, **UNIFORM_STYLE, label=f"random {random_baseline:.3f}")
+    n_labels = len(ax.get_legend_handles_labels()[1])
+    if n_labels:
+        ax.legend(fontsize=7, ncol=max(1, math.ceil(n_labels / 8)))
+    ax.set_ylabel("share of final top-k matched")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
