@@ -19,8 +19,10 @@ def expert_colors(n_experts):
         light = (0.78, 0.55, 0.40)[e % 3]
         sat = (0.75, 0.60, 0.85)[(e // 3) % 3]
         r, g, b = colorsys.hls_to_rgb(hue, light, sat)
-        # Relative luminance (sRGB, no gamma) decides black vs white text.
-        text = "#000" if 0.299 * r + 0.587 * g + 0.114 * b > 0.55 else "#fff"
+        # WCAG: pick the text colour with the higher contrast ratio (black wins when luminance > ~0.18).
+        lin = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in (r, g, b)]
+        luminance = 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+        text = "#000" if (luminance + 0.05) / 0.05 > 1.05 / (luminance + 0.05) else "#fff"
         colors.append((f"#{int(r * 255):02x}{int(g * 255):02x}{int(b * 255):02x}", text))
     return colors
 

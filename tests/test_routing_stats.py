@@ -136,7 +136,8 @@ def test_streaming_equals_one_batch():
     for key in a:
         np.testing.assert_allclose(a[key], b[key], err_msg=key)
     json.dumps(rs.to_jsonable(a))
-    assert "maxvio" in rs.summary_text(a, ["a", "b", "c"])
+    summary = rs.summary_text(a, ["a", "b", "c"], layer=0)
+    assert "maxvio" in summary and "layer 0 b: e" in summary
 
 
 def test_read_maxvio_series(tmp_path):
