@@ -81,6 +81,8 @@ def hf_config(cfg: ModelConfig, *, eos_token_id: int, pad_token_id: int, bos_tok
         "num_nextn_predict_layers": 0,
         "rms_norm_eps": cfg.norm_eps,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": 1.0},
+        # Top-level copies for transformers 4.x readers; 5.x folds them into rope_parameters / dtype.
+        "rope_theta": cfg.rope_theta,
         "partial_rotary_factor": 1.0,
         "max_position_embeddings": max_position_embeddings,
         "attention_bias": False,
@@ -93,6 +95,7 @@ def hf_config(cfg: ModelConfig, *, eos_token_id: int, pad_token_id: int, bos_tok
         "eos_token_id": eos_token_id,
         "pad_token_id": pad_token_id,
         "dtype": dtype,
+        "torch_dtype": dtype,
     }
 
 
