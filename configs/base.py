@@ -1,0 +1,60 @@
+"""Shared defaults for every config (not a config to run by itself: use default.py, tiny.py or gpu_1b.py).
+
+Every key here can be overridden on the command line, e.g. `--config.train.steps=500`.
+"""
+
+import ml_collections
+
+
+def base_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+
+    # model.* mirrors moe.ModelConfig field for field (see moe/config.py for their meaning).
+    c.model = ml_collections.ConfigDict(dict(
+        vocab_size=8192, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, head_dim=64, d_ff=1024,
+        first_k_dense=1, tie_embeddings=False, norm_eps=1e-6, mask="causal", rope=True, rope_theta=10000.0,
+        n_routed_experts=16, n_shared_experts=1, top_k=2, moe_d_ff=256, n_group=1, topk_group=1,
+        routed_scaling_factor=1.0, norm_topk_prob=True, balance_loss_weight=1e-4, dispatch="dropless",
+        dtype="float32", init_std=0.02,
+    ))
+
+    c.data = ml_collections.ConfigDict(dict(
+        name="moe_corpus",  # any TFDS text data set prepared as array_record, e.g. "lm1b"
+        split="train",
+        eval_split="validation",
+        text_field="text",
+        corpus_dir="",  # moe_corpus only; "" = the bundled corpus (train/data/corpus)
+        tfds_data_dir="",  # "" = ~/.cache/moe-lm/tfds
+        tokenizer="",  # "" = the bundled train/data/tokenizer.json
+        token_cache_dir="",  # "" = ~/.cache/moe-lm/tokens
+        seq_len=256,
+        task="lm",  # lm: packed rows | prefix: one document per row, input prefix + output (loss on output)
+        prefix_frac=0.5,
+    ))
+
+    c.train = ml_collections.ConfigDict(dict(
+        steps=1000,
+        seed=0,
+        batch_size=32,  # global, over all devices and hosts
+        grad_accum=1,  # micro-batches per step (the routing load is summed over all of them)
+        lr=3e-3,
+        min_lr_ratio=0.1,
+        warmup_steps=100,
+        schedule="cosine",  # cosine | wsd (warmup-stable-decay: linear decay over the last decay_frac)
+        decay_frac=0.2,
+        weight_decay=0.1,  # never on norms or routing biases
+        b1=0.9,
+        b2=0.95,
+        eps=1e-8,
+        grad_clip=1.0,
+        bias_update_rate=1e-3,  # gamma of aux-loss-free balancing
+        bias_update_stop=1.0,  # fraction of the run after which gamma is 0 (DeepSeek-V3 stops it late)
+        prefix_loss=False,  # prefix/mixed masks: whether prefix positions carry loss (UniLM: no)
+    ))
+
+    c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, expert=1, tensor=1))  # -1: the remaining devices
+    c.checkpoint = ml_collections.ConfigDict(dict(every=200, keep=3, async_save=True))
+    c.log = ml_collections.ConfigDict(dict(every=10, peak_flops=0.0, tensorboard=True, progress=True))
+    # peak_flops: per device, for MFU; 0 measures a large matmul on this device at start.
+    c.eval = ml_collections.ConfigDict(dict(every=200, rows_per_domain=8, batch_size=16))
+    return c

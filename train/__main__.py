@@ -1,0 +1,47 @@
+"""`python -m train [--config configs/NAME.py] [--workdir DIR] [--config.a.b=value ...]`.
+
+With no arguments: configs/default.py into runs/default. Re-running the same command resumes.
+Bad input (config value, flag, data file, checkpoint) prints one line and exits 2.
+"""
+
+import sys
+from pathlib import Path
+
+from train.errors import UserError, exit_with
+
+DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "default.py")
+
+
+def parse_flags(argv):
+    from absl import flags
+    from ml_collections import config_flags
+
+    flags.DEFINE_string("workdir", "runs/default", "Run directory: checkpoints, metrics.jsonl, tensorboard/.")
+    config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Config file (ml_collections get_config()).",
+                                    lock_config=True)
+    try:
+        flags.FLAGS(argv)
+        config = flags.FLAGS.config
+    except (flags.Error, AttributeError, KeyError, ValueError, TypeError, OSError, ImportError) as e:
+        raise UserError(f"bad command line: {e}") from None
+    extra = flags.FLAGS.get_flag_value("workdir", None)
+    return config, extra
+
+
+def main(argv=None):
+    argv = sys.argv if argv is None else argv
+    from moe import ConfigError
+
+    try:
+        config, workdir = parse_flags(argv)
+        from train.loop import run
+
+        run(config, workdir)
+    except (UserError, ConfigError) as e:
+        exit_with(e)
+    except KeyboardInterrupt:
+        exit_with(UserError("interrupted; re-run the same command to resume from the last checkpoint"), 130)
+
+
+if __name__ == "__main__":
+    main()

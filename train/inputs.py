@@ -1,0 +1,103 @@
+"""Training and validation batches from the config: packed LM rows, or prefix-task rows (one document each)."""
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+
+from train.data import packing, tfds_corpus
+from train.data.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
+from train.errors import UserError
+
+
+class PrefixSampler:
+    """Input->output rows: the first `prefix_frac` of each document is the input, loss on the output only
+    (or everywhere with `prefix_loss`). Same `.batch` interface as packing.PackedSampler."""
+
+    def __init__(self, cache, seq_len: int, seed: int, prefix_frac: float, prefix_loss: bool):
+        self.cache, self.seq_len, self.seed = cache, seq_len, seed
+        self.prefix_frac, self.prefix_loss = prefix_frac, prefix_loss
+
+    def rows(self, start: int, count: int) -> dict:
+        rows = packing.prefix_rows(self.cache, self.seq_len, self.seed, start, count, self.prefix_frac)
+        if self.prefix_loss:  # every real target, prefix included
+            n_B = rows["segment_ids"].sum(-1, keepdims=True)
+            rows["loss_mask"] = (np.arange(self.seq_len)[None] < n_B - 1).astype(np.float32)
+        return rows
+
+    def batch(self, step: int, batch_size: int, process_index: int = 0, process_count: int = 1) -> dict:
+        per = batch_size // process_count
+        return self.rows(step * batch_size + process_index * per, per)
+
+
+def tokenizer_path(data_cfg) -> Path:
+    path = Path(data_cfg.tokenizer) if data_cfg.tokenizer else DEFAULT_TOKENIZER
+    load_tokenizer(path)  # fails early, with a one-line message, on a missing or broken file
+    return path
+
+
+def _cache(data_cfg, split: str):
+    src = tfds_corpus.load_source(data_cfg.name, split, data_dir=data_cfg.tfds_data_dir or None,
+                                  corpus_dir=data_cfg.corpus_dir or None, text_field=data_cfg.text_field)
+    cache = packing.token_cache(src, tokenizer_path(data_cfg), cache_dir=data_cfg.token_cache_dir or None)
+    if cache.n_docs == 0:
+        raise UserError(f"data set {data_cfg.name!r} split {split!r} has no documents; check data.name/data.split")
+    return cache
+
+
+def sampler(config):
+    d, t = config.data, config.train
+    cache = _cache(d, d.split)
+    if d.task == "prefix":
+        return PrefixSampler(cache, d.seq_len, t.seed, d.prefix_frac, t.prefix_loss), cache.domain_names
+    return packing.PackedSampler(cache, d.seq_len, t.seed), cache.domain_names
+
+
+def domain_subset(cache, domain: int):
+    """A TokenCache of one domain's documents (validation splits are small, so copying is cheap)."""
+    docs = np.nonzero(cache.domains == domain)[0]
+    pieces = [np.asarray(cache.tokens[cache.offsets[i]:cache.offsets[i + 1]]) for i in docs]
+    offsets = np.zeros(len(docs) + 1, np.int64)
+    np.cumsum([len(p) for p in pieces], out=offsets[1:])
+    return dataclasses.replace(cache, tokens=np.concatenate(pieces), offsets=offsets,
+                               domains=cache.domains[docs])
+
+
+def eval_rows(config) -> dict:
+    """The fixed validation set: `eval.rows_per_domain` rows of every domain, so per-domain losses compare.
+
+    LM task: rows packed from that domain's validation documents alone. Prefix task: one document per row.
+    """
+    d, e = config.data, config.eval
+    cache = _cache(d, d.eval_split)
+    parts = []
+    for dom in np.unique(cache.domains):
+        sub = domain_subset(cache, int(dom))
+        if d.task == "prefix":
+            n = min(e.rows_per_domain, sub.n_docs)
+            parts.append(PrefixSampler(sub, d.seq_len, 0, d.prefix_frac, config.train.prefix_loss).rows(0, n))
+        else:
+            sampler = packing.PackedSampler(sub, d.seq_len, 0)
+            parts.append(sampler.rows(0, max(1, min(e.rows_per_domain, sampler.rows_per_epoch))))
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def eval_batches(config, process_index: int = 0, process_count: int = 1) -> list[dict]:
+    """eval_rows cut into global batches of eval.batch_size (the last padded with loss-free rows), then this
+    process's slice of each."""
+    rows, bs = eval_rows(config), config.eval.batch_size
+    n = len(rows["tokens"])
+    pad = -n % bs
+    if pad:
+        rows = {k: np.concatenate([v, np.repeat(v[-1:], pad, 0)]) for k, v in rows.items()}
+        rows["loss_mask"][n:] = 0.0
+    per = bs // process_count
+    return [{k: v[i + process_index * per: i + (process_index + 1) * per] for k, v in rows.items()}
+            for i in range(0, n + pad, bs)]
+
+
+def check_vocab(data_cfg, vocab_size: int) -> None:
+    n = load_tokenizer(tokenizer_path(data_cfg)).get_vocab_size()
+    if n > vocab_size:
+        raise UserError(f"the tokenizer has {n} tokens but model.vocab_size is {vocab_size}; "
+                        f"set --config.model.vocab_size={n} or larger")

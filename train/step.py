@@ -1,0 +1,91 @@
+"""The jitted train and eval steps: one implementation for every mesh, with gradient accumulation.
+
+Loss = next-token cross-entropy over loss-masked targets (mean over the GLOBAL batch's masked tokens, so
+accumulation and sharding don't change it) + alpha * sequence-wise balance loss. After the optimizer update, the
+routing biases follow the expert load of the whole global batch: b += gamma * sign(mean_load - load).
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from moe import router
+from moe.model import routing_biases, set_routing_biases
+from train.state import merge_model, split_model
+
+BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask", "domains")
+
+
+def forward(graphdef, params, bias, batch):
+    model = merge_model(graphdef, params, bias)
+    logits, aux = model(batch["tokens"], positions_BxL=batch["positions"], segment_ids_BxL=batch["segment_ids"],
+                        prefix_len_B=batch.get("prefix_len"))
+    ce_BxL = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    return ce_BxL * batch["loss_mask"], aux
+
+
+def _micro_batches(batch, n: int):
+    """[B, ...] -> [n, B/n, ...], taking rows a, a+n, ... for micro-batch a so no row changes device."""
+    return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1), batch)
+
+
+def make_train_step(graphdef, tx, lr_schedule, t):
+    gamma_stop = int(t.bias_update_stop * t.steps)
+
+    def train_step(state, batch):
+        n_targets = jnp.maximum(batch["loss_mask"].sum(), 1.0)
+
+        def loss_fn(params, bias, mb):
+            ce_BxL, aux = forward(graphdef, params, bias, mb)
+            loss = ce_BxL.sum() / n_targets + aux["balance_loss"] / t.grad_accum
+            return loss, (ce_BxL.sum(), aux["balance_loss"], aux["expert_load"])
+
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+        def accumulate(carry, mb):
+            grads, ce, bal, load = carry
+            (_, (ce_i, bal_i, load_i)), g = grad_fn(state["params"], state["bias"], mb)
+            return (jax.tree.map(jnp.add, grads, g), ce + ce_i, bal + bal_i, load + load_i), None
+
+        zeros = jax.tree.map(jnp.zeros_like, state["params"])
+        n_moe = len(jax.tree.leaves(state["bias"]))
+        E = jax.tree.leaves(state["bias"])[0].shape[0] if n_moe else 0
+        init = (zeros, jnp.float32(0), jnp.float32(0), jnp.zeros((n_moe, E), jnp.float32))
+        (grads, ce_sum, bal, load_MxE), _ = jax.lax.scan(accumulate, init, _micro_batches(batch, t.grad_accum))
+
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        gamma = jnp.where(state["step"] < gamma_stop, t.bias_update_rate, 0.0)
+        model = merge_model(graphdef, params, state["bias"])
+        set_routing_biases(model, [router.update_bias(b, load_E, gamma)
+                                   for b, load_E in zip(routing_biases(model), load_MxE)])
+        _, params, bias = split_model(model)
+
+        biases = routing_biases(model)
+        metrics = {
+            "loss": ce_sum / n_targets,
+            "balance_loss": bal / t.grad_accum,
+            "grad_norm": optax.global_norm(grads),
+            "lr": lr_schedule(state["step"]),
+            "targets": n_targets,
+            "maxvio": jax.vmap(router.max_violation)(load_MxE) if n_moe else jnp.zeros((0,)),
+            "dead_experts": (load_MxE == 0).sum(-1),
+            "bias_range": jnp.stack([b.max() - b.min() for b in biases]) if n_moe else jnp.zeros((0,)),
+        }
+        return {"params": params, "bias": bias, "opt": opt, "step": state["step"] + 1}, metrics
+
+    return train_step
+
+
+def make_eval_step(graphdef, n_domains: int):
+    def eval_step(state, batch):
+        ce_BxL, aux = forward(graphdef, state["params"], state["bias"], batch)
+        mask_BxL = batch["loss_mask"]
+        ids = batch["domains"].reshape(-1)
+        return {
+            "ce_sum": jax.ops.segment_sum(ce_BxL.reshape(-1), ids, n_domains),
+            "count": jax.ops.segment_sum(mask_BxL.reshape(-1), ids, n_domains),
+            "load": aux["expert_load"],
+        }
+
+    return eval_step
