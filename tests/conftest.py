@@ -6,3 +6,33 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402  (after XLA_FLAGS on purpose)
+
+
+def tiny_config(**overrides):
+    """configs/tiny.py with dotted overrides, e.g. tiny_config(**{"train.steps": 4})."""
+    from configs.tiny import get_config
+
+    c = get_config()
+    c.log.progress = False
+    c.log.peak_flops = 1e12  # skip the matmul measurement in tests
+    c.log.tensorboard = False
+    for key, value in overrides.items():
+        node = c
+        *path, leaf = key.split(".")
+        for p in path:
+            node = node[p]
+        node[leaf] = value
+    return c
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """A trained tiny run (configs/tiny.py, 20 steps, checkpoints at 10 and 20), shared by the whole session:
+    its routing biases are non-zero. Treat it as read-only."""
+    from train.loop import run
+
+    workdir = tmp_path_factory.mktemp("tiny_run")
+    run(tiny_config(**{"log.tensorboard": True}), workdir, log=lambda *a: None)
+    return workdir
