@@ -90,8 +90,9 @@ def plot_domain_heatmaps(result, path, domain_names=None, layers=None, key="shar
         ax.set_yticklabels(names, fontsize=8)
         _expert_ticks(ax, n_experts)
         ax.set_xlabel("expert", fontsize=8)
-        ax.set_title(f"{_layer_name(result, layer)} - share of domain tokens (uniform "
-                     f"{int(result['top_k']) / n_experts:.3f})", fontsize=9)
+        what = "first choices" if "top1" in key else "share of domain tokens"
+        uniform = (1 if "top1" in key or "norm" in key else int(result["top_k"])) / n_experts
+        ax.set_title(f"{_layer_name(result, layer)} - {what} (uniform {uniform:.3f})", fontsize=9)
         fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02).ax.tick_params(labelsize=7)
     return _save(fig, path)
 
@@ -217,25 +218,26 @@ def plot_maxvio_global(result, path):
     return _save(fig, path)
 
 
-def plot_saturation(sat_by_step, path, final_step=None, random_baseline=None):
+def plot_saturation(sat_by_step, path, final_step=None, random_baseline=None, layer_names=None):
     """Router saturation per layer: {checkpoint step: saturation_L}. One line per layer over steps, or bars
     per layer when a single earlier checkpoint is given. random_baseline (K/E: two independent random top-k
-    sets) is drawn dashed when given."""
+    sets) is drawn dashed when given. layer_names: a label per layer (default "layer i")."""
     steps = sorted(sat_by_step)
     sat_CxL = np.stack([np.asarray(sat_by_step[s]) for s in steps])
     n_layers = sat_CxL.shape[1]
+    names = list(layer_names) if layer_names is not None else [f"layer {i}" for i in range(n_layers)]
     fig, ax = plt.subplots(figsize=(max(6.0, 0.4 * n_layers + 3), 3.8))
     suffix = f" vs final step {final_step}" if final_step is not None else " vs final checkpoint"
     if len(steps) == 1:
         ax.bar(np.arange(n_layers), sat_CxL[0], color="tab:cyan")
         ax.set_xticks(np.arange(n_layers))
-        ax.set_xticklabels([f"layer {i}" for i in range(n_layers)], fontsize=8, rotation=45 if n_layers > 12 else 0)
+        ax.set_xticklabels(names, fontsize=8, rotation=45 if n_layers > 12 else 0)
         ax.set_title(f"Router saturation at step {steps[0]}{suffix}")
     else:
         cmap = plt.get_cmap("viridis")
         for layer in range(n_layers):
             ax.plot(steps, sat_CxL[:, layer], marker="o", markersize=3, color=cmap(layer / max(n_layers - 1, 1)),
-                    label=f"layer {layer}")
+                    label=names[layer])
         ax.set_xlabel("checkpoint step")
         ax.set_title(f"Router saturation{suffix}")
     if random_baseline is not None:

@@ -283,18 +283,20 @@ def summary_text(result, domain_names=None, n_top=3, layer=-1):
     n_top most specialized experts (highest top-k share) at `layer` (default the last)."""
     L, K, E = int(result["n_layers"]), int(result["top_k"]), int(result["n_experts"])
     names = domain_names or [f"domain {d}" for d in range(int(result["n_domains"]))]
+    ids = result.get("layer_ids_L")  # model-layer index of each MoE layer, when the caller added it
+    name = (lambda i: f"layer {int(ids[i])}") if ids is not None else (lambda i: f"layer {i}")
     lines = [f"{int(result['n_tokens'])} tokens, {L} MoE layers, top-{K} of {E} experts (uniform share {K / E:.3f})"]
     for i in range(L):
         dead = np.flatnonzero(result["dead_LxE"][i]).tolist()
         lines.append(
-            f"layer {i}: maxvio {result['maxvio_L'][i]:.2f}  first-choice locality "
+            f"{name(i)}: maxvio {result['maxvio_L'][i]:.2f}  first-choice locality "
             f"{result['loc_first_L'][i]:.3f} (rand {float(result['baseline_first']):.3f})  any-overlap "
             f"{result['loc_any_L'][i]:.3f} (rand {float(result['baseline_any']):.3f})  dead {dead or 'none'}")
     layer = layer % L
     share_DxE = result["share_LxDxE"][layer]
-    for d, name in enumerate(names):
+    for d, dom in enumerate(names):
         if not np.isfinite(share_DxE[d]).any():
             continue
         top = np.argsort(-np.nan_to_num(share_DxE[d]))[:n_top]
-        lines.append(f"layer {layer} {name}: " + ", ".join(f"e{e} {share_DxE[d, e]:.2f}" for e in top))
+        lines.append(f"{name(layer)} {dom}: " + ", ".join(f"e{e} {share_DxE[d, e]:.2f}" for e in top))
     return "\n".join(lines)

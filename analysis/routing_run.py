@@ -1,0 +1,196 @@
+"""Route a data split through a checkpoint, streaming the top-k assignments into the routing accumulators.
+
+    run = load_run(workdir, step=None)                 # model + config + tokenizer, or UserError
+    data = analyse(run, split="validation", max_tokens=20_000, tokens=[" the", "."])
+    data.result                                        # RoutingAccumulator.finalize() + layer_ids_L
+    data.saturation                                    # with compare_run=: SaturationAccumulator.finalize()
+
+Rows: per domain, that domain's documents of the split packed into rows of the run's seq_len (as
+train.inputs.eval_rows does), or one document per row for the prefix task; `max_tokens` caps the tokens
+counted per domain. Rows stream through one jitted forward (compiled once: fixed batch shape, the last batch
+padded with segment-0 rows), and only counts are kept on the host.
+"""
+
+import dataclasses
+import math
+import time
+
+import jax
+import numpy as np
+import tokenizers
+from flax import nnx
+from tqdm.auto import tqdm
+
+from analysis.routing_stats import RoutingAccumulator, SaturationAccumulator
+from train import checkpoint, inputs
+from train.data import packing
+from train.errors import UserError
+
+DEFAULT_TOKENS = (".", " the", ":", "what")
+
+
+@dataclasses.dataclass
+class Run:
+    """A loaded checkpoint: model, its step, the run config (ConfigDict) and tokenizer."""
+
+    workdir: str
+    step: int
+    model: object
+    config: object
+    tokenizer: tokenizers.Tokenizer
+
+    @property
+    def moe_layer_ids(self):
+        cfg = self.model.cfg
+        return [i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)]
+
+
+@dataclasses.dataclass
+class Analysis:
+    result: dict  # RoutingAccumulator.finalize() plus layer_ids_L
+    domain_names: list
+    token_text: dict  # token id -> decoded text, for every tracked and frequent id
+    samples: list  # [(domain name, [token text], first-choice expert per MoE layer [M][N])]
+    token_notes: list  # one line per requested text that is not a single token
+    saturation: dict | None
+    n_tokens: int
+    seconds: float
+
+
+def load_run(workdir, step=None) -> Run:
+    model, meta = checkpoint.load_model(workdir, step)
+    tok = tokenizers.Tokenizer.from_str(checkpoint.tokenizer_json(meta))
+    return Run(str(workdir), int(meta["step"]), model, checkpoint.meta_config(meta), tok)
+
+
+def check_layer(run: Run, layer):
+    """Model layer index -> MoE-layer index (None -> the last MoE layer); UserError if it is not an MoE layer."""
+    ids = run.moe_layer_ids
+    if layer is None:
+        return len(ids) - 1
+    if layer not in ids:
+        raise UserError(f"--layer {layer} is not an MoE layer of this model ({run.model.cfg.n_layers} layers); "
+                        f"valid MoE layers: {ids}")
+    return ids.index(layer)
+
+
+def resolve_tokens(tokenizer, texts):
+    """Texts -> (token ids to track, notes). A text that encodes to several tokens is tracked as its pieces
+    (the note says which); one that encodes to none is a UserError."""
+    ids, notes = [], []
+    for text in texts:
+        enc = tokenizer.encode(text, add_special_tokens=False)
+        if not enc.ids:
+            raise UserError(f"--token {text!r} encodes to no token; pass a non-empty text")
+        if len(enc.ids) > 1:
+            pieces = [tokenizer.decode([i]) for i in enc.ids]
+            notes.append(f"--token {text!r} is {len(enc.ids)} tokens, {pieces} (ids {enc.ids}); tracking each piece")
+        ids += [i for i in enc.ids if i not in ids]
+    return ids, notes
+
+
+def make_route_fn(graphdef, prefix: bool):
+    """jit(state, batch) -> per MoE layer (expert_ids [B,L,K], gates [B,L,K]); logits are never materialized
+    on the host (and XLA drops the LM head since nothing uses it)."""
+
+    @jax.jit
+    def route(state, tokens_BxL, positions_BxL, segment_ids_BxL, prefix_len_B):
+        model = nnx.merge(graphdef, state)
+        _, aux = model(tokens_BxL, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL,
+                       prefix_len_B=prefix_len_B if prefix else None, return_routing=True)
+        return [(r["expert_ids"], r["gates"]) for r in aux["routing"]]
+
+    return route
+
+
+def domain_rows(config, split, max_tokens):
+    """Yields (domain id, sampler rows function, n_rows) per domain of `split`, plus the domain names."""
+    d = config.data
+    try:
+        cache = inputs._cache(d, split)
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a bad split name surfaces as a TFDS / file error
+        raise UserError(f"cannot read split {split!r} of data set {d.name!r} ({type(e).__name__}: "
+                        f"{str(e)[:100]}); check --split") from e
+    plans = []
+    for dom in np.unique(cache.domains):
+        sub = inputs.domain_subset(cache, int(dom))
+        if d.task == "prefix":
+            sampler = inputs.PrefixSampler(sub, d.seq_len, 0, d.prefix_frac, config.train.prefix_loss)
+            available = sub.n_docs  # one document per row
+        else:
+            sampler = packing.PackedSampler(sub, d.seq_len, 0)
+            available = max(1, sampler.rows_per_epoch)  # one pass, no repeated text
+        n = available if max_tokens is None else min(available, math.ceil(max_tokens / d.seq_len))
+        plans.append((int(dom), sampler.rows, n))
+    return plans, list(cache.domain_names)
+
+
+def _batches(plans, batch_size, seq_len, max_tokens, n_samples):
+    """Fixed-size batches across domains; `valid` marks real tokens within each domain's max_tokens cap."""
+    buf = []
+    for _dom, rows_fn, n in plans:
+        for start in range(0, n, batch_size):
+            rows = rows_fn(start, min(batch_size, n - start))
+            idx_BxL = (start + np.arange(len(rows["tokens"])))[:, None] * seq_len + np.arange(seq_len)[None]
+            rows["valid"] = rows["segment_ids"] > 0
+            if max_tokens is not None:
+                rows["valid"] &= idx_BxL < max_tokens
+            rows["sample_row"] = start + np.arange(len(rows["tokens"])) < n_samples
+            buf.append(rows)
+            if sum(len(r["tokens"]) for r in buf) >= batch_size:
+                batch = {k: np.concatenate([r[k] for r in buf]) for k in buf[0]}
+                yield {k: v[:batch_size] for k, v in batch.items()}
+                rest = {k: v[batch_size:] for k, v in batch.items()}
+                buf = [rest] if len(rest["tokens"]) else []
+    if buf:
+        batch = {k: np.concatenate([r[k] for r in buf]) for k in buf[0]}
+        pad = batch_size - len(batch["tokens"])
+        # Padding rows: segment 0 (invalid for the model and the accumulators).
+        yield {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)]) for k, v in batch.items()}
+
+
+def analyse(run: Run, split=None, max_tokens=None, tokens=DEFAULT_TOKENS, compare_run: Run | None = None,
+            batch_size=None, n_samples=2, sample_len=160, n_frequent=20, progress=True) -> Analysis:
+    """Streams every domain of `split` (default the run's eval split) through the model; see module docstring."""
+    config, mcfg = run.config, run.model.cfg
+    split = split or config.data.eval_split
+    batch_size = batch_size or config.eval.batch_size
+    track_ids, notes = resolve_tokens(run.tokenizer, tokens)
+    plans, domain_names = domain_rows(config, split, max_tokens)
+    n_moe = len(run.moe_layer_ids)
+    acc = RoutingAccumulator(n_moe, mcfg.n_routed_experts, mcfg.top_k, len(domain_names), mcfg.vocab_size,
+                             track_tokens=track_ids, n_frequent=n_frequent)
+    sat = SaturationAccumulator(n_moe) if compare_run is not None else None
+    prefix = config.data.task == "prefix"
+    graphdef, state = nnx.split(run.model)
+    route = make_route_fn(graphdef, prefix)
+    other_state = nnx.split(compare_run.model)[1] if compare_run is not None else None
+    samples, start = [], time.perf_counter()
+    n_rows = sum(n for _, _, n in plans)
+    bar = tqdm(total=n_rows, unit="row", desc=f"routing {split}", disable=None if progress else True)
+    for batch in _batches(plans, batch_size, config.data.seq_len, max_tokens, n_samples):
+        args = (batch["tokens"], batch["positions"], batch["segment_ids"],
+                batch.get("prefix_len", np.zeros(batch_size, np.int32)))
+        routing = jax.device_get(route(state, *args))
+        layers = [{"expert_ids": ids, "gates": gates} for ids, gates in routing]
+        acc.update(layers, batch["tokens"], batch["domains"], batch["valid"], batch["segment_ids"])
+        if sat is not None:
+            early = [ids for ids, _ in jax.device_get(route(other_state, *args))]
+            sat.update(early, [ids for ids, _ in routing], batch["valid"])
+        for b in np.flatnonzero(batch["sample_row"]):
+            keep = batch["valid"][b][:sample_len]
+            ids = batch["tokens"][b][:sample_len][keep]
+            first_LxN = [layer["expert_ids"][b, :sample_len, 0][keep].tolist() for layer in layers]
+            samples.append((domain_names[int(batch["domains"][b, 0])], [run.tokenizer.decode([int(i)]) for i in ids],
+                            first_LxN))
+        bar.update(int((batch["segment_ids"] > 0).any(-1).sum()))
+    bar.close()
+    seconds = time.perf_counter() - start
+    result = acc.finalize()
+    result["layer_ids_L"] = np.asarray(run.moe_layer_ids)
+    shown = {int(i) for i in result["track_ids_T"]} | {int(i) for i in result.get("freq_ids_N", [])}
+    token_text = {i: run.tokenizer.decode([i]) for i in sorted(shown)}
+    return Analysis(result, domain_names, token_text, samples, notes,
+                    sat.finalize() if sat is not None else None, int(result["n_tokens"]), seconds)
