@@ -8,7 +8,7 @@ from typing import Literal
 
 MaskMode = Literal["causal", "prefix", "bidirectional", "mixed"]
 MASK_MODES = ("causal", "prefix", "bidirectional", "mixed")
-DISPATCH_MODES = ("dropless", "reference")
+DISPATCH_MODES = ("dropless", "capacity", "expert_parallel", "reference")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -43,7 +43,12 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = True
     balance_loss_weight: float = 1e-4  # alpha of the sequence-wise balance loss; 0 turns it off
-    dispatch: str = "dropless"  # dropless (sorted ragged_dot) | reference (loop over experts)
+    # dropless: sorted ragged_dot, never drops; on a mesh with expert > 1 it runs expert-parallel (all_to_all)
+    # with a no-drop bound. capacity: GShard einsums, at most C = ceil(capacity_factor * L * K / E) tokens per
+    # expert and sequence. expert_parallel: all_to_all with ceil(capacity_factor * N / expert) rows per device
+    # pair. reference: loop over experts (tests). See moe/moe_layer.py and moe/expert_parallel.py.
+    dispatch: str = "dropless"
+    capacity_factor: float = 1.25  # capacity / expert_parallel only; copies past the capacity are dropped
     # Numerics: params are always fp32; activations/matmuls run in `dtype`.
     dtype: str = "float32"
     init_std: float = 0.02
@@ -99,6 +104,10 @@ def validate(c: ModelConfig) -> None:
         fail("topk_group", f"the {c.topk_group} eligible groups hold fewer than top_k ({c.top_k}) experts")
     if c.dispatch not in DISPATCH_MODES:
         fail("dispatch", f"unknown dispatch {c.dispatch!r}; allowed: {', '.join(DISPATCH_MODES)}")
+    if isinstance(c.capacity_factor, bool) or not isinstance(c.capacity_factor, (int, float)) \
+            or not c.capacity_factor > 0:
+        fail("capacity_factor", f"must be a number > 0 (1.25: 25% headroom over a perfectly even load), "
+                                f"got {c.capacity_factor!r}")
     if c.dtype not in DTYPES:
         fail("dtype", f"unknown dtype {c.dtype!r}; allowed: {', '.join(DTYPES)}")
     if not c.routed_scaling_factor > 0:

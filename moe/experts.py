@@ -1,9 +1,13 @@
 """Routed-expert computation: sum_k g_{t,k} * SwiGLU_{e_{t,k}}(x_t).
 
 `dropless` is the fast path (sort token copies by expert, grouped matmul with `jax.lax.ragged_dot`);
-`reference` is the plain loop over experts it is tested against. Both take
+`capacity` is GShard-style (one-hot dispatch/combine einsums around batched matmuls, at most C tokens per
+expert and group, the rest dropped); `reference` is the plain loop over experts both are tested against. All take
   x_TxD, ids_TxK (chosen experts), gates_TxK (fp32), and expert weights w_gate/w_up [E,D,F], w_down [E,F,D].
+The expert-parallel (shard_map + all_to_all) path is in moe/expert_parallel.py.
 """
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -42,4 +46,54 @@ def dropless(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
     return y_TxD.astype(x_TxD.dtype)
 
 
-DISPATCH = {"dropless": dropless, "reference": reference}
+def expert_capacity(S: int, K: int, E: int, capacity_factor: float) -> int:
+    """Slots per expert and group of S tokens: ceil(cf * S * K / E), at most S (top-k experts are distinct, so
+    one expert never gets more than S copies: cf >= E / K can drop nothing)."""
+    return max(1, min(S, math.ceil(capacity_factor * S * K / E)))
+
+
+def capacity_slots(ids_GxSxK, E: int, C: int):
+    """Slot of each token copy in its expert's buffer, GShard priority: all first choices of the group before
+    any second choice, then by position. Returns (slot_GxSxK, keep_GxSxK); kept iff slot < C."""
+    G, S, K = ids_GxSxK.shape
+    onehot_GxKSxE = jax.nn.one_hot(jnp.swapaxes(ids_GxSxK, 1, 2).reshape(G, K * S), E, dtype=jnp.int32)
+    slot_GxKS = ((jnp.cumsum(onehot_GxKSxE, axis=1) - 1) * onehot_GxKSxE).sum(-1)
+    slot_GxSxK = jnp.swapaxes(slot_GxKS.reshape(G, K, S), 1, 2)
+    return slot_GxSxK, slot_GxSxK < C
+
+
+def capacity_with_stats(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
+                        capacity_factor: float = 1.25, group_size: int | None = None):
+    """GShard dispatch: (y_TxD, keep_TxK). Tokens form groups of `group_size` (default: all T) with
+    C = expert_capacity(group_size, ...) slots per expert each; copies past C are dropped (keep False).
+    The dispatch tensor is [G, S, E, C]: memory and einsum FLOPs grow with S * E * C, so keep groups short."""
+    T, K = ids_TxK.shape
+    E = w_gate_ExDxF.shape[0]
+    S = group_size or T
+    G = T // S
+    C = expert_capacity(S, K, E, capacity_factor)
+    ids_GxSxK = ids_TxK.reshape(G, S, K)
+    slot_GxSxK, keep_GxSxK = capacity_slots(ids_GxSxK, E, C)
+    # [G,S,K,E] x [G,S,K,C] summed over K: each (token, expert) pair has at most one slot.
+    where_GxSxKxE = jax.nn.one_hot(ids_GxSxK, E, dtype=jnp.float32) * keep_GxSxK[..., None]
+    slot_GxSxKxC = jax.nn.one_hot(slot_GxSxK, C, dtype=jnp.float32)
+    dispatch_GxSxExC = jnp.einsum("gske,gskc->gsec", where_GxSxKxE, slot_GxSxKxC)
+    combine_GxSxExC = jnp.einsum("gske,gskc,gsk->gsec", where_GxSxKxE, slot_GxSxKxC,
+                                 gates_TxK.reshape(G, S, K))
+    dt = x_TxD.dtype
+    x_GxSxD = x_TxD.reshape(G, S, -1)
+    x_ExGCxD = jnp.einsum("gsec,gsd->egcd", dispatch_GxSxExC.astype(dt), x_GxSxD).reshape(E, G * C, -1)
+    h_ExGCxF = jax.nn.silu(jnp.einsum("end,edf->enf", x_ExGCxD, w_gate_ExDxF)) * jnp.einsum(
+        "end,edf->enf", x_ExGCxD, w_up_ExDxF)
+    y_ExGxCxD = jnp.einsum("enf,efd->end", h_ExGCxF, w_down_ExFxD).reshape(E, G, C, -1)
+    y_GxSxD = jnp.einsum("gsec,egcd->gsd", combine_GxSxExC, y_ExGxCxD.astype(jnp.float32))
+    return y_GxSxD.reshape(T, -1).astype(dt), keep_GxSxK.reshape(T, K)
+
+
+def capacity(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, capacity_factor=1.25,
+             group_size=None):
+    return capacity_with_stats(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD,
+                               capacity_factor=capacity_factor, group_size=group_size)[0]
+
+
+DISPATCH = {"dropless": dropless, "reference": reference, "capacity": capacity}

@@ -53,8 +53,9 @@ class Transformer(nnx.Module):
 
           balance_loss  alpha * sum over MoE layers of the sequence-wise balance loss (0 if alpha == 0)
           expert_load   [M, E] valid tokens per routed expert, every top-k choice counted
+          dropped_frac  [M] fraction of valid token copies dropped by a capacity bound (0 for dropless)
           routing       (return_routing) per MoE layer: expert_ids [B,L,K], gates [B,L,K], scores [B,L,E],
-                        load [E], balance_loss
+                        load [E], balance_loss, dropped_frac
           attention     (return_attention) per layer: probabilities [B,H,L,S]
           cache         (cache given) the updated KV cache, see moe/decode.py
 
@@ -101,6 +102,7 @@ class Transformer(nnx.Module):
         aux = {
             "balance_loss": cfg.balance_loss_weight * sum((r["balance_loss"] for r in routing), jnp.float32(0)),
             "expert_load": jnp.stack([r["load"] for r in routing]) if routing else jnp.zeros((0, E)),
+            "dropped_frac": jnp.stack([r["dropped_frac"] for r in routing]) if routing else jnp.zeros((0,)),
         }
         if return_routing:
             aux["routing"] = routing

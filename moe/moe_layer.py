@@ -4,14 +4,45 @@
 
 The routing bias is a `RoutingBias` variable, not an `nnx.Param`: the optimizer never sees it; the training loop
 updates it from the expert load that every forward call returns (aux-loss-free balancing).
+
+Which routed-expert path runs (`cfg.dispatch`; see `routed_experts`):
+  dropless         no active mesh, or mesh.expert == 1: sort + ragged_dot, auto-sharded by XLA.
+                   active mesh with expert > 1: expert-parallel (shard_map + all_to_all) with a bound that cannot
+                   drop, so the result is the same as without the mesh (buffers: mesh.expert x the token copies).
+  expert_parallel  shard_map + all_to_all with capacity_factor-sized buffers (drops counted); without a mesh
+                   the same math on one shard.
+  capacity         GShard one-hot einsums, one capacity group per sequence; auto-sharded by XLA.
+  reference        the loop over experts (tests).
+If the tokens do not divide over data*fsdp*expert (e.g. one-token decoding), the expert-parallel cases fall back
+to the auto-sharded dropless path. Router statistics (load, balance loss) always follow the router's choice,
+dropped copies included; `dropped_frac` is the fraction of valid token copies that got no expert.
 """
 
 import jax.numpy as jnp
 from flax import nnx
 
-from moe import experts, router
+from moe import expert_parallel, experts, router
 from moe.layers import MLP, param
-from moe.sharding import constrain
+from moe.sharding import active_mesh, constrain
+
+
+def routed_experts(cfg, x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_down, group_size: int):
+    """(y_TxD, keep_TxK or None when nothing can be dropped) by `cfg.dispatch` and the active mesh."""
+    mesh = active_mesh()
+    T = x_TxD.shape[0]
+    ep_mesh = mesh if mesh is not None and mesh.shape.get("expert", 1) > 1 else None
+    fits = ep_mesh is not None and T % expert_parallel.token_shards(ep_mesh) == 0
+    if cfg.dispatch == "capacity":
+        return experts.capacity_with_stats(x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_down,
+                                           capacity_factor=cfg.capacity_factor, group_size=group_size)
+    if cfg.dispatch == "expert_parallel" and (fits or ep_mesh is None):
+        return expert_parallel.dispatch(x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_down,
+                                        mesh=ep_mesh, capacity_factor=cfg.capacity_factor)
+    if cfg.dispatch == "dropless" and fits:
+        y_TxD, _ = expert_parallel.dispatch(x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_down, mesh=ep_mesh)
+        return y_TxD, None
+    fn = experts.reference if cfg.dispatch == "reference" else experts.dropless
+    return fn(x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_down), None
 
 
 class RoutingBias(nnx.Variable):
@@ -33,7 +64,8 @@ class MoE(nnx.Module):
 
     def __call__(self, u_BxLxD, valid_BxL):
         """Returns (out_BxLxD, routing) with routing = expert_ids [B,L,K], gates [B,L,K], scores [B,L,E],
-        load [E] (valid tokens per expert, every top-k choice counted) and balance_loss (unweighted)."""
+        load [E] (valid tokens per expert, every top-k choice counted), balance_loss (unweighted) and
+        dropped_frac (fraction of valid token copies dropped by a capacity bound; 0 for dropless)."""
         cfg = self.cfg
         B, L, D = u_BxLxD.shape
         u_TxD = u_BxLxD.reshape(B * L, D)
@@ -43,13 +75,19 @@ class MoE(nnx.Module):
             normalize=cfg.norm_topk_prob)
         dt = u_BxLxD.dtype
         w = [self.w_gate.value.astype(dt), self.w_up.value.astype(dt), self.w_down.value.astype(dt)]
-        routed_TxD = experts.DISPATCH[cfg.dispatch](u_TxD, ids_TxK, gates_TxK, *w)
+        routed_TxD, keep_TxK = routed_experts(cfg, u_TxD, ids_TxK, gates_TxK, *w, group_size=L)
         out_BxLxD = routed_TxD.reshape(B, L, D)
         if self.shared is not None:
             out_BxLxD = out_BxLxD + self.shared(u_BxLxD)
         out_BxLxD = constrain(out_BxLxD, ("batch", "length", "act_embed"))
 
         K, E = cfg.top_k, cfg.n_routed_experts
+        valid_T = valid_BxL.reshape(-1).astype(jnp.float32)
+        if keep_TxK is None:
+            dropped_frac = jnp.float32(0)
+        else:
+            n_dropped = ((1.0 - keep_TxK.astype(jnp.float32)) * valid_T[:, None]).sum()
+            dropped_frac = n_dropped / jnp.maximum(valid_T.sum() * K, 1.0)
         ids_BxLxK = ids_TxK.reshape(B, L, K)
         scores_BxLxE = scores_TxE.reshape(B, L, E)
         routing = {
@@ -58,5 +96,6 @@ class MoE(nnx.Module):
             "scores": scores_BxLxE,
             "load": router.expert_load(ids_TxK, E, valid_BxL.reshape(-1)),
             "balance_loss": router.sequence_balance_loss(scores_BxLxE, ids_BxLxK, valid_BxL),
+            "dropped_frac": dropped_frac,
         }
         return out_BxLxD, routing

@@ -17,6 +17,8 @@ from moe import ConfigError, ModelConfig
     (dict(dispatch="magic"), "model.dispatch"),
     (dict(first_k_dense=5, n_layers=4), "model.first_k_dense"),
     (dict(balance_loss_weight=-1.0), "model.balance_loss_weight"),
+    (dict(capacity_factor=0.0), "model.capacity_factor"),
+    (dict(capacity_factor="big"), "model.capacity_factor"),
 ])
 def test_validation_errors(changes, field):
     with pytest.raises(ConfigError, match=field):
@@ -26,3 +28,8 @@ def test_validation_errors(changes, field):
 def test_valid_default():
     cfg = ModelConfig()
     assert cfg.n_moe_layers == cfg.n_layers - cfg.first_k_dense
+
+
+@pytest.mark.parametrize("dispatch", ["dropless", "capacity", "expert_parallel", "reference"])
+def test_dispatch_modes_valid(dispatch):
+    assert ModelConfig(dispatch=dispatch, capacity_factor=2).dispatch == dispatch

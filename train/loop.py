@@ -31,7 +31,10 @@ def maybe_init_distributed() -> None:
     """Several processes (SLURM, or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID set by hand)."""
     multi = int(os.environ.get("SLURM_NTASKS", "1")) > 1 or "JAX_COORDINATOR_ADDRESS" in os.environ
     if multi and not jax.distributed.is_initialized():
-        jax.distributed.initialize()
+        # jax reads JAX_COORDINATOR_ADDRESS itself but not the other two (SLURM sets all three its own way).
+        n, i = os.environ.get("JAX_NUM_PROCESSES"), os.environ.get("JAX_PROCESS_ID")
+        jax.distributed.initialize(num_processes=None if n is None else int(n),
+                                   process_id=None if i is None else int(i))
 
 
 class Preemption:

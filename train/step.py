@@ -38,20 +38,20 @@ def make_train_step(graphdef, tx, lr_schedule, t):
         def loss_fn(params, bias, mb):
             ce_BxL, aux = forward(graphdef, params, bias, mb)
             loss = ce_BxL.sum() / n_targets + aux["balance_loss"] / t.grad_accum
-            return loss, (ce_BxL.sum(), aux["balance_loss"], aux["expert_load"])
+            return loss, (ce_BxL.sum(), aux["balance_loss"], aux["expert_load"], aux["dropped_frac"])
 
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
         def accumulate(carry, mb):
-            grads, ce, bal, load = carry
-            (_, (ce_i, bal_i, load_i)), g = grad_fn(state["params"], state["bias"], mb)
-            return (jax.tree.map(jnp.add, grads, g), ce + ce_i, bal + bal_i, load + load_i), None
+            grads, ce, bal, load, drop = carry
+            (_, (ce_i, bal_i, load_i, drop_i)), g = grad_fn(state["params"], state["bias"], mb)
+            return (jax.tree.map(jnp.add, grads, g), ce + ce_i, bal + bal_i, load + load_i, drop + drop_i), None
 
         zeros = jax.tree.map(jnp.zeros_like, state["params"])
         n_moe = len(jax.tree.leaves(state["bias"]))
         E = jax.tree.leaves(state["bias"])[0].shape[0] if n_moe else 0
-        init = (zeros, jnp.float32(0), jnp.float32(0), jnp.zeros((n_moe, E), jnp.float32))
-        (grads, ce_sum, bal, load_MxE), _ = jax.lax.scan(accumulate, init, _micro_batches(batch, t.grad_accum))
+        init = (zeros, jnp.float32(0), jnp.float32(0), jnp.zeros((n_moe, E), jnp.float32), jnp.zeros((n_moe,)))
+        (grads, ce_sum, bal, load_MxE, dropped_M), _ = jax.lax.scan(accumulate, init, _micro_batches(batch, t.grad_accum))
 
         updates, opt = tx.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
@@ -70,6 +70,7 @@ def make_train_step(graphdef, tx, lr_schedule, t):
             "targets": n_targets,
             "maxvio": jax.vmap(router.max_violation)(load_MxE) if n_moe else jnp.zeros((0,)),
             "dead_experts": (load_MxE == 0).sum(-1),
+            "dropped_frac": dropped_M / t.grad_accum,  # per MoE layer; 0 unless a capacity bound drops
             "bias_range": jnp.stack([b.max() - b.min() for b in biases]) if n_moe else jnp.zeros((0,)),
         }
         return {"params": params, "bias": bias, "opt": opt, "step": state["step"] + 1}, metrics
