@@ -81,6 +81,12 @@ def load_safetensors(path_dir: str) -> Transformer:
     path = _weights_path(path_dir)
     with safe_open(path, framework="np") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
+    return model_from_flat(cfg, tensors, path, f"the config in {CONFIG_FILE}")
+
+
+def model_from_flat(cfg: ModelConfig, tensors: dict, where: str, config_name: str = "the config") -> Transformer:
+    """The model for `cfg` from flat arrays keyed like `flat_variables`; names, shapes and dtypes must match
+    exactly (ValueError naming the tensor and `where` otherwise)."""
     abstract = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     flat = []
@@ -89,14 +95,14 @@ def load_safetensors(path_dir: str) -> Transformer:
         k = _key(p)
         expected.add(k)
         if k not in tensors:
-            raise ValueError(f"{path}: tensor {k!r} missing for the config in {CONFIG_FILE}")
+            raise ValueError(f"{where}: tensor {k!r} missing for {config_name}")
         want = var.get_value()
         arr = tensors[k]
         if tuple(arr.shape) != tuple(want.shape) or arr.dtype != np.dtype(want.dtype):
-            raise ValueError(f"{path}: tensor {k!r} is {arr.dtype}{list(arr.shape)}, the config in {CONFIG_FILE} "
+            raise ValueError(f"{where}: tensor {k!r} is {arr.dtype}{list(arr.shape)}, {config_name} "
                              f"needs {np.dtype(want.dtype)}{list(want.shape)}")
         flat.append((p, var.replace(jnp.asarray(arr))))
     unexpected = sorted(set(tensors) - expected)
     if unexpected:
-        raise ValueError(f"{path}: unexpected tensor(s) {', '.join(unexpected[:5])} for the config in {CONFIG_FILE}")
+        raise ValueError(f"{where}: unexpected tensor(s) {', '.join(unexpected[:5])} for {config_name}")
     return nnx.merge(graphdef, nnx.from_flat_state(flat))

@@ -1,0 +1,217 @@
+"""python -m train.export / train.generate on the trained tiny run: the HF export loads in transformers with our
+logits, tokens and greedy continuation; safetensors and orbax exports round-trip exactly; bad input exits 2 with
+one line and leaves an existing --out untouched."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import moe
+from train import export as export_cli
+from train import generate as generate_cli
+from train.checkpoint import load_model
+
+PROMPTS = ["The quick brown fox", "Once upon a time, there"]
+
+
+def _hf():
+    torch = pytest.importorskip("torch", reason="torch is needed to load the export with transformers")
+    transformers = pytest.importorskip("transformers", reason="transformers is needed to load the export")
+    return torch, transformers
+
+
+@nnx.jit
+def _logits(model, tokens):
+    return model(tokens)[0]
+
+
+@pytest.fixture(scope="module")
+def ours(tiny_run):
+    return load_model(tiny_run)
+
+
+@pytest.fixture(scope="module")
+def tokens(ours):
+    return np.random.RandomState(0).randint(2, ours[0].cfg.vocab_size, (2, 16))
+
+
+@pytest.fixture(scope="module")
+def hf_out(tiny_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("exports") / "hf"
+    export_cli.main(["--workdir", str(tiny_run), "--out", str(out)])
+    return out
+
+
+def test_hf_export_loads_with_our_logits(tiny_run, ours, tokens, hf_out):
+    torch, transformers = _hf()
+    model, meta = ours
+    biases = [np.asarray(b) for b in moe.routing_biases(model)]
+    assert biases and all(np.abs(b).max() > 0 for b in biases), "the trained run's routing biases must matter"
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(str(hf_out), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    np.testing.assert_array_equal(hf.model.layers[1].mlp.gate.e_score_correction_bias.numpy(), biases[0])
+    with torch.no_grad():
+        theirs = hf(torch.tensor(tokens)).logits.float().numpy()
+    mine = np.asarray(_logits(model, jnp.asarray(tokens)))
+    err, scale = np.abs(mine - theirs).max(), np.abs(mine).max()
+    assert err <= 1e-4 * scale, (err, scale)
+
+    config = json.loads((hf_out / "config.json").read_text())
+    assert config["max_position_embeddings"] == meta["config"]["data"]["seq_len"]
+    card = (hf_out / "README.md").read_text()
+    rows = [json.loads(line) for line in (tiny_run / "metrics.jsonl").read_text().splitlines()]
+    val = [r["val/loss"] for r in rows if "val/loss" in r]
+    assert f"{val[-1]:.4f}" in card and f"{moe.param_counts(model.cfg)['active']:,}" in card
+    assert f"# {tiny_run.name}" in card and "moe_corpus" in card
+    assert not [p for p in os.listdir(hf_out.parent) if p.startswith(".")], "temporary directories left"
+
+
+def test_hf_tokenizer_encodes_like_ours(hf_out):
+    _, transformers = _hf()
+    from train.data.tokenizer import load_tokenizer
+
+    mine = load_tokenizer(hf_out / "tokenizer.json")
+    theirs = transformers.AutoTokenizer.from_pretrained(str(hf_out))
+    for text in [*PROMPTS, "mixture of experts<|endoftext|>zebra!", " two  spaces\n"]:
+        assert theirs(text)["input_ids"] == mine.encode(text).ids
+
+
+def test_generate_cli_matches_hf_greedy(tiny_run, hf_out, capsys):
+    torch, transformers = _hf()
+    from train.data.tokenizer import EOS_ID, load_tokenizer
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(hf_out))
+    tok = load_tokenizer(hf_out / "tokenizer.json")
+    n = 12
+    for prompt in PROMPTS:
+        new = generate_cli.main(["--export", str(hf_out), "--prompt", prompt, "--max_new_tokens", str(n)])
+        ids = tok.encode(prompt).ids
+        assert capsys.readouterr().out == tok.decode(ids + new, skip_special_tokens=False) + "\n"
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                              do_sample=False, max_new_tokens=n)
+        theirs = out[0, len(ids):].tolist()
+        # HF stops after emitting EOS (and keeps it); ours stops before it.
+        if theirs and theirs[-1] == EOS_ID:
+            theirs = theirs[:-1]
+        assert new == theirs, (prompt, new, theirs)
+    # The checkpoint itself gives the same greedy continuation.
+    assert generate_cli.main(["--workdir", str(tiny_run), "--prompt", PROMPTS[-1], "--max_new_tokens", str(n)]) \
+        == new
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "orbax"])
+def test_own_formats_round_trip(tiny_run, ours, tokens, tmp_path, fmt):
+    out = tmp_path / fmt
+    export_cli.main(["--workdir", str(tiny_run), "--out", str(out), "--format", fmt, "--step", "10"])
+    assert generate_cli.export_format(out) == fmt
+    model, tok = generate_cli.load_export(out)
+    ref, _ = load_model(tiny_run, 10)
+    assert model.cfg == ref.cfg and tok.get_vocab_size() > 2
+    np.testing.assert_array_equal(np.asarray(_logits(model, jnp.asarray(tokens))),
+                                  np.asarray(_logits(ref, jnp.asarray(tokens))))
+    for a, b in zip(moe.routing_biases(model), moe.routing_biases(ref)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bfloat16_hf_export_loads(tiny_run, ours, tokens, tmp_path):
+    torch, transformers = _hf()
+    out = tmp_path / "bf16"
+    export_cli.main(["--workdir", str(tiny_run), "--out", str(out), "--dtype", "bfloat16"])
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(str(out), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert hf.model.embed_tokens.weight.dtype == torch.bfloat16
+    # And back into our model (weights rounded to bf16, so only close).
+    model, _ = generate_cli.load_export(out)
+    mine, back = (np.asarray(_logits(m, jnp.asarray(tokens))) for m in (ours[0], model))
+    assert np.abs(mine - back).max() <= 0.05 * np.abs(mine).max()
+
+
+def test_overwrite_replaces_and_failure_keeps_old(tiny_run, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("old")
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(export_cli, "write_export", boom)
+    with pytest.raises(RuntimeError):
+        export_cli.main(["--workdir", str(tiny_run), "--out", str(out), "--format", "safetensors", "--overwrite"])
+    assert os.listdir(tmp_path) == ["out"] and (out / "keep.txt").read_text() == "old"
+    monkeypatch.undo()
+    export_cli.main(["--workdir", str(tiny_run), "--out", str(out), "--format", "safetensors", "--overwrite"])
+    assert sorted(os.listdir(out)) == ["model.safetensors", "moe_config.json", "tokenizer.json"]
+    assert os.listdir(tmp_path) == ["out"]
+
+
+def _refusing_load_model(**changes):
+    def fake(workdir, step=None):
+        model, meta = load_model(workdir, step)
+        return model, {**meta, "model": {**meta["model"], **changes}}
+
+    return fake
+
+
+@pytest.mark.parametrize("case, expect", [
+    ("no_workdir", "does not exist"),
+    ("no_step", "no checkpoint for step 7"),
+    ("not_empty", "exists and is not empty"),
+    ("dtype", "--dtype 'float64' is not supported"),
+    ("format", "--format 'onnx' is not supported"),
+    ("bf16_orbax", "applies to --format hf only"),
+    ("prefix", "prefix mask"),
+    ("nope", "no position encoding (NoPE)"),
+])
+def test_bad_input_exits_2_with_one_line(tiny_run, tmp_path, monkeypatch, capsys, case, expect):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("old")
+    args = {"--workdir": str(tiny_run), "--out": str(out), "--overwrite": None}
+    if case == "no_workdir":
+        args["--workdir"] = str(tmp_path / "missing")
+    elif case == "no_step":
+        args["--step"] = "7"
+    elif case == "not_empty":
+        del args["--overwrite"]
+    elif case == "dtype":
+        args["--dtype"] = "float64"
+    elif case == "format":
+        args["--format"] = "onnx"
+    elif case == "bf16_orbax":
+        args.update({"--format": "orbax", "--dtype": "bfloat16"})
+    else:
+        changes = {"mask": "prefix"} if case == "prefix" else {"rope": False}
+        monkeypatch.setattr("train.checkpoint.load_model", _refusing_load_model(**changes))
+    argv = [x for k, v in args.items() for x in ([k] if v is None else [k, v])]
+    with pytest.raises(SystemExit) as e:
+        export_cli.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("error: ") and expect in err, err
+    assert os.listdir(tmp_path) == ["out"] and os.listdir(out) == ["keep.txt"]
+
+
+def test_generate_bad_input_exits_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        generate_cli.main(["--export", str(tmp_path), "--prompt", "hi"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "not an export directory" in err
+
+
+def test_cli_subprocess_one_line_exit_2(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("old")
+    r = subprocess.run([sys.executable, "-m", "train.export", "--workdir", str(tmp_path), "--out", str(out),
+                        "--format", "onnx"], capture_output=True, text=True, timeout=120,
+                       cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert os.listdir(out) == ["keep.txt"]
+

@@ -1,0 +1,210 @@
+"""Export a trained run: `python -m train.export --workdir DIR --out EXPORT_DIR [--step N]
+[--dtype float32|bfloat16] [--format hf|safetensors|orbax] [--overwrite]`.
+
+  hf           HuggingFace Glm4MoeForCausalLM (config.json, safetensors, tokenizer, model card): exact logits
+  safetensors  our lossless format (moe/safetensors_io.py) + tokenizer.json: any config (prefix mask, NoPE ...)
+  orbax        params + routing biases (no optimizer state) + moe_config.json + tokenizer.json, for JAX users:
+               `model = train.export.load_orbax_export(EXPORT_DIR)`
+
+The export is written into a temporary directory next to --out and renamed into place at the end: a failure
+never leaves a half export or touches an existing one. Bad input prints one line on stderr and exits 2.
+"""
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from train.errors import UserError, exit_with
+
+FORMATS = ("hf", "safetensors", "orbax")
+DTYPES = ("float32", "bfloat16")
+ORBAX_DIR = "params"  # the orbax item inside an orbax export: {"params": nnx.State, "bias": nnx.State}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse prints usage + message over two lines; we want one line
+        raise UserError(f"{message} (see `python -m {self.prog} --help`)")
+
+
+def parse_args(argv):
+    p = _Parser(prog="train.export", description="Export a trained run (HF, safetensors or orbax).")
+    p.add_argument("--workdir", required=True, help="run directory with checkpoints/")
+    p.add_argument("--out", required=True, help="export directory (must not exist or be empty, see --overwrite)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+    p.add_argument("--dtype", default="float32", help="weights dtype for --format hf: float32 | bfloat16")
+    p.add_argument("--format", default="hf", help="hf | safetensors | orbax")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --out")
+    args = p.parse_args(argv)
+    if args.format not in FORMATS:
+        raise UserError(f"--format {args.format!r} is not supported; use one of {', '.join(FORMATS)}")
+    if args.dtype not in DTYPES:
+        raise UserError(f"--dtype {args.dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    if args.dtype != "float32" and args.format != "hf":
+        raise UserError(f"--dtype {args.dtype} applies to --format hf only; {args.format} exports are lossless "
+                        "float32")
+    return args
+
+
+def check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} exists and is not a directory; choose another --out")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise UserError(f"--out {out} exists and is not empty; pass --overwrite to replace it or choose another")
+
+
+def final_val_loss(workdir, step: int) -> float | None:
+    """The last "val/loss" in WORKDIR/metrics.jsonl at or before `step` (None if there is none)."""
+    path = Path(workdir) / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    loss = None
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a killed run
+            continue
+        v = row.get("val/loss")
+        if isinstance(v, (int, float)) and math.isfinite(v) and row.get("step", 0) <= step:
+            loss = float(v)
+    return loss
+
+
+def model_card(workdir, meta: dict) -> dict:
+    # Total / active parameter counts are in the card's model table (train/hf_export.model_card_text).
+    data = meta["config"].get("data", {})
+    card = {"name": Path(workdir).resolve().name,
+            "description": "A decoder-only Mixture-of-Experts language model trained with moe-lm (JAX/Flax NNX).",
+            "data": data.get("name", "unknown"), "steps": meta["step"],
+            "sequence_length": data.get("seq_len")}
+    loss = final_val_loss(workdir, meta["step"])
+    if loss is not None:
+        card["final_val_loss"] = f"{loss:.4f}"
+    return card
+
+
+def save_orbax_export(model, out_dir, tokenizer_text: str) -> None:
+    """Params + routing biases only (no optimizer state), moe_config.json and tokenizer.json."""
+    import orbax.checkpoint as ocp
+
+    from moe.safetensors_io import CONFIG_FILE
+    from train.state import split_model
+
+    _, params, bias = split_model(model)
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(Path(out_dir).absolute() / ORBAX_DIR, {"params": params, "bias": bias})
+    ckptr.wait_until_finished()
+    (Path(out_dir) / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(model.cfg), indent=2, sort_keys=True))
+    (Path(out_dir) / "tokenizer.json").write_text(tokenizer_text, encoding="utf-8")
+
+
+def load_orbax_export(path_dir):
+    """The model (moe.Transformer on the default device) from a `--format orbax` export."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    from moe.safetensors_io import load_config
+    from train.state import abstract_model, merge_model, split_model
+
+    cfg = load_config(str(path_dir))
+    graphdef, params, bias = split_model(abstract_model(cfg))
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                          {"params": params, "bias": bias})
+    restored = ocp.StandardCheckpointer().restore(Path(path_dir).absolute() / ORBAX_DIR, target)
+    return merge_model(graphdef, restored["params"], restored["bias"])
+
+
+def write_export(model, meta: dict, workdir, out_dir: Path, fmt: str, dtype: str) -> None:
+    """Write the export into `out_dir` (an existing empty directory)."""
+    from train.checkpoint import dump_tokenizer
+
+    if fmt == "hf":
+        from train.hf_export import write_hf_checkpoint
+
+        with tempfile.TemporaryDirectory() as tmp:
+            tok = dump_tokenizer(meta, Path(tmp) / "tokenizer.json")
+            write_hf_checkpoint(model, str(out_dir), str(tok), dtype, model_card(workdir, meta),
+                                max_position_embeddings=int(meta["config"]["data"]["seq_len"]))
+    elif fmt == "safetensors":
+        from moe.safetensors_io import save_safetensors
+
+        save_safetensors(model, str(out_dir), extra_meta={"step": meta["step"], "workdir": str(workdir)})
+        dump_tokenizer(meta, out_dir / "tokenizer.json")
+    else:
+        save_orbax_export(model, out_dir, meta["tokenizer"])
+
+
+def _umask_permissions(root: Path) -> None:
+    # mkdtemp (and safetensors' atomic writes) create owner-only entries; give the export the usual modes.
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(root, 0o777 & ~mask)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for d in dirnames:
+            os.chmod(os.path.join(dirpath, d), 0o777 & ~mask)
+        for f in filenames:
+            os.chmod(os.path.join(dirpath, f), 0o666 & ~mask)
+
+
+def export(workdir, out, step=None, dtype="float32", fmt="hf", overwrite=False) -> Path:
+    """Export checkpoint `step` (default newest) of `workdir` to `out`; returns `out`. Raises UserError."""
+    from moe import ModelConfig
+    from train.hf_export import ExportError, check_exportable
+
+    out = Path(out)
+    check_out(out, overwrite)
+    if not Path(workdir).is_dir():
+        raise UserError(f"--workdir {workdir} does not exist; pass a run directory written by `python -m train`")
+    from train.checkpoint import load_model
+
+    model, meta = load_model(workdir, step)
+    if fmt == "hf":
+        try:
+            check_exportable(ModelConfig(**meta["model"]))
+        except ExportError as e:
+            raise UserError(f"{e} (use --format safetensors or orbax)") from None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        write_export(model, meta, workdir, tmp, fmt, dtype)
+        _umask_permissions(tmp)
+        if out.exists():  # empty, or --overwrite: move it aside first so a failed rename can restore it
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, old / "x")
+            try:
+                os.replace(tmp, out)
+            except OSError:
+                os.replace(old / "x", out)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = parse_args(argv)
+        from moe import ConfigError
+        from train.hf_export import ExportError
+
+        try:
+            out = export(args.workdir, args.out, args.step, args.dtype, args.format, args.overwrite)
+        except (ExportError, ConfigError) as e:
+            raise UserError(str(e)) from None
+    except UserError as e:
+        exit_with(e)
+    print(f"exported {args.workdir} ({args.format}, {args.dtype}) to {out}")
+
+
+if __name__ == "__main__":
+    main()
