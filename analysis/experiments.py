@@ -1,0 +1,227 @@
+"""Reproducible studies of the arguments for decoder-only LMs (issue 6; docs/decoder-only.md).
+
+    python -m analysis.experiments compare-masks --config configs/compare_masks.py \
+        --masks causal,prefix,mixed --seeds 3 --steps 300 [--nope] [--out runs/compare_masks] \
+        [--config.train.batch_size=8 ...]
+
+Trains every (mask, position encoding, seed) with everything else identical: the same config, data order
+(train.seed = seed index), initial weights (parameters do not depend on the mask), parameter count, steps and
+optimizer. With --nope each mask also trains with model.rope=False. Each run lives in OUT/<mask>[-nope]/seed<k>
+and is trained by train.loop.run, which resumes from its last checkpoint; a finished run leaves result.json
+(final validation loss, curves, attention-rank summary) and is skipped on the next invocation, so re-running the
+same command after an interruption continues the study. The report goes to OUT/report/ (report.md, PNGs,
+results.json).
+"""
+
+import copy
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from train.errors import UserError
+
+RANK_SEQUENCES = 8
+
+
+class Interrupted(Exception):
+    """A run stopped before its last step (SIGTERM / preemption); its checkpoint is kept for resuming."""
+
+
+def variant_name(mask: str, rope: bool) -> str:
+    return mask if rope else f"{mask}-nope"
+
+
+def variants(masks, nope: bool):
+    """[(mask, rope)] in report order: every mask with RoPE, then (with nope) every mask without."""
+    return [(m, True) for m in masks] + ([(m, False) for m in masks] if nope else [])
+
+
+def run_config(base, mask: str, rope: bool, seed: int, steps: int):
+    c = copy.deepcopy(base)
+    c.model.mask, c.model.rope = mask, rope
+    c.train.seed, c.train.steps = seed, steps
+    return c
+
+
+def fingerprint(config) -> str:
+    """Hash of everything that changes a run's result (progress bars and TensorBoard do not)."""
+    d = config.to_dict()
+    d["log"] = {k: v for k, v in d["log"].items() if k not in ("progress", "tensorboard")}
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def read_metrics(workdir) -> tuple[dict, dict]:
+    """(train loss by step, eval row by step) from metrics.jsonl; a resumed run logs some steps twice and the
+    last row of a step wins."""
+    train, evals = {}, {}
+    path = Path(workdir) / "metrics.jsonl"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        row = json.loads(line)
+        if "loss" in row:
+            train[row["step"]] = row["loss"]
+        if "val/loss" in row:
+            evals[row["step"]] = {k: v for k, v in row.items() if k.startswith("val/")}
+    return train, evals
+
+
+def attention_cost(config, mcfg) -> dict:
+    """Attended (query, key) pairs per validation row, per mask, and the FLOP share they would add if attention
+    were computed only where the mask allows it (this implementation computes the full L x L square for every
+    mask, so the executed FLOPs are identical)."""
+    from moe import train_flops_per_token
+    from train.inputs import eval_rows
+
+    rows = eval_rows(config)
+    n = rows["segment_ids"].sum(-1).astype(np.float64)
+    P = rows["prefix_len"].astype(np.float64) if "prefix_len" in rows else np.zeros_like(n)
+    causal = n * (n + 1) / 2
+    extra = {"causal": 0.0, "mixed": 0.0, "prefix": P * (P - 1) / 2, "bidirectional": n * n - causal}
+    per_pair = 6 * 2 * mcfg.n_layers * mcfg.n_heads * mcfg.head_dim  # QK^T and PV, fwd + bwd
+    total = train_flops_per_token(mcfg, config.data.seq_len) * n.sum()
+    return {m: {"pairs_per_row": float(np.mean(causal + e)), "extra_flop_share": float(np.sum(e) * per_pair / total)}
+            for m, e in extra.items()}
+
+
+def summarize_run(config, workdir, seconds: float) -> dict:
+    from analysis.rank import analyse, select_rows
+    from moe import param_counts
+    from train.checkpoint import load_model
+    from train.config import model_config
+    from train.inputs import eval_rows
+
+    train, evals = read_metrics(workdir)
+    last = evals[max(evals)]
+    model, _ = load_model(workdir)
+    rank = analyse(model, select_rows(eval_rows(config), RANK_SEQUENCES))
+    mcfg = model_config(config)
+    return {
+        "mask": config.model.mask, "rope": bool(config.model.rope), "seed": int(config.train.seed),
+        "steps": int(config.train.steps), "fingerprint": fingerprint(config), "train_seconds": seconds,
+        "params": param_counts(mcfg), "val_loss": last["val/loss"],
+        "val_loss_by_domain": {k.split("/", 2)[2]: v for k, v in last.items() if k.count("/") == 2},
+        "train_curve": sorted(train.items()), "val_curve": sorted((s, r["val/loss"]) for s, r in evals.items()),
+        "attention": rank["attention"], "collapse": rank["collapse"],
+    }
+
+
+def train_one(config, workdir, log=print, run_fn=None) -> dict:
+    """Train (or resume) one run and cache its result; a cached result with the same fingerprint is returned as is."""
+    from train import checkpoint
+
+    workdir = Path(workdir)
+    cache = workdir / "result.json"
+    fp = fingerprint(config)
+    if cache.exists():
+        result = json.loads(cache.read_text())
+        if result.get("fingerprint") != fp:
+            raise UserError(f"{workdir} holds a finished run with a different config; use another --out or "
+                            f"delete {workdir}")
+        log(f"{workdir}: cached (val/loss {result['val_loss']:.4f})")
+        return result
+    started = workdir / "config.json"
+    if started.exists():
+        from ml_collections import ConfigDict
+
+        if fingerprint(ConfigDict(json.loads(started.read_text()))) != fp:
+            raise UserError(f"{workdir} holds an unfinished run with a different config; use another --out or "
+                            f"delete {workdir}")
+    if run_fn is None:
+        from train.loop import run as run_fn
+    t0 = time.perf_counter()
+    run_fn(config, workdir, log=log)
+    done = checkpoint.steps_in(workdir)
+    if not done or done[-1] < config.train.steps:
+        raise Interrupted(f"{workdir} stopped at step {done[-1] if done else 0} of {config.train.steps}")
+    result = summarize_run(config, workdir, time.perf_counter() - t0)
+    tmp = cache.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, cache)  # atomic: a kill never leaves a half-written cache
+    return result
+
+
+def compare_masks(base, masks, seeds: int, steps: int, nope: bool, out, log=print, run_fn=None) -> Path:
+    """Train every variant x seed (resuming / skipping finished runs), then write the report. Returns its path."""
+    from analysis.experiments_report import write_report
+    from train.config import check
+
+    out = Path(out)
+    runs = [(m, r, s) for m, r in variants(masks, nope) for s in range(seeds)]
+    for m, r, s in runs:  # validate every config before training anything
+        check(run_config(base, m, r, s, steps))
+    results = []
+    for i, (m, r, s) in enumerate(runs):
+        log(f"[{i + 1}/{len(runs)}] {variant_name(m, r)} seed {s}")
+        results.append(train_one(run_config(base, m, r, s, steps), out / variant_name(m, r) / f"seed{s}",
+                                 log, run_fn))
+    from train.config import model_config
+
+    cost = attention_cost(base, model_config(base))
+    return write_report(results, out / "report", cost, base)
+
+
+def parse_flags(argv):
+    from absl import flags
+    from ml_collections import config_flags
+
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", "configs/compare_masks.py", "Study config (ml_collections).",
+                                    flag_values=fv, lock_config=True)
+    flags.DEFINE_string("masks", "causal,prefix,mixed", "Comma-separated masks to compare.", flag_values=fv)
+    flags.DEFINE_integer("seeds", 3, "Seeds per variant (train.seed = 0 .. seeds-1).", flag_values=fv)
+    flags.DEFINE_integer("steps", None, "Training steps per run (default: the config's train.steps).",
+                         flag_values=fv)
+    flags.DEFINE_bool("nope", False, "Also train every mask without position encoding (model.rope=False).",
+                      flag_values=fv)
+    flags.DEFINE_string("out", "runs/compare_masks", "Study directory (runs, caches, report/).", flag_values=fv)
+    try:
+        rest = fv(argv)
+    except (flags.Error, AttributeError, KeyError, ValueError, TypeError, OSError, ImportError) as e:
+        raise UserError(f"bad command line: {e}") from None
+    if rest[1:] != ["compare-masks"]:
+        raise UserError(f"expected the sub-command `compare-masks`, got {' '.join(rest[1:]) or 'none'}; "
+                        "usage: python -m analysis.experiments compare-masks --config FILE --masks a,b --seeds N")
+    masks = [m.strip() for m in fv.masks.split(",") if m.strip()]
+    bad = [m for m in masks if m not in ("causal", "prefix", "mixed")]
+    if not masks or bad or len(set(masks)) != len(masks):
+        raise UserError(f"--masks takes distinct names from causal,prefix,mixed (input->output rows need a "
+                        f"next-token mask), got {fv.masks!r}")
+    if fv.seeds < 1:
+        raise UserError(f"--seeds must be at least 1, got {fv.seeds}")
+    steps = fv.steps if fv.steps is not None else int(fv.config.train.steps)
+    if steps < 1:
+        raise UserError(f"--steps must be a positive integer, got {steps}")
+    config = fv.config
+    with config.unlocked():
+        config.data.task = "prefix"
+    return config, masks, fv.seeds, steps, fv.nope, fv.out
+
+
+def main(argv=None):
+    from moe import ConfigError
+    from train.errors import exit_with
+
+    argv = sys.argv if argv is None else argv
+    try:
+        config, masks, seeds, steps, nope, out = parse_flags(argv)
+        cache_dir = Path(out) / ".jax_cache"  # the same mask's graph is compiled once for all seeds
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", str(cache_dir.absolute()))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        report = compare_masks(config, masks, seeds, steps, nope, out)
+    except (UserError, ConfigError) as e:
+        exit_with(e)
+    except Interrupted as e:
+        exit_with(UserError(f"{e}; re-run the same command to resume the study"), 130)
+    except KeyboardInterrupt:
+        exit_with(UserError("interrupted; re-run the same command to resume the study"), 130)
+    print(f"wrote {report}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""Attention rank and rank collapse of a trained run (issue 6, claim 2).
+
+    python -m analysis.rank --workdir runs/compare_masks/causal/seed0 [--out DIR] [--sequences 16] [--step N]
+
+For each validation sequence (train.inputs.eval_rows, so prefix-task rows are one document each) and every
+layer and head, on the square block of REAL tokens (padding, segment id 0, is dropped):
+  rank       numerical rank of the attention probabilities (tolerance S.max * n * eps_float32, NumPy's default;
+             also `rank_rel1e-6` with tolerance 1e-6 * S.max), and the same for the prefix block [:P, :P]
+  erank      effective rank exp(H(s / sum s))
+  logdet     log|det| where the matrix is (block-)triangular: causal heads, mixed heads; NaN for prefix-LM heads
+Per layer, the rank-collapse measure ||X - 1 mean(X)^T|| / ||X|| (composite l1/linf norm, Dong et al. 2021;
+Frobenius too) of the block outputs, for four paths through the SAME weights:
+  full       the trained model;                  no_mlp     x + attn(norm(x)) (MLPs removed)
+  no_skip    ffn(norm(attn(norm(x)))) (no skips); pure_attn  attn(norm(x)) (skips and MLPs removed)
+Writes OUT/rank.json and OUT/rank_heads.png, OUT/rank_spectrum.png, OUT/rank_collapse.png (OUT = WORKDIR/rank).
+"""
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from analysis import rank_metrics as rm
+
+PATHS = ("full", "no_mlp", "no_skip", "pure_attn")
+
+
+def forward_paths(model, batch):
+    """Attention probabilities [B,H,L,L] per layer (trained model) and block outputs [B,L,D] per path and layer.
+
+    Re-wires the model's own modules (attn_norm, attn, ffn_norm, ffn) exactly as moe.model.Block does, with the
+    residual adds and/or the FFN switched off; index 0 of each path's list is the embedding.
+    """
+    import jax.numpy as jnp
+
+    from moe.masks import attention_mask
+
+    cfg = model.cfg
+    tokens = jnp.asarray(batch["tokens"])
+    B, L = tokens.shape
+    seg = jnp.asarray(batch["segment_ids"])
+    pos = jnp.asarray(batch["positions"])
+    prefix = batch.get("prefix_len")
+    idx = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+    mask = attention_mask(cfg.mask, idx, idx, n_heads=cfg.n_heads,
+                          prefix_len_B=None if prefix is None else jnp.asarray(prefix),
+                          q_seg_BxQ=seg, k_seg_BxK=seg)
+    valid = seg > 0
+    x0 = jnp.take(model.embed.value, tokens, axis=0).astype(jnp.dtype(cfg.dtype))
+
+    def ffn(block, h):
+        out = block.ffn(block.ffn_norm(h), valid) if block.is_moe else block.ffn(block.ffn_norm(h))
+        return out[0] if block.is_moe else out
+
+    hidden = {p: [np.asarray(x0)] for p in PATHS}
+    probs = []
+    xs = {p: x0 for p in PATHS}
+    for block in model.blocks:
+        for p in PATHS:
+            a, _, pr = block.attn(block.attn_norm(xs[p]), pos, mask, None, None, p == "full")
+            if p == "full":
+                probs.append(np.asarray(pr))
+                h = xs[p] + a
+                xs[p] = h + ffn(block, h)
+            elif p == "no_mlp":
+                xs[p] = xs[p] + a
+            elif p == "no_skip":
+                xs[p] = ffn(block, a)
+            else:
+                xs[p] = a
+            hidden[p].append(np.asarray(xs[p]))
+    return probs, hidden
+
+
+def attention_stats(probs, n_B, prefix_B=None):
+    """Per layer, head and sequence: rank measures of the real-token block and of the prefix block."""
+    n_layers, H = len(probs), probs[0].shape[1]
+    keys = ("rank", "rank_rel1e-6", "erank", "logdet", "n")
+    out = {blk: {k: np.full((n_layers, H, len(n_B)), np.nan) for k in keys} for blk in ("full", "prefix")}
+    for b, n in enumerate(n_B):
+        P = int(prefix_B[b]) if prefix_B is not None else 0
+        for layer, p_BxHxLxL in enumerate(probs):
+            blocks = {"full": p_BxHxLxL[b, :, :n, :n]}
+            if P > 1:
+                blocks["prefix"] = p_BxHxLxL[b, :, :P, :P]
+            for blk, A in blocks.items():
+                s = rm.singular_values(A)
+                o = out[blk]
+                o["rank"][layer, :, b] = np.sum(s > rm.default_tolerance(s, A.shape)[:, None], -1)
+                o["rank_rel1e-6"][layer, :, b] = np.sum(s > 1e-6 * s.max(-1, keepdims=True), -1)
+                o["erank"][layer, :, b] = rm.effective_rank(s=s)
+                o["logdet"][layer, :, b] = (rm.block_triangular_logdet(A, P) if blk == "full"
+                                            else rm.triangular_logdet(A))
+                o["n"][layer, :, b] = A.shape[-1]
+    return out
+
+
+def summarize_attention(stats):
+    """Mean over sequences, per layer and head: rank/n, erank/n, mean log diag (logdet/n), full-rank fraction."""
+    summary = {}
+    for blk, o in stats.items():
+        n = o["n"]
+        if np.all(np.isnan(n)):
+            continue
+        with np.errstate(invalid="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN logdet (prefix-LM heads): NaN is the answer
+            summary[blk] = {
+                "rank_frac": np.nanmean(o["rank"] / n, -1).tolist(),
+                "rank_rel1e-6_frac": np.nanmean(o["rank_rel1e-6"] / n, -1).tolist(),
+                "erank_frac": np.nanmean(o["erank"] / n, -1).tolist(),
+                "full_rank_share": np.nanmean(np.where(np.isnan(n), np.nan, o["rank"] == n), -1).tolist(),
+                "logdet_per_token": np.nanmean(o["logdet"] / n, -1).tolist(),
+                "mean_n": float(np.nanmean(n)),
+            }
+    return summary
+
+
+def collapse_stats(hidden, n_B):
+    """Per path and layer (0 = embedding): mean over sequences of the residual ratio, both norms."""
+    out = {}
+    for p, xs in hidden.items():
+        out[p] = {norm: [float(np.mean([rm.residual_ratio(x[b, :n], norm) for b, n in enumerate(n_B)]))
+                         for x in xs] for norm in ("l1linf", "fro")}
+    return out
+
+
+def analyse(model, batch):
+    """The whole analysis of one batch of validation rows -> JSON-ready dict."""
+    probs, hidden = forward_paths(model, batch)
+    n_B = np.asarray(batch["segment_ids"]).sum(-1).astype(int)
+    prefix = batch.get("prefix_len")
+    stats = attention_stats(probs, n_B, None if prefix is None else np.asarray(prefix))
+    return {
+        "mask": model.cfg.mask,
+        "rope": bool(model.cfg.rope),
+        "n_layers": model.cfg.n_layers,
+        "n_heads": model.cfg.n_heads,
+        "head_dim": model.cfg.head_dim,
+        "sequences": len(n_B),
+        "tolerance": "rank: S.max * n * eps(float32) (numpy matrix_rank default); rank_rel1e-6: 1e-6 * S.max",
+        "collapse_norm": "l1linf: sqrt(||R||_1 ||R||_inf) (Dong et al. 2021); fro: Frobenius",
+        "attention": summarize_attention(stats),
+        "collapse": collapse_stats(hidden, n_B),
+        "spectrum": mean_spectra(probs, n_B),
+    }
+
+
+def mean_spectra(probs, n_B, points: int = 50):
+    """Per layer and head: singular values / S.max on a common grid of index/n (mean over sequences)."""
+    grid = np.linspace(0, 1, points)
+    out = []
+    for p in probs:
+        curves = []
+        for b, n in enumerate(n_B):
+            s = rm.singular_values(p[b, :, :n, :n])
+            s = s / s[:, :1]
+            curves.append([np.interp(grid, np.arange(n) / max(n - 1, 1), s_h) for s_h in s])
+        out.append(np.mean(curves, 0).tolist())
+    return out
+
+
+def select_rows(rows, sequences: int):
+    """Up to `sequences` rows spread evenly over the validation set (so every domain is represented)."""
+    n = len(rows["tokens"])
+    idx = np.unique(np.linspace(0, n - 1, min(sequences, n)).round().astype(int))
+    return {k: v[idx] for k, v in rows.items()}
+
+
+def run_rank(workdir, sequences: int = 16, step=None, out=None, plots: bool = True) -> dict:
+    from train.checkpoint import load_model, meta_config
+    from train.inputs import eval_rows
+
+    model, meta = load_model(workdir, step)
+    config = meta_config(meta)
+    result = analyse(model, select_rows(eval_rows(config), sequences))
+    result.update(workdir=str(workdir), step=int(meta["step"]))
+    if out is not None:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "rank.json").write_text(json.dumps(result, indent=1))
+        if plots:
+            from analysis.rank_plots import plot_all
+
+            plot_all(result, out)
+    return result
+
+
+def main(argv=None):
+    from train.errors import UserError, exit_with
+
+    ap = argparse.ArgumentParser(prog="python -m analysis.rank", description=__doc__.splitlines()[0])
+    ap.add_argument("--workdir", required=True, help="a trained run directory (with checkpoints/)")
+    ap.add_argument("--out", default=None, help="output directory (default WORKDIR/rank)")
+    ap.add_argument("--sequences", type=int, default=16, help="validation sequences to analyse (default 16)")
+    ap.add_argument("--step", type=int, default=None, help="checkpoint step (default the latest)")
+    args = ap.parse_args(argv)
+    try:
+        if args.sequences <= 0:
+            raise UserError(f"--sequences must be a positive integer, got {args.sequences}")
+        out = Path(args.out) if args.out else Path(args.workdir) / "rank"
+        r = run_rank(args.workdir, args.sequences, args.step, out)
+    except UserError as e:
+        exit_with(e)
+    print_summary(r, out)
+
+
+def print_summary(r, out=None, file=sys.stdout):
+    print(f"mask={r['mask']} rope={r['rope']} sequences={r['sequences']}", file=file)
+    for blk, s in r["attention"].items():
+        for layer, (rk, er, ld) in enumerate(zip(s["rank_frac"], s["erank_frac"], s["logdet_per_token"])):
+            print(f"  {blk:6s} layer {layer}: rank/n {np.round(rk, 3).tolist()} erank/n {np.round(er, 3).tolist()} "
+                  f"logdet/n {np.round(ld, 2).tolist()}", file=file)
+    for p, c in r["collapse"].items():
+        print(f"  collapse {p:9s} (l1/linf): {np.round(c['l1linf'], 3).tolist()}", file=file)
+    if out is not None:
+        print(f"wrote {out}/rank.json and plots", file=file)
+
+
+if __name__ == "__main__":
+    main()
