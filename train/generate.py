@@ -93,6 +93,20 @@ def load_run(workdir, step=None):
     return model, tok
 
 
+def for_inference(model):
+    """The same weights with dropless dispatch: capacity / expert_parallel dispatch may drop token copies (a
+    training-time bound); generation, like the HF export, routes every token to its experts."""
+    if model.cfg.dispatch in ("dropless", "reference"):
+        return model
+    from flax import nnx
+
+    from moe.model import Transformer
+
+    cfg = model.cfg.replace(dispatch="dropless")
+    graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))[0]
+    return nnx.merge(graphdef, nnx.split(model)[1])
+
+
 def continue_ids(model, prompt_ids, *, max_new_tokens=64, temperature=0.0, top_p=1.0, seed=0) -> list[int]:
     """New token ids after `prompt_ids`, cut before the first EOS (which is not returned)."""
     import jax
@@ -102,7 +116,7 @@ def continue_ids(model, prompt_ids, *, max_new_tokens=64, temperature=0.0, top_p
     from moe.decode import generate
     from train.data.tokenizer import EOS_ID
 
-    new = generate(model, jnp.asarray([prompt_ids], jnp.int32), jax.random.key(seed),
+    new = generate(for_inference(model), jnp.asarray([prompt_ids], jnp.int32), jax.random.key(seed),
                    max_new_tokens=max_new_tokens, temperature=float(temperature), top_p=float(top_p))
     new = np.asarray(new)[0].tolist()
     return new[:new.index(EOS_ID)] if EOS_ID in new else new
