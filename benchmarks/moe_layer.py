@@ -1,0 +1,74 @@
+"""The routed experts alone (forward + backward), per dispatch path, against a dense SwiGLU FFN with the same
+active FLOPs (width top_k * moe_d_ff), at n_routed_experts = 8 and 64 (fixed top-k and expert width).
+
+    python -m benchmarks.moe_layer --preset cpu
+"""
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.common import DISPATCHES, PRESETS, describe, table, time_fn
+from moe import expert_parallel, experts, router
+
+
+def _routed_fn(dispatch: str, capacity_factor: float, group_size: int):
+    if dispatch == "dropless":
+        return experts.dropless
+    if dispatch == "capacity":
+        return functools.partial(experts.capacity, capacity_factor=capacity_factor, group_size=group_size)
+    if dispatch == "expert_parallel":  # one device: the all_to_all-free single-shard version of the same math
+        return lambda *a: expert_parallel.dispatch(*a, capacity_factor=capacity_factor)[0]
+    raise ValueError(f"unknown dispatch {dispatch!r}")
+
+
+def bench(preset: str, n_experts: int, dispatches, capacity_factor: float = 1.25) -> list[dict]:
+    p = PRESETS[preset]
+    m = p["model"]
+    T, D, F, K = p["batch"] * p["seq_len"], m["d_model"], m["moe_d_ff"], m["top_k"]
+    dt = jnp.dtype(m["dtype"])
+    ks = jax.random.split(jax.random.key(0), 6)
+    x = jax.random.normal(ks[0], (T, D), dt)
+    w_router = jax.random.normal(ks[1], (D, n_experts), jnp.float32) * D**-0.5
+    ws = [(jax.random.normal(k, s, jnp.float32) * s[1] ** -0.5).astype(dt)
+          for k, s in zip(ks[2:5], [(n_experts, D, F), (n_experts, D, F), (n_experts, F, D)])]
+    _, ids, gates = jax.jit(functools.partial(router.route, top_k=K))(x.astype(jnp.float32), w_router,
+                                                                       jnp.zeros(n_experts))
+    flops = 6 * T * K * 3 * D * F  # fwd + bwd of K expert SwiGLUs per token
+    rows = []
+
+    def add(name, fn, *args):
+        step = jax.jit(jax.grad(lambda x, *w: fn(x, *w).astype(jnp.float32).sum(), argnums=(0, 1, 2, 3)))
+        s = time_fn(step, *args, steps=p["steps"])
+        rows.append({"path": name, "experts": n_experts, "tokens": T, "ms": s * 1e3, "TFLOP/s": flops / s / 1e12})
+
+    for d in dispatches:
+        fn = _routed_fn(d, capacity_factor, p["seq_len"])
+        add(d, lambda x, wg, wu, wd, fn=fn: fn(x, ids, gates, wg, wu, wd), x, *ws)
+    dense = [(jax.random.normal(k, s, jnp.float32) * s[0] ** -0.5).astype(dt)
+             for k, s in zip(ks[2:5], [(D, K * F), (D, K * F), (K * F, D)])]
+    add("dense FFN (same active FLOPs)", experts.swiglu, x, *dense)
+    base = rows[-1]["ms"]
+    for r in rows:
+        r["x dense"] = r["ms"] / base
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
+    ap.add_argument("--dispatch", default=",".join(DISPATCHES))
+    ap.add_argument("--experts", default="8,64")
+    ap.add_argument("--capacity_factor", type=float, default=1.25)
+    a = ap.parse_args(argv)
+    print(describe())
+    rows = []
+    for e in map(int, a.experts.split(",")):
+        rows += bench(a.preset, e, a.dispatch.split(","), a.capacity_factor)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""The whole jitted train step for a config on this backend: step time, tokens/s, MFU, peak device memory, per
+dispatch path and routed-expert count (8 -> 64 at fixed top-k and expert width: the step-time ratio).
+
+    python -m benchmarks.train_step --preset cpu
+    python -m benchmarks.train_step --preset gpu --dispatch dropless,capacity --experts 8,64
+
+MFU = model FLOPs (moe.accounting.train_flops_per_token, the loop's figure) / the measured peak of a large matmul
+(bf16 on accelerators, fp32 on CPU: train.flops.measure_peak_flops) x devices.
+"""
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
+
+from benchmarks.common import DISPATCHES, PRESETS, describe, peak_memory_gb, table, time_fn
+from configs.base import base_config
+from moe import train_flops_per_token
+from moe.sharding import use_mesh
+from train import mesh as mesh_lib
+from train import optim
+from train.config import check
+from train.flops import measure_peak_flops
+from train.state import init_state
+from train.step import make_train_step
+
+
+def _config(preset: str, dispatch: str, n_experts: int, capacity_factor: float):
+    p = PRESETS[preset]
+    c = base_config()
+    c.model.update(**p["model"], n_routed_experts=n_experts, dispatch=dispatch, capacity_factor=capacity_factor)
+    c.data.seq_len = p["seq_len"]
+    c.train.update(batch_size=p["batch"], steps=1000, warmup_steps=10)
+    return c
+
+
+def _batch(B: int, L: int, V: int, mesh):
+    tokens = jax.random.randint(jax.random.key(1), (B, L + 1), 0, V)
+    b = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": jnp.ones((B, L), jnp.int32),
+         "positions": jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L)),
+         "loss_mask": jnp.ones((B, L), jnp.float32), "domains": jnp.zeros((B, L), jnp.int32)}
+    return jax.device_put(b, NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
+
+
+def bench(preset, dispatch, n_experts, peak, capacity_factor=1.25) -> dict:
+    c = _config(preset, dispatch, n_experts, capacity_factor)
+    mcfg, t = check(c), c.train
+    mesh = mesh_lib.make_mesh(c.mesh)
+    tx = optim.optimizer(t)
+    graphdef, state, shardings = init_state(mcfg, tx, 0, mesh)
+    step = make_train_step(graphdef, tx, optim.schedule(t), t)
+
+    @jax.jit
+    def run(state, batch):
+        with use_mesh(mesh):
+            return step(state, batch)
+
+    batch = _batch(t.batch_size, c.data.seq_len, mcfg.vocab_size, mesh)
+    s = time_fn(lambda: run(state, batch)[1]["loss"], steps=PRESETS[preset]["steps"])
+    tokens = t.batch_size * c.data.seq_len
+    flops = train_flops_per_token(mcfg, c.data.seq_len) * tokens
+    return {"dispatch": dispatch, "experts": n_experts, "top_k": mcfg.top_k, "tokens/step": tokens,
+            "step ms": s * 1e3, "tokens/s": tokens / s, "MFU %": 100 * flops / s / (peak * jax.device_count()),
+            "peak GiB": peak_memory_gb()}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
+    ap.add_argument("--dispatch", default=",".join(DISPATCHES))
+    ap.add_argument("--experts", default="8,64")
+    ap.add_argument("--capacity_factor", type=float, default=1.25)
+    ap.add_argument("--peak_flops", type=float, default=0.0, help="per device; 0 measures a large matmul")
+    a = ap.parse_args(argv)
+    peak = a.peak_flops or measure_peak_flops()
+    print(describe() + f" | matmul peak {peak / 1e12:.3g} TFLOP/s per device")
+    experts_list = [int(e) for e in a.experts.split(",")]
+    rows = [bench(a.preset, d, e, peak, a.capacity_factor) for d in a.dispatch.split(",") for e in experts_list]
+    print(table(rows))
+    if len(experts_list) == 2:
+        for d in a.dispatch.split(","):
+            lo, hi = (r["step ms"] for r in rows if r["dispatch"] == d)
+            print(f"{d}: step time x{hi / lo:.3f} from {experts_list[0]} to {experts_list[1]} routed experts")
+
+
+if __name__ == "__main__":
+    main()
