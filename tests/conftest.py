@@ -6,6 +6,10 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Identical programs compiled again in the same session (several train.loop.run calls) hit this cache.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", f"/tmp/moe-lm-jax-cache-{os.getpid()}")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import pytest  # noqa: E402  (after XLA_FLAGS on purpose)
 

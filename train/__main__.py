@@ -13,19 +13,22 @@ DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "defau
 
 
 def parse_flags(argv):
+    """(config, workdir) from argv; a fresh FlagValues per call, so main() can run several times in-process."""
     from absl import flags
     from ml_collections import config_flags
 
-    flags.DEFINE_string("workdir", "runs/default", "Run directory: checkpoints, metrics.jsonl, tensorboard/.")
+    fv = flags.FlagValues()
+    flags.DEFINE_string("workdir", "runs/default", "Run directory: checkpoints, metrics.jsonl, tensorboard/.",
+                        flag_values=fv)
     config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Config file (ml_collections get_config()).",
-                                    lock_config=True)
+                                    flag_values=fv, lock_config=True, sys_argv=list(argv))
     try:
-        flags.FLAGS(argv)
-        config = flags.FLAGS.config
+        fv(argv)
+        return fv.config, fv.workdir
+    except KeyError as e:
+        raise UserError(f"unknown config key {e.args[0]!r} on the command line; configs/base.py lists the keys") from None
     except (flags.Error, AttributeError, KeyError, ValueError, TypeError, OSError, ImportError) as e:
         raise UserError(f"bad command line: {e}") from None
-    extra = flags.FLAGS.get_flag_value("workdir", None)
-    return config, extra
 
 
 def main(argv=None):

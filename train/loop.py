@@ -132,9 +132,9 @@ def run(config, workdir, log=print) -> dict:
         """Host side of step `step`: NaN check every step; log every log.every steps."""
         nonlocal last, timer
         host = jax.device_get(metrics)
-        if not (math.isfinite(float(host["loss"])) and math.isfinite(float(host["grad_norm"]))):
+        if not all(math.isfinite(float(host[k])) for k in ("loss", "grad_norm", "param_norm")):
             good = f"the last good checkpoint is step {last_saved}" if last_saved else "no checkpoint was saved"
-            raise UserError(f"loss or gradient became NaN/Inf at step {step}; stopped, {good} in {workdir}; "
+            raise UserError(f"loss, gradients or parameters became NaN/Inf at step {step}; stopped, {good} in {workdir}; "
                             "lower train.lr or raise train.warmup_steps")
         if bar is not None:
             bar.update(1)

@@ -66,6 +66,7 @@ def make_train_step(graphdef, tx, lr_schedule, t):
             "loss": ce_sum / n_targets,
             "balance_loss": bal / t.grad_accum,
             "grad_norm": optax.global_norm(grads),
+            "param_norm": optax.global_norm(params),  # non-finite params must never reach a checkpoint
             "lr": lr_schedule(state["step"]),
             "targets": n_targets,
             "maxvio": jax.vmap(router.max_violation)(load_MxE) if n_moe else jnp.zeros((0,)),

@@ -153,6 +153,7 @@ def prepare(data_dir=None, corpus_dir=None) -> MoeCorpus:
     """The `moe_corpus` builder, prepared into data_dir (a no-op when this exact corpus is already there)."""
     builder = MoeCorpus(corpus_dir=corpus_dir or DEFAULT_CORPUS_DIR, data_dir=data_dir or DEFAULT_DATA_DIR,
                         file_format="array_record")
+    tfds.disable_progress_bar()  # TFDS's bars would break the one-line error contract of the CLIs
     builder.download_and_prepare()
     return builder
 

@@ -1,0 +1,125 @@
+"""The training loop: bitwise resume, NaN stop, bad input (one line, exit 2), CLI smoke run, SIGTERM."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import tiny_config
+from train.__main__ import main
+from train.errors import UserError
+from train.loop import run
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = str(ROOT / "configs" / "tiny.py")
+
+
+def _metrics(workdir):
+    """Last logged value per (step, key) of the training rows."""
+    rows = [json.loads(x) for x in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if "loss" in r}
+
+
+def test_resume_is_bitwise_exact(tmp_path):
+    c = tiny_config(**{"train.steps": 8, "checkpoint.every": 4, "log.every": 1, "eval.every": 100})
+    a, b = tmp_path / "a", tmp_path / "b"
+    run(c, a, log=lambda *x: None)
+    run(c, b, log=lambda *x: None)
+    shutil.rmtree(b / "checkpoints" / "8")  # as if the run had been killed after saving step 4
+    run(c, b, log=lambda *x: None)  # resumes from step 4
+    ma, mb = _metrics(a), _metrics(b)
+    for step in range(5, 9):
+        for key in ("loss", "grad_norm", "param_norm", "moe/layer_1/bias_range"):
+            assert ma[step][key] == mb[step][key], (step, key)
+
+
+def test_nan_stops_and_keeps_last_good_checkpoint(tmp_path):
+    good = tiny_config(**{"train.steps": 4, "checkpoint.every": 2})
+    run(good, tmp_path, log=lambda *x: None)
+    bad = tiny_config(**{"train.steps": 8, "checkpoint.every": 1, "train.lr": 1e38, "train.warmup_steps": 1})
+    with pytest.raises(UserError, match=r"NaN/Inf at step 5.*last good checkpoint is step 4"):
+        run(bad, tmp_path, log=lambda *x: None)
+    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [2, 4]
+
+
+def _cli_error(capsys, *args):
+    with pytest.raises(SystemExit) as e:
+        main(["train", f"--config={TINY}", *args])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    return err
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--config.mesh.data=3"], "mesh"),
+    (["--config.train.batch_size=6"], "train.batch_size"),
+    (["--config.train.no_such_key=1"], "no_such_key"),
+    (["--config.model.top_k=99"], "model.top_k"),
+    (["--config.data.tokenizer=/nonexistent/tokenizer.json"], "tokenizer"),
+    (["--config.data.name=no_such_dataset"], "no_such_dataset"),
+])
+def test_bad_input_is_one_line_exit_2(tmp_path, capsys, args, expected):
+    err = _cli_error(capsys, f"--workdir={tmp_path}", *args)
+    assert expected in err
+
+
+@pytest.mark.parametrize("content,expected", [(b"", "empty"), (b'{"text": "caf\xe9"}\n', "UTF-8")])
+def test_bad_corpus_file(tmp_path, capsys, content, expected):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "good.jsonl").write_text(json.dumps({"text": "hello world " * 50}) + "\n")
+    (corpus / "bad.jsonl").write_bytes(content)
+    err = _cli_error(capsys, f"--workdir={tmp_path / 'run'}", f"--config.data.corpus_dir={corpus}",
+                     f"--config.data.tfds_data_dir={tmp_path / 'tfds'}")
+    assert "bad.jsonl" in err and expected in err
+
+
+def test_incompatible_checkpoint(tiny_run, tmp_path, capsys):
+    work = tmp_path / "copy"
+    shutil.copytree(tiny_run, work)
+    err = _cli_error(capsys, f"--workdir={work}", "--config.model.d_model=32")
+    assert "model.d_model" in err and "new --workdir" in err
+
+
+def _env():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+@pytest.mark.slow
+def test_cli_smoke_run(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "train", f"--config={TINY}", f"--workdir={tmp_path}",
+                        "--config.train.steps=6", "--config.log.every=2", "--config.log.progress=False"],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = _metrics(tmp_path)
+    assert set(rows) == {2, 4, 6} and rows[6]["loss"] < rows[2]["loss"] + 0.5
+    assert {"tokens_per_sec", "mfu", "lr", "balance_loss", "moe/layer_1/maxvio", "moe/layer_1/dead_experts"} <= set(rows[6])
+    assert (tmp_path / "checkpoints" / "6").is_dir() and list((tmp_path / "tensorboard").iterdir())
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_exits_0(tmp_path):
+    p = subprocess.Popen([sys.executable, "-m", "train", f"--config={TINY}", f"--workdir={tmp_path}",
+                          "--config.train.steps=100000", "--config.log.every=1", "--config.checkpoint.every=100000",
+                          "--config.eval.every=100000", "--config.log.progress=False"],
+                         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.5)
+    p.send_signal(signal.SIGTERM)
+    t0 = time.time()
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err[-2000:]
+    assert time.time() - t0 < 30
+    saved = [int(d.name) for d in (tmp_path / "checkpoints").iterdir() if d.name.isdigit()]
+    assert saved and saved[0] >= 3
