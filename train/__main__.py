@@ -27,7 +27,7 @@ def parse_flags(argv):
         return fv.config, fv.workdir
     except KeyError as e:
         raise UserError(f"unknown config key {e.args[0]!r} on the command line; configs/base.py lists the keys") from None
-    except (flags.Error, AttributeError, KeyError, ValueError, TypeError, OSError, ImportError) as e:
+    except (flags.Error, AttributeError, ValueError, TypeError, OSError, ImportError) as e:
         raise UserError(f"bad command line: {e}") from None
 
 
