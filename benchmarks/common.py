@@ -14,7 +14,7 @@ PRESETS = {
                            first_k_dense=1, vocab_size=4096, n_routed_experts=8, n_shared_experts=1, top_k=2,
                            moe_d_ff=128, dtype="float32"),
                 batch=4, seq_len=256, steps=3),
-    "gpu": dict(model=dict(d_model=2048, n_layers=8, n_heads=16, n_kv_heads=16, head_dim=128, d_ff=8192,
+    "gpu": dict(model=dict(d_model=2048, n_layers=4, n_heads=16, n_kv_heads=16, head_dim=128, d_ff=8192,
                            first_k_dense=1, vocab_size=32768, n_routed_experts=64, n_shared_experts=1, top_k=6,
                            moe_d_ff=1024, dtype="bfloat16"),
                 batch=8, seq_len=2048, steps=10),

@@ -29,7 +29,8 @@ from train.step import make_train_step
 def _config(preset: str, dispatch: str, n_experts: int, capacity_factor: float):
     p = PRESETS[preset]
     c = base_config()
-    c.model.update(**p["model"], n_routed_experts=n_experts, dispatch=dispatch, capacity_factor=capacity_factor)
+    c.model.update(**{**p["model"], "n_routed_experts": n_experts, "dispatch": dispatch,
+                      "capacity_factor": capacity_factor})
     c.data.seq_len = p["seq_len"]
     c.train.update(batch_size=p["batch"], steps=1000, warmup_steps=10)
     return c
