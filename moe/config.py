@@ -51,6 +51,7 @@ class ModelConfig:
     capacity_factor: float = 1.25  # capacity / expert_parallel only; copies past the capacity are dropped
     # Numerics: params are always fp32; activations/matmuls run in `dtype`.
     dtype: str = "float32"
+    remat: bool = False  # recompute each block in the backward pass (activation memory: O(1) blocks, not O(depth))
     init_std: float = 0.02
 
     def __post_init__(self):

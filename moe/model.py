@@ -84,9 +84,13 @@ class Transformer(nnx.Module):
         x_BxLxD = jnp.take(self.embed.value, tokens_BxL, axis=0).astype(dt)
         x_BxLxD = constrain(x_BxLxD, ("batch", "length", "act_embed"))
         new_cache, probs, routing = [], [], []
+        def call(block, x_BxLxD, layer_cache):
+            return block(x_BxLxD, positions_BxL, mask, valid_BxL, layer_cache, cache_index, return_attention)
+
+        if cfg.remat:
+            call = nnx.remat(call)
         for i, block in enumerate(self.blocks):
-            x_BxLxD, c, p, r = block(x_BxLxD, positions_BxL, mask, valid_BxL,
-                                     None if cache is None else cache[i], cache_index, return_attention)
+            x_BxLxD, c, p, r = call(block, x_BxLxD, None if cache is None else cache[i])
             new_cache.append(c)
             probs.append(p)
             if r is not None:

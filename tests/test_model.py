@@ -1,0 +1,47 @@
+"""Whole-model properties: routing capture, accounting against the real parameter tree, remat == no remat."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from moe import param_counts, train_flops_per_token
+from tests.model_fixtures import TINY, tiny_model
+
+
+def test_routing_capture_shapes_and_load():
+    model = tiny_model()
+    cfg = model.cfg
+    tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, cfg.vocab_size)
+    seg = jnp.asarray([[1] * 9, [1] * 6 + [0] * 3])  # three padding tokens
+    _, aux = nnx.jit(lambda m, t, s: m(t, segment_ids_BxL=s, return_routing=True))(model, tokens, seg)
+    routing = aux["routing"]
+    assert len(routing) == cfg.n_moe_layers
+    E, K = cfg.n_routed_experts, cfg.top_k
+    for r, load in zip(routing, aux["expert_load"]):
+        assert r["expert_ids"].shape == (2, 9, K) and r["gates"].shape == (2, 9, K)
+        assert r["scores"].shape == (2, 9, E)
+        assert float(load.sum()) == 15 * K  # padding is not counted
+        np.testing.assert_allclose(np.asarray(r["gates"]).sum(-1), cfg.routed_scaling_factor, rtol=1e-5)
+
+
+def test_param_counts_match_the_tree():
+    for tie in (False, True):
+        model = tiny_model(tie_embeddings=tie)
+        n = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+        assert param_counts(model.cfg)["total"] == n
+        assert param_counts(model.cfg)["active"] < n
+    assert train_flops_per_token(tiny_model().cfg, 128) > 6 * param_counts(tiny_model().cfg)["active"] * 0.5
+
+
+def test_remat_gives_identical_gradients():
+    tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, TINY["vocab_size"])
+
+    def grads(model):
+        def loss(m):
+            logits, aux = m(tokens)
+            return logits.mean() + aux["balance_loss"]
+        return jax.tree.leaves(nnx.state(nnx.jit(nnx.grad(loss))(model), nnx.Param))
+
+    for a, b in zip(grads(tiny_model()), grads(tiny_model(remat=True))):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
