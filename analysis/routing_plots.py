@@ -142,7 +142,7 @@ def plot_locality(result, path):
     ax.set_xticklabels([_layer_name(result, i) for i in range(n_layers)], fontsize=8,
                        rotation=45 if n_layers > 12 else 0)
     ax.set_ylabel("share of consecutive token pairs")
-    ax.set_ylim(0, 1.0)
+    ax.set_ylim(0, 1.04)  # bars at exactly 1 stay visible
     ax.set_title(f"Routing locality vs previous token (top-{int(result['top_k'])} of {int(result['n_experts'])})")
     # Below the axes so tall bars are never hidden; columns pair each metric with its baseline.
     ax.legend(handles=handles, fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.1))
@@ -156,15 +156,17 @@ def plot_vocab_specialization(result, path):
     n_layers, n_experts = spec_LxE.shape
     fig, ax = plt.subplots(figsize=(max(6.0, 0.16 * n_experts + 3), 0.35 * n_layers + 1.8))
     cmap = plt.get_cmap("viridis").with_extremes(bad="lightgrey")
-    im = ax.imshow(np.ma.masked_invalid(spec_LxE), aspect="auto", cmap=cmap, vmin=0, interpolation="nearest")
+    top = 1 / int(result["top_k"])  # a token in its expert's top-k every time gets K of its K*n assignments
+    im = ax.imshow(np.ma.masked_invalid(spec_LxE), aspect="auto", cmap=cmap, vmin=0, vmax=top,
+                   interpolation="nearest")
     ax.set_yticks(np.arange(n_layers))
     ax.set_yticklabels([f"{_layer_name(result, i)} (mean {result['vocab_spec_L'][i]:.2f})"
                         for i in range(n_layers)], fontsize=8)
     _expert_ticks(ax, n_experts)
     ax.set_xlabel("expert (tokens grouped by their most frequent expert; grey = none)")
     ax.set_title(f"Vocabulary specialization ({int(result['vocab_n_eligible'])} token ids seen >= "
-                 f"{int(result.get('vocab_min_count', 10))} times; "
-                 f"uniform 1/E = {1 / n_experts:.3f})", fontsize=9)
+                 f"{int(result.get('vocab_min_count', 10))} times)\nuniform 1/E = {1 / n_experts:.3f}, "
+                 f"always the same expert 1/K = {top:.3f}", fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02, label="share to top expert")
     return _save(fig, path)
 

@@ -62,7 +62,7 @@ def vocab_specialization(tok_counts_LxVxE, tok_n_V, top_k, min_count=10):
     """OLMoE vocabulary specialization over top-k assignments.
 
     For a token id v seen n_v >= min_count times: spec[l, v] = max_e count[l, v, e] / (K * n_v), the share of
-    its K * n_v assignments that go to its most frequent expert (1 = always the same expert, uniform = 1/E).
+    its K * n_v assignments that go to its most frequent expert (1/K = in every top-k, uniform = 1/E).
     Returns (spec_LxE, mean_L, n_eligible): spec_LxE[l, e] is the mean spec over eligible tokens whose most
     frequent expert is e (NaN if none); mean_L is the unweighted mean over eligible tokens."""
     eligible_V = np.asarray(tok_n_V) >= min_count
