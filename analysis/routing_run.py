@@ -107,7 +107,7 @@ def domain_rows(config, split, max_tokens):
     """Yields (domain id, sampler rows function, n_rows) per domain of `split`, plus the domain names."""
     d = config.data
     try:
-        cache = inputs._cache(d, split)
+        cache = inputs.token_cache_for(d, split)
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 - a bad split name surfaces as a TFDS / file error

@@ -36,7 +36,7 @@ def tokenizer_path(data_cfg) -> Path:
     return path
 
 
-def _cache(data_cfg, split: str):
+def token_cache_for(data_cfg, split: str):
     src = tfds_corpus.load_source(data_cfg.name, split, data_dir=data_cfg.tfds_data_dir or None,
                                   corpus_dir=data_cfg.corpus_dir or None, text_field=data_cfg.text_field)
     cache = packing.token_cache(src, tokenizer_path(data_cfg), cache_dir=data_cfg.token_cache_dir or None)
@@ -47,7 +47,7 @@ def _cache(data_cfg, split: str):
 
 def sampler(config):
     d, t = config.data, config.train
-    cache = _cache(d, d.split)
+    cache = token_cache_for(d, d.split)
     if d.task == "prefix":
         return PrefixSampler(cache, d.seq_len, t.seed, d.prefix_frac, t.prefix_loss), cache.domain_names
     return packing.PackedSampler(cache, d.seq_len, t.seed), cache.domain_names
@@ -69,7 +69,7 @@ def eval_rows(config) -> dict:
     LM task: rows packed from that domain's validation documents alone. Prefix task: one document per row.
     """
     d, e = config.data, config.eval
-    cache = _cache(d, d.eval_split)
+    cache = token_cache_for(d, d.eval_split)
     parts = []
     for dom in np.unique(cache.domains):
         sub = domain_subset(cache, int(dom))
