@@ -1,8 +1,8 @@
 """Reproducible studies of the arguments for decoder-only LMs (issue 6; docs/decoder-only.md).
 
     python -m analysis.experiments compare-masks --config configs/compare_masks.py \
-        --masks causal,prefix,mixed --seeds 3 --steps 300 [--nope] [--out runs/compare_masks] \
-        [--config.train.batch_size=8 ...]
+        --masks causal,prefix,mixed --seeds 3 --steps 150 [--nope] [--out runs/compare_masks] \
+        [--report_only] [--config.train.batch_size=8 ...]
 
 Trains every (mask, position encoding, seed) with everything else identical: the same config, data order
 (train.seed = seed index), initial weights (parameters do not depend on the mask), parameter count, steps and
@@ -144,24 +144,44 @@ def train_one(config, workdir, log=print, run_fn=None) -> dict:
     return result
 
 
-def compare_masks(base, masks, seeds: int, steps: int, nope: bool, out, log=print, run_fn=None) -> Path:
-    """Train every variant x seed (resuming / skipping finished runs), then write the report. Returns its path."""
+def cached_result(config, workdir):
+    """The finished run's result if `workdir` holds one for this config, else None."""
+    cache = Path(workdir) / "result.json"
+    if not cache.exists():
+        return None
+    result = json.loads(cache.read_text())
+    return result if result.get("fingerprint") == fingerprint(config) else None
+
+
+def compare_masks(base, masks, seeds: int, steps: int, nope: bool, out, log=print, run_fn=None,
+                  report_only: bool = False) -> Path:
+    """Train every variant x seed (resuming / skipping finished runs), then write the report. Returns its path.
+    report_only: train nothing; report the finished runs (the report lists the missing ones)."""
     from analysis.experiments_report import write_report
     from train.config import check
 
     out = Path(out)
-    runs = [(m, r, s) for m, r in variants(masks, nope) for s in range(seeds)]
+    # seed-major: a study cut short still has every variant at each completed seed
+    runs = [(m, r, s) for s in range(seeds) for m, r in variants(masks, nope)]
     for m, r, s in runs:  # validate every config before training anything
         check(run_config(base, m, r, s, steps))
-    results = []
+    results, missing = [], []
     for i, (m, r, s) in enumerate(runs):
+        workdir = out / variant_name(m, r) / f"seed{s}"
+        if report_only:
+            res = cached_result(run_config(base, m, r, s, steps), workdir)
+            (results if res else missing).append(res or f"{variant_name(m, r)} seed {s}")
+            continue
         log(f"[{i + 1}/{len(runs)}] {variant_name(m, r)} seed {s}")
-        results.append(train_one(run_config(base, m, r, s, steps), out / variant_name(m, r) / f"seed{s}",
-                                 log, run_fn))
+        results.append(train_one(run_config(base, m, r, s, steps), workdir, log, run_fn))
+    if not results:
+        raise UserError(f"no finished runs in {out} for these settings; run without --report_only first")
+    if missing:
+        log(f"reporting {len(results)} finished runs; not finished: {', '.join(missing)}")
     from train.config import model_config
 
     cost = attention_cost(base, model_config(base))
-    return write_report(results, out / "report", cost, base)
+    return write_report(results, out / "report", cost, base, missing)
 
 
 def parse_flags(argv):
@@ -170,7 +190,7 @@ def parse_flags(argv):
 
     fv = flags.FlagValues()
     config_flags.DEFINE_config_file("config", "configs/compare_masks.py", "Study config (ml_collections).",
-                                    flag_values=fv, lock_config=True)
+                                    flag_values=fv, lock_config=True, sys_argv=list(argv))
     flags.DEFINE_string("masks", "causal,prefix,mixed", "Comma-separated masks to compare.", flag_values=fv)
     flags.DEFINE_integer("seeds", 3, "Seeds per variant (train.seed = 0 .. seeds-1).", flag_values=fv)
     flags.DEFINE_integer("steps", None, "Training steps per run (default: the config's train.steps).",
@@ -178,6 +198,7 @@ def parse_flags(argv):
     flags.DEFINE_bool("nope", False, "Also train every mask without position encoding (model.rope=False).",
                       flag_values=fv)
     flags.DEFINE_string("out", "runs/compare_masks", "Study directory (runs, caches, report/).", flag_values=fv)
+    flags.DEFINE_bool("report_only", False, "Train nothing: report the finished runs.", flag_values=fv)
     try:
         rest = fv(argv)
     except (flags.Error, AttributeError, KeyError, ValueError, TypeError, OSError, ImportError) as e:
@@ -198,7 +219,7 @@ def parse_flags(argv):
     config = fv.config
     with config.unlocked():
         config.data.task = "prefix"
-    return config, masks, fv.seeds, steps, fv.nope, fv.out
+    return config, masks, fv.seeds, steps, fv.nope, fv.out, fv.report_only
 
 
 def main(argv=None):
@@ -207,13 +228,13 @@ def main(argv=None):
 
     argv = sys.argv if argv is None else argv
     try:
-        config, masks, seeds, steps, nope, out = parse_flags(argv)
+        config, masks, seeds, steps, nope, out, report_only = parse_flags(argv)
         cache_dir = Path(out) / ".jax_cache"  # the same mask's graph is compiled once for all seeds
         import jax
 
         jax.config.update("jax_compilation_cache_dir", str(cache_dir.absolute()))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-        report = compare_masks(config, masks, seeds, steps, nope, out)
+        report = compare_masks(config, masks, seeds, steps, nope, out, report_only=report_only)
     except (UserError, ConfigError) as e:
         exit_with(e)
     except Interrupted as e:

@@ -76,16 +76,21 @@ def plot_val_loss(groups, path):
     plt.close(fig)
 
 
+def _aligned(runs, key):
+    """(steps, values [seeds, steps]) on the steps every seed logged (a resumed run logs a few extra steps)."""
+    curves = [dict(r[key]) for r in runs.values()]
+    steps = sorted(set.intersection(*(set(c) for c in curves)))
+    return np.array(steps), np.array([[c[s] for s in steps] for c in curves])
+
+
 def plot_curves(groups, path):
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     for i, (n, runs) in enumerate(groups.items()):
         style = dict(color=f"C{i % 10}", linestyle="-" if "nope" not in n else "--")
-        steps = np.array([s for s, _ in next(iter(runs.values()))["train_curve"]])
-        curves = np.array([[v for _, v in r["train_curve"]] for r in runs.values()])
+        steps, curves = _aligned(runs, "train_curve")
         axes[0].plot(steps, curves.mean(0), label=n, **style)
         axes[0].fill_between(steps, curves.min(0), curves.max(0), alpha=0.15, color=style["color"])
-        vsteps = [s for s, _ in next(iter(runs.values()))["val_curve"]]
-        vals = np.array([[v for _, v in r["val_curve"]] for r in runs.values()])
+        vsteps, vals = _aligned(runs, "val_curve")
         axes[1].plot(vsteps, vals.mean(0), marker="o", ms=4, label=n, **style)
     axes[0].set_title("training loss (output part), mean over seeds, band = min..max", fontsize=9)
     axes[1].set_title("validation loss, mean over seeds", fontsize=9)
@@ -94,7 +99,7 @@ def plot_curves(groups, path):
         ax.set_ylabel("loss")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    lo = min(np.min([[v for _, v in r["val_curve"]] for r in rs.values()]) for rs in groups.values())
+    lo = min(v for rs in groups.values() for r in rs.values() for _, v in r["val_curve"])
     axes[0].set_ylim(lo - 0.3, lo + 3.0)
     fig.tight_layout()
     fig.savefig(path, dpi=DPI)
@@ -140,7 +145,7 @@ def plot_rank(table, path):
     plt.close(fig)
 
 
-def write_report(results, out, cost, base_config=None) -> Path:
+def write_report(results, out, cost, base_config=None, missing=()) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     groups = group(results)
@@ -153,9 +158,11 @@ def write_report(results, out, cost, base_config=None) -> Path:
 
     r0 = results[0]
     lines = ["# compare-masks report", "",
-             f"{len(results)} runs: {len(groups)} variants x {len(next(iter(groups.values())))} seeds, "
+             f"{len(results)} runs: {len(groups)} variants x up to {max(len(g) for g in groups.values())} seeds, "
              f"{r0['steps']} steps each, {r0['params']['total'] / 1e6:.2f}M parameters "
              f"({r0['params']['active'] / 1e6:.2f}M active) in every variant.", ""]
+    if missing:
+        lines += [f"**Partial study**: {len(missing)} runs not finished: {', '.join(missing)}.", ""]
     if base_config is not None:
         m, d, t = base_config.model, base_config.data, base_config.train
         lines += [f"Model: d_model {m.d_model}, {m.n_layers} layers ({m.first_k_dense} dense), {m.n_heads} heads "

@@ -29,40 +29,52 @@ PATHS = ("full", "no_mlp", "no_skip", "pure_attn")
 
 
 def forward_paths(model, batch):
-    """Attention probabilities [B,H,L,L] per layer (trained model) and block outputs [B,L,D] per path and layer.
+    """Attention probabilities [B,H,L,L] per layer (trained model) and block outputs [B,L,D] per path and layer
+    (NumPy). Index 0 of each path's list is the embedding. Compiled once per model config."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
 
-    Re-wires the model's own modules (attn_norm, attn, ffn_norm, ffn) exactly as moe.model.Block does, with the
-    residual adds and/or the FFN switched off; index 0 of each path's list is the embedding.
-    """
+    graphdef, state = nnx.split(model)
+    keys = ("tokens", "segment_ids", "positions", "prefix_len")
+    arrays = {k: jnp.asarray(batch[k]) for k in keys if k in batch}
+    fn = _compiled.get(graphdef)
+    if fn is None:
+        fn = _compiled[graphdef] = jax.jit(lambda st, b: _paths(nnx.merge(graphdef, st), b))
+    probs, hidden = jax.device_get(fn(state, arrays))
+    return [np.asarray(p) for p in probs], {p: [np.asarray(x) for x in xs] for p, xs in hidden.items()}
+
+
+_compiled = {}
+
+
+def _paths(model, batch):
+    """Re-wires the model's own modules (attn_norm, attn, ffn_norm, ffn) exactly as moe.model.Block does, with
+    the residual adds and/or the FFN switched off."""
     import jax.numpy as jnp
 
     from moe.masks import attention_mask
 
     cfg = model.cfg
-    tokens = jnp.asarray(batch["tokens"])
+    tokens, seg, pos = batch["tokens"], batch["segment_ids"], batch["positions"]
     B, L = tokens.shape
-    seg = jnp.asarray(batch["segment_ids"])
-    pos = jnp.asarray(batch["positions"])
-    prefix = batch.get("prefix_len")
     idx = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
-    mask = attention_mask(cfg.mask, idx, idx, n_heads=cfg.n_heads,
-                          prefix_len_B=None if prefix is None else jnp.asarray(prefix),
+    mask = attention_mask(cfg.mask, idx, idx, n_heads=cfg.n_heads, prefix_len_B=batch.get("prefix_len"),
                           q_seg_BxQ=seg, k_seg_BxK=seg)
     valid = seg > 0
     x0 = jnp.take(model.embed.value, tokens, axis=0).astype(jnp.dtype(cfg.dtype))
 
     def ffn(block, h):
-        out = block.ffn(block.ffn_norm(h), valid) if block.is_moe else block.ffn(block.ffn_norm(h))
-        return out[0] if block.is_moe else out
+        return block.ffn(block.ffn_norm(h), valid)[0] if block.is_moe else block.ffn(block.ffn_norm(h))
 
-    hidden = {p: [np.asarray(x0)] for p in PATHS}
+    hidden = {p: [x0] for p in PATHS}
     probs = []
-    xs = {p: x0 for p in PATHS}
+    xs = dict.fromkeys(PATHS, x0)
     for block in model.blocks:
         for p in PATHS:
             a, _, pr = block.attn(block.attn_norm(xs[p]), pos, mask, None, None, p == "full")
             if p == "full":
-                probs.append(np.asarray(pr))
+                probs.append(pr)
                 h = xs[p] + a
                 xs[p] = h + ffn(block, h)
             elif p == "no_mlp":
@@ -71,7 +83,7 @@ def forward_paths(model, batch):
                 xs[p] = ffn(block, a)
             else:
                 xs[p] = a
-            hidden[p].append(np.asarray(xs[p]))
+            hidden[p].append(xs[p])
     return probs, hidden
 
 

@@ -39,10 +39,11 @@ def plot_heads(result, path):
         ax.set_xlabel("head", fontsize=8)
         ax.set_ylim(0, 1.05)
         ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(fontsize=7, loc="lower left")
+    handles, labels_ = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels_, loc="lower center", ncol=len(bars), fontsize=8, frameon=False)
     fig.suptitle(f"Attention rank, mask={result['mask']}, rope={result['rope']} "
                  f"({result['sequences']} val. sequences; tol = S.max*n*eps32)", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=DPI)
     plt.close(fig)
     return path

@@ -1,0 +1,93 @@
+"""analysis.experiments: bootstrap CI, CLI parsing, and the compare-masks study end to end on tiny settings,
+including resuming an interrupted study."""
+
+import json
+
+import numpy as np
+import pytest
+
+from analysis.experiments import Interrupted, compare_masks, parse_flags, variant_name
+from analysis.experiments_report import bootstrap_ci
+from tests.conftest import tiny_config
+from train.errors import UserError
+
+
+def test_bootstrap_ci():
+    m, lo, hi = bootstrap_ci([1.0, 2.0, 3.0])
+    assert m == pytest.approx(2.0) and 1.0 <= lo < m < hi <= 3.0
+    assert bootstrap_ci([5.0, 5.0]) == (5.0, 5.0, 5.0)
+    v = np.random.default_rng(0).normal(size=200)
+    m, lo, hi = bootstrap_ci(v)
+    se = v.std(ddof=1) / np.sqrt(len(v))
+    assert lo == pytest.approx(m - 1.96 * se, abs=0.3 * se) and hi == pytest.approx(m + 1.96 * se, abs=0.3 * se)
+
+
+def test_parse_flags():
+    config, masks, seeds, steps, nope, out, report_only = parse_flags(
+        ["x", "compare-masks", "--masks", "causal,prefix", "--seeds", "2", "--steps", "7", "--nope",
+         "--out", "/tmp/s", "--config.train.batch_size=4"])
+    assert masks == ["causal", "prefix"] and (seeds, steps, nope, out, report_only) == (2, 7, True, "/tmp/s", False)
+    assert config.train.batch_size == 4 and config.data.task == "prefix"
+    for bad in (["x", "compare-masks", "--masks", "causal,bidirectional"], ["x", "compare-masks", "--seeds", "0"],
+                ["x", "compare", "--seeds", "2"], ["x", "compare-masks", "--masks", "causal,causal"]):
+        with pytest.raises(UserError):
+            parse_flags(bad)
+    assert variant_name("prefix", False) == "prefix-nope"
+
+
+def _config():
+    return tiny_config(**{"data.task": "prefix", "data.seq_len": 32, "eval.rows_per_domain": 1,
+                          "train.warmup_steps": 1, "model.n_layers": 2})
+
+
+@pytest.mark.slow
+def test_compare_masks_end_to_end_and_resume(tmp_path):
+    from train.config import to_json
+    from train.loop import run
+
+    base, out = _config(), tmp_path / "study"
+    calls, logs = [], []
+
+    def killed_after_one_step(config, workdir, log):
+        """Trains prefix seed 1 only to step 1, as if the study were killed there (config.json as the full run's)."""
+        calls.append(str(workdir))
+        if workdir.parent.name == "prefix" and workdir.name == "seed1":
+            short = config.copy_and_resolve_references()
+            short.train.steps = 1
+            run(short, workdir, log=log)
+            (workdir / "config.json").write_text(to_json(config))
+            return
+        run(config, workdir, log=log)
+
+    with pytest.raises(Interrupted):
+        compare_masks(base, ["causal", "prefix"], 2, 2, False, out, log=logs.append, run_fn=killed_after_one_step)
+    assert len(calls) == 4  # seed-major order: prefix seed 1 is the last run and not (out / "prefix" / "seed1" / "result.json").exists()
+    partial = compare_masks(base, ["causal", "prefix"], 2, 2, False, out, log=logs.append, report_only=True)
+    assert "Partial study**: 1 runs not finished: prefix seed 1" in partial.read_text()
+
+    calls.clear()
+    report = compare_masks(base, ["causal", "prefix"], 2, 2, False, out, log=logs.append,
+                           run_fn=lambda c, w, log: (calls.append(str(w)), run(c, w, log=log)))
+    assert calls == [str(out / "prefix" / "seed1")]  # finished runs come from their cached result
+    assert any("resuming" in str(m) and "from step 1" in str(m) for m in logs)
+
+    results = json.loads((report.parent / "results.json").read_text())
+    assert sorted((r["mask"], r["seed"]) for r in results) == [("causal", 0), ("causal", 1), ("prefix", 0),
+                                                               ("prefix", 1)]
+    assert all(r["steps"] == 2 and np.isfinite(r["val_loss"]) for r in results)
+    # same data order and initial weights per seed: identical parameter counts, and causal heads full rank
+    assert len({r["params"]["total"] for r in results}) == 1
+    causal = [r for r in results if r["mask"] == "causal"]
+    assert all(np.all(np.asarray(r["attention"]["full"]["rank_frac"]) == 1.0) for r in causal)
+    text = report.read_text()
+    assert "| prefix - causal |" in text and "95% CI" in text
+    for png in ("val_loss.png", "loss_curves.png", "attention_rank.png"):
+        assert (report.parent / png).stat().st_size > 1000
+
+    calls.clear()
+    compare_masks(base, ["causal", "prefix"], 2, 2, False, out, log=logs.append,
+                  run_fn=lambda c, w, log: calls.append(w))
+    assert calls == []  # everything cached
+
+    with pytest.raises(UserError, match="different config"):
+        compare_masks(base, ["causal"], 1, 3, False, out, log=logs.append)
