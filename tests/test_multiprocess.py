@@ -1,6 +1,7 @@
 """Several JAX processes over loopback: 2 processes x 4 fake CPU devices (gloo collectives) train exactly like
-1 process x 8 devices, expert-parallel all_to_all included (mesh data=4, expert=2), and their checkpoints
-resume in a 1-process run and back. The 1-process runs happen in this (8-device) test process."""
+1 process x 8 devices (mesh data=4, expert=2: expert-parallel all_to_all within each process, data parallel
+across), and their checkpoints resume in a 1-process run and back; an all_to_all over an expert axis spanning
+both processes equals the reference. The 1-process runs happen in this (8-device) test process."""
 
 import json
 import os
@@ -33,6 +34,21 @@ for key, value in {overrides!r}.items():
         node = node[p]
     node[leaf] = value
 run(c, sys.argv[1], log=lambda *a: None)
+if len(sys.argv) > 2:  # an all_to_all that crosses processes: the expert axis spans all 8 devices
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec
+    from moe import expert_parallel, experts, router, sharding
+    mesh = sharding.make_mesh(1, 1, 8, 1)
+    rng = np.random.default_rng(0)
+    x, w_router = rng.normal(size=(64, 12)).astype("f4"), rng.normal(size=(12, 8)).astype("f4")
+    ws = [rng.normal(size=s).astype("f4") * 0.3 for s in [(8, 12, 10), (8, 12, 10), (8, 10, 12)]]
+    _, ids, gates = router.route(x, w_router, np.zeros(8, "f4"), top_k=2)
+    ids, gates = np.asarray(ids), np.asarray(gates)
+    want = np.asarray(experts.reference(x, ids, gates, *ws))
+    rep = NamedSharding(mesh, PartitionSpec())
+    args = [jax.make_array_from_callback(a.shape, rep, lambda i, a=a: a[i]) for a in (x, ids, gates, *ws)]
+    y, _ = jax.jit(lambda *a: expert_parallel.dispatch(*a, mesh=mesh))(*args)
+    print("EP_MAX_ERR", max(float(np.abs(np.asarray(s.data) - want[s.index]).max()) for s in y.addressable_shards))
 jax.distributed.shutdown()
 """
 
@@ -43,7 +59,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_two_processes(workdir, cache_dir):
+def _start_two_processes(workdir, cache_dir, *extra):
     port = _free_port()
     procs = []
     for i in range(2):
@@ -53,15 +69,18 @@ def _start_two_processes(workdir, cache_dir):
                # The second 2-process run reuses the first one's compiled programs.
                "JAX_COMPILATION_CACHE_DIR": str(cache_dir), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
                "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
-        procs.append(subprocess.Popen([sys.executable, "-c", WORKER.format(overrides=OVERRIDES), str(workdir)],
+        procs.append(subprocess.Popen([sys.executable, "-c", WORKER.format(overrides=OVERRIDES), str(workdir), *extra],
                                       env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     return procs
 
 
-def _wait(procs):
+def _wait(procs) -> list[str]:
+    outs = []
     for p in procs:
         out, _ = p.communicate(timeout=600)
         assert p.returncode == 0, out.decode()[-3000:]
+        outs.append(out.decode())
+    return outs
 
 
 def _run_here(workdir):
@@ -83,9 +102,11 @@ def _rewind_to_step_2(src, dst):
 
 @pytest.mark.slow
 def test_two_processes_match_one_and_checkpoints_cross_over(tmp_path):
-    procs = _start_two_processes(tmp_path / "two", tmp_path / "jax_cache")  # runs while the 1-process reference trains here
+    # The 2 processes run while the 1-process reference trains here.
+    procs = _start_two_processes(tmp_path / "two", tmp_path / "jax_cache", "check_ep")
     _run_here(tmp_path / "one")
-    _wait(procs)
+    for out in _wait(procs):  # expert-parallel all_to_all across the 2 processes == the loop reference
+        assert float(out.split("EP_MAX_ERR")[1].split()[0]) < 1e-5, out[-2000:]
     one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
     assert sorted(one) == sorted(two) == [1, 2, 3, 4]
     np.testing.assert_allclose([two[s] for s in one], list(one.values()), rtol=1e-5)

@@ -78,6 +78,9 @@ def run(config, workdir, log=print) -> dict:
     t, workdir = config.train, Path(workdir)
     mesh = mesh_lib.make_mesh(config.mesh)
     dp = mesh_lib.data_parallel_size(mesh)
+    if dp % jax.process_count():
+        raise UserError(f"mesh.data x mesh.fsdp ({dp}) must be a multiple of the {jax.process_count()} processes: "
+                        "each process feeds its own batch rows; keep mesh.expert/tensor within a host")
     if t.batch_size % (dp * t.grad_accum):
         raise UserError(f"train.batch_size ({t.batch_size}) must be divisible by the data-parallel size "
                         f"(mesh.data x mesh.fsdp = {dp}) times train.grad_accum ({t.grad_accum})")
