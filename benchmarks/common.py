@@ -1,6 +1,7 @@
 """Shared by the benchmarks: presets, timing, device facts."""
 
 import datetime
+import importlib
 import os
 import platform
 import time
@@ -8,17 +9,31 @@ import time
 import jax
 
 # Shapes per preset. cpu: small enough for a shared 2-core box (figures show relative cost only);
-# gpu: the H100 goal shapes (bf16, sequence 2048).
+# gpu: configs/gpu_1b.py (bf16, sequence 2048, top-6 of 64 experts of width 320), one micro-batch of 16 rows.
 PRESETS = {
     "cpu": dict(model=dict(d_model=128, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=32, d_ff=512,
                            first_k_dense=1, vocab_size=4096, n_routed_experts=8, n_shared_experts=1, top_k=2,
                            moe_d_ff=128, dtype="float32"),
                 batch=4, seq_len=256, steps=3),
-    "gpu": dict(model=dict(d_model=2048, n_layers=4, n_heads=16, n_kv_heads=16, head_dim=128, d_ff=8192,
-                           first_k_dense=1, vocab_size=32768, n_routed_experts=64, n_shared_experts=1, top_k=6,
-                           moe_d_ff=1024, dtype="bfloat16"),
-                batch=8, seq_len=2048, steps=10),
+    "gpu": dict(model="configs.gpu_1b", batch=16, seq_len=2048, steps=10),
 }
+
+
+def preset(name: str, n_experts: int | None = None) -> dict:
+    """The preset with its model fields resolved; n_experts changes the routed-expert count only (top-k and
+    expert width fixed), dropping group-limited routing where the groups would no longer fit."""
+    p = dict(PRESETS[name])
+    if isinstance(p["model"], str):
+        p["model"] = importlib.import_module(p["model"]).get_config().model.to_dict()
+    m = p["model"] = dict(p["model"])
+    if n_experts is not None:
+        m["n_routed_experts"] = n_experts
+        g = m.get("n_group", 1)
+        if n_experts % g or n_experts // g < 2 or m.get("topk_group", 1) * (n_experts // g) < m["top_k"]:
+            m["n_group"] = m["topk_group"] = 1
+    return p
+
+
 DISPATCHES = ("dropless", "capacity", "expert_parallel")
 
 

@@ -10,7 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import DISPATCHES, PRESETS, describe, table, time_fn
+from benchmarks.common import DISPATCHES, PRESETS, describe, preset, table, time_fn
 from moe import expert_parallel, experts, router
 
 
@@ -24,8 +24,8 @@ def _routed_fn(dispatch: str, capacity_factor: float, group_size: int):
     raise ValueError(f"unknown dispatch {dispatch!r}")
 
 
-def bench(preset: str, n_experts: int, dispatches, capacity_factor: float = 1.25) -> list[dict]:
-    p = PRESETS[preset]
+def bench(name: str, n_experts: int, dispatches, capacity_factor: float = 1.25) -> list[dict]:
+    p = preset(name, n_experts)
     m = p["model"]
     T, D, F, K = p["batch"] * p["seq_len"], m["d_model"], m["moe_d_ff"], m["top_k"]
     dt = jnp.dtype(m["dtype"])

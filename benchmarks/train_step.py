@@ -2,7 +2,7 @@
 dispatch path and routed-expert count (8 -> 64 at fixed top-k and expert width: the step-time ratio).
 
     python -m benchmarks.train_step --preset cpu
-    python -m benchmarks.train_step --preset gpu --dispatch dropless,capacity --experts 8,64
+    python -m benchmarks.train_step --preset gpu --dispatch dropless,capacity --experts 8,64   # configs/gpu_1b.py
 
 MFU = model FLOPs (moe.accounting.train_flops_per_token, the loop's figure) / the measured peak of a large matmul
 (bf16 on accelerators, fp32 on CPU: train.flops.measure_peak_flops) x devices.
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from benchmarks.common import DISPATCHES, PRESETS, describe, peak_memory_gb, table, time_fn
+from benchmarks.common import DISPATCHES, PRESETS, describe, peak_memory_gb, preset, table, time_fn
 from configs.base import base_config
 from moe import train_flops_per_token
 from moe.sharding import use_mesh
@@ -26,11 +26,10 @@ from train.state import init_state
 from train.step import make_train_step
 
 
-def _config(preset: str, dispatch: str, n_experts: int, capacity_factor: float):
-    p = PRESETS[preset]
+def _config(name: str, dispatch: str, n_experts: int, capacity_factor: float):
+    p = preset(name, n_experts)
     c = base_config()
-    c.model.update(**{**p["model"], "n_routed_experts": n_experts, "dispatch": dispatch,
-                      "capacity_factor": capacity_factor})
+    c.model.update(**{**p["model"], "dispatch": dispatch, "capacity_factor": capacity_factor})
     c.data.seq_len = p["seq_len"]
     c.train.update(batch_size=p["batch"], steps=1000, warmup_steps=10)
     return c
@@ -44,8 +43,8 @@ def _batch(B: int, L: int, V: int, mesh):
     return jax.device_put(b, NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
 
 
-def bench(preset, dispatch, n_experts, peak, capacity_factor=1.25) -> dict:
-    c = _config(preset, dispatch, n_experts, capacity_factor)
+def bench(name, dispatch, n_experts, peak, capacity_factor=1.25) -> dict:
+    c = _config(name, dispatch, n_experts, capacity_factor)
     mcfg, t = check(c), c.train
     mesh = mesh_lib.make_mesh(c.mesh)
     tx = optim.optimizer(t)
@@ -58,7 +57,7 @@ def bench(preset, dispatch, n_experts, peak, capacity_factor=1.25) -> dict:
             return step(state, batch)
 
     batch = _batch(t.batch_size, c.data.seq_len, mcfg.vocab_size, mesh)
-    s = time_fn(lambda: run(state, batch)[1]["loss"], steps=PRESETS[preset]["steps"])
+    s = time_fn(lambda: run(state, batch)[1]["loss"], steps=PRESETS[name]["steps"])
     tokens = t.batch_size * c.data.seq_len
     flops = train_flops_per_token(mcfg, c.data.seq_len) * tokens
     return {"dispatch": dispatch, "experts": n_experts, "top_k": mcfg.top_k, "tokens/step": tokens,

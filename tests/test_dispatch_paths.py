@@ -61,17 +61,20 @@ def test_local_paths_equal_reference(path):
 
 
 @pytest.mark.parametrize("shape", [(2, 2, 2, 1), (1, 2, 4, 1), (2, 1, 4, 1), (1, 1, 8, 1), (1, 2, 2, 2)])
-def test_expert_parallel_equals_reference(shape):
-    """Tokens sharded over (data, fsdp), expert weights over expert and (ZeRO-3) fsdp along embed."""
+def test_paths_on_meshes_equal_reference(shape):
+    """Tokens sharded over (data, fsdp), expert weights over expert and (ZeRO-3) fsdp along embed: expert-parallel
+    (shard_map + all_to_all), and the auto-sharded dropless and no-drop capacity paths."""
     mesh = sharding.make_mesh(*shape)
     x, w_router, ws = _inputs()
     put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
     x = put(x, P(("data", "fsdp")))
     ws = (put(ws[0], P("expert", "fsdp", "tensor")), put(ws[1], P("expert", "fsdp", "tensor")),
           put(ws[2], P("expert", "tensor", "fsdp")))
-    fn = lambda *a: expert_parallel.dispatch(*a, mesh=mesh)[0]
-    got = jax.jit(jax.value_and_grad(functools.partial(_loss, fn), argnums=(0, 1, 2)))(x, w_router, ws)
-    _assert_close(got, _reference())
+    fns = {"expert_parallel": lambda *a: expert_parallel.dispatch(*a, mesh=mesh)[0], **PATHS}
+    got = jax.jit(lambda *a: {name: jax.value_and_grad(functools.partial(_loss, fn), argnums=(0, 1, 2))(*a)
+                              for name, fn in fns.items()})(x, w_router, ws)
+    for name in fns:
+        _assert_close(got[name], _reference())
 
 
 def _drops_only_unkept(y, keep, x, ids, gates, ws):
