@@ -6,8 +6,9 @@
 
 One document per row (seq 128): the first half is the input, the rest the output, loss on the output only
 (train.prefix_loss=False, as in Su Jianlin's GPT vs UniLM experiment). The model is the default architecture
-scaled down so that 18 runs fit in ~45 minutes on a busy 2-core CPU: 4 layers (1 dense + 3 MoE), d_model 128,
-4 query / 2 kv heads of 32, 8 routed experts (top-2) + 1 shared, RoPE (model.rope=False for --nope).
+scaled down so that 18 runs of 150 steps fit in about an hour on a shared 2-core CPU: 4 layers (1 dense + 3 MoE),
+d_model 64, 4 query / 2 kv heads of 16, 8 routed experts (top-2) + 1 shared, RoPE (model.rope=False for --nope);
+1.39M parameters, 1.22M active.
 model.mask is set per variant by the study runner; everything else is identical across variants.
 """
 
