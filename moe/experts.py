@@ -1,6 +1,7 @@
 """Routed-expert computation: sum_k g_{t,k} * SwiGLU_{e_{t,k}}(x_t).
 
-`dropless` is the fast path (sort token copies by expert, grouped matmul with `jax.lax.ragged_dot`);
+`dropless` is the fast path (sort token copies by expert, grouped matmul: `jax.lax.ragged_dot` on GPU/TPU,
+padded blocks + batched matmuls on CPU);
 `capacity` is GShard-style (one-hot dispatch/combine einsums around batched matmuls, at most C tokens per
 expert and group, the rest dropped); `reference` is the plain loop over experts both are tested against. All take
   x_TxD, ids_TxK (chosen experts), gates_TxK (fp32), and expert weights w_gate/w_up [E,D,F], w_down [E,F,D].
@@ -28,7 +29,47 @@ def reference(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
     return y_TxD.astype(x_TxD.dtype)
 
 
-def dropless(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
+def grouped_swiglu_ragged(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
+    """SwiGLU of expert e on rows of group e (rows sorted by expert) with `jax.lax.ragged_dot`."""
+    h_NxF = jax.nn.silu(jax.lax.ragged_dot(x_NxD, w_gate_ExDxF, group_sizes_E)) * jax.lax.ragged_dot(
+        x_NxD, w_up_ExDxF, group_sizes_E)
+    return jax.lax.ragged_dot(h_NxF, w_down_ExFxD, group_sizes_E)
+
+
+def grouped_swiglu_blocked(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, block: int = 64):
+    """The same grouped SwiGLU with plain batched matmuls: each expert's rows are padded to whole blocks of
+    `block` rows and every block is multiplied by its expert's weights (gathered per block).
+
+    Exact, like ragged_dot, at the cost of at most E * (block - 1) padding rows. XLA:CPU lowers ragged_dot to a
+    dense computation over all experts, so on CPU this is the fast dropless path.
+    """
+    N, D = x_NxD.shape
+    E = group_sizes_E.shape[0]
+    n_blocks = -(-(N + E * (block - 1)) // block)  # static bound on sum_e ceil(size_e / block)
+    padded_E = -(-group_sizes_E // block) * block
+    start_E = jnp.cumsum(group_sizes_E) - group_sizes_E
+    padded_start_E = jnp.cumsum(padded_E) - padded_E
+    expert_N = jnp.repeat(jnp.arange(E), group_sizes_E, total_repeat_length=N)
+    dest_N = padded_start_E[expert_N] + jnp.arange(N) - start_E[expert_N]
+    x_PxD = jnp.zeros((n_blocks * block, D), x_NxD.dtype).at[dest_N].set(x_NxD)
+    # Block b belongs to the expert whose padded range holds its first row (trailing empty blocks: the last one).
+    expert_B = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded_E), jnp.arange(n_blocks) * block, side="right"),
+                           E - 1)
+    x_BxSxD = x_PxD.reshape(n_blocks, block, D)
+    h = jax.nn.silu(jnp.einsum("bsd,bdf->bsf", x_BxSxD, w_gate_ExDxF[expert_B])) * jnp.einsum(
+        "bsd,bdf->bsf", x_BxSxD, w_up_ExDxF[expert_B])
+    y_PxD = jnp.einsum("bsf,bfd->bsd", h, w_down_ExFxD[expert_B]).reshape(n_blocks * block, D)
+    return y_PxD[dest_N]
+
+
+def grouped_swiglu(*args):
+    """ragged_dot where it is a real grouped matmul (GPU/TPU), padded blocks on CPU."""
+    if jax.default_backend() == "cpu":
+        return grouped_swiglu_blocked(*args)
+    return grouped_swiglu_ragged(*args)
+
+
+def dropless(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, grouped=None):
     """Sort the T*K token copies by expert and run each expert on exactly its tokens (no capacity, no drops)."""
     T, K = ids_TxK.shape
     E = w_gate_ExDxF.shape[0]
@@ -36,9 +77,7 @@ def dropless(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
     order_N = jnp.argsort(flat_ids_N, stable=True)
     x_NxD = jnp.take(x_TxD, order_N // K, axis=0)
     group_sizes_E = jnp.bincount(flat_ids_N, length=E).astype(jnp.int32)
-    h_NxF = jax.nn.silu(jax.lax.ragged_dot(x_NxD, w_gate_ExDxF, group_sizes_E)) * jax.lax.ragged_dot(
-        x_NxD, w_up_ExDxF, group_sizes_E)
-    y_sorted_NxD = jax.lax.ragged_dot(h_NxF, w_down_ExFxD, group_sizes_E)
+    y_sorted_NxD = (grouped or grouped_swiglu)(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
     # Undo the sort with a gather by the inverse permutation (its transpose is a scatter-add, cheap in bwd).
     inverse_N = jnp.argsort(order_N)
     y_TxKxD = jnp.take(y_sorted_NxD, inverse_N, axis=0).reshape(T, K, -1)
