@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from moe import experts
+
 TOKEN_AXES = ("data", "fsdp", "expert")  # the token axis of x/ids/gates inside the shard_map
 
 
@@ -42,8 +44,9 @@ def token_shards(mesh) -> int:
 
 
 def _ragged_swiglu(x_MxD, gs_E, w_gate, w_up, w_down):
-    h_MxF = jax.nn.silu(jax.lax.ragged_dot(x_MxD, w_gate, gs_E)) * jax.lax.ragged_dot(x_MxD, w_up, gs_E)
-    return jax.lax.ragged_dot(h_MxF, w_down, gs_E)
+    # The grouped matmul of moe/experts.py (ragged_dot on GPU/TPU, padded blocks on CPU); rows past
+    # sum(gs_E) are padding and come out zero.
+    return experts.grouped_swiglu(x_MxD, gs_E, w_gate, w_up, w_down)
 
 
 def local_dispatch(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, n_shards: int,

@@ -46,11 +46,14 @@ def grouped_swiglu_blocked(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_dow
     N, D = x_NxD.shape
     E = group_sizes_E.shape[0]
     n_blocks = -(-(N + E * (block - 1)) // block)  # static bound on sum_e ceil(size_e / block)
-    padded_E = -(-group_sizes_E // block) * block
-    start_E = jnp.cumsum(group_sizes_E) - group_sizes_E
-    padded_start_E = jnp.cumsum(padded_E) - padded_E
-    expert_N = jnp.repeat(jnp.arange(E), group_sizes_E, total_repeat_length=N)
-    dest_N = padded_start_E[expert_N] + jnp.arange(N) - start_E[expert_N]
+    # Rows past sum(group_sizes) (padding, as ragged_dot allows) form a last group whose output is zeroed.
+    sizes_G = jnp.concatenate([group_sizes_E, (N - group_sizes_E.sum())[None]])
+    padded_G = (-(-sizes_G // block) * block).at[E].set(sizes_G[E])
+    start_G = jnp.cumsum(sizes_G) - sizes_G
+    padded_start_G = jnp.cumsum(padded_G) - padded_G
+    group_N = jnp.repeat(jnp.arange(E + 1), sizes_G, total_repeat_length=N)
+    dest_N = padded_start_G[group_N] + jnp.arange(N) - start_G[group_N]
+    padded_E = padded_G[:E]
     x_PxD = jnp.zeros((n_blocks * block, D), x_NxD.dtype).at[dest_N].set(x_NxD)
     # Block b belongs to the expert whose padded range holds its first row (trailing empty blocks: the last one).
     expert_B = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded_E), jnp.arange(n_blocks) * block, side="right"),
@@ -59,7 +62,7 @@ def grouped_swiglu_blocked(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_dow
     h = jax.nn.silu(jnp.einsum("bsd,bdf->bsf", x_BxSxD, w_gate_ExDxF[expert_B])) * jnp.einsum(
         "bsd,bdf->bsf", x_BxSxD, w_up_ExDxF[expert_B])
     y_PxD = jnp.einsum("bsf,bfd->bsd", h, w_down_ExFxD[expert_B]).reshape(n_blocks * block, D)
-    return y_PxD[dest_N]
+    return jnp.where((group_N < E)[:, None], y_PxD[dest_N], 0)
 
 
 def grouped_swiglu(*args):

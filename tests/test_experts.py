@@ -56,3 +56,12 @@ def test_blocked_and_ragged_grouped_matmuls_agree_with_reference():
         g_ref = jax.grad(_loss, argnums=(1, 2, 3))(experts.reference, x, w_router, ws, K)
         for a, b in zip(jax.tree.leaves(g_fast), jax.tree.leaves(g_ref)):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_blocked_grouped_matmul_zeroes_padding_rows_like_ragged_dot():
+    x, _, ws, _ = _inputs(seed=3, T=30)
+    sizes = jnp.asarray([5, 0, 7, 3, 0, 0, 6, 1], jnp.int32)  # 22 of 30 rows belong to a group
+    ragged = experts.grouped_swiglu_ragged(x, sizes, *ws)
+    blocked = experts.grouped_swiglu_blocked(x, sizes, *ws, block=4)
+    np.testing.assert_allclose(blocked, ragged, rtol=1e-5, atol=1e-5)
+    assert float(jnp.abs(blocked[22:]).max()) == 0.0
