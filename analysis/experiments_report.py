@@ -76,6 +76,29 @@ def plot_val_loss(groups, path):
     plt.close(fig)
 
 
+def plot_paired(groups, pairs, path):
+    """Per-seed paired differences (variant - reference) with their mean and 95% bootstrap CI; 0 = no effect."""
+    fig, ax = plt.subplots(figsize=(1.6 * len(pairs) + 2.5, 3.6))
+    for i, (a, b) in enumerate(pairs):
+        d = paired(groups, a, b)
+        m, lo, hi = bootstrap_ci(d)
+        ax.errorbar([i], [m], yerr=[[m - lo], [hi - m]], fmt="o", color="C0", capsize=6, ms=7,
+                    label="mean, 95% bootstrap CI" if i == 0 else None)
+        ax.scatter(np.full(len(d), i) + np.linspace(-0.12, 0.12, len(d)), d, color="C1", s=14, zorder=3,
+                   label="seeds" if i == 0 else None)
+    ax.axhline(0, color="gray", linewidth=1)
+    ax.set_xticks(range(len(pairs)))
+    ax.set_xticklabels([f"{a}\n- {b}" for a, b in pairs], fontsize=8)
+    ax.set_xlim(-0.6, len(pairs) - 0.4)
+    ax.set_ylabel("validation loss difference")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("Paired by seed (same data order and initial weights); < 0: first is better", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+
+
 def _aligned(runs, key):
     """(steps, values [seeds, steps]) on the steps every seed logged (a resumed run logs a few extra steps)."""
     curves = [dict(r[key]) for r in runs.values()]
@@ -171,7 +194,7 @@ def write_report(results, out, cost, base_config=None, missing=()) -> Path:
                   f"input = first {d.prefix_frac:.0%} of the row, loss on the output only. Batch {t.batch_size}, "
                   f"lr {t.lr}, warmup {t.warmup_steps}, {t.schedule} schedule.", ""]
     lines += ["## Validation loss (output part; mean and 95% bootstrap CI over seeds)", "",
-              "| variant | mean [95% CI] | per seed | train s/run |", "|---|---|---|---|"]
+              "| variant | mean [95% CI] | per seed | train s/run (shared CPU) |", "|---|---|---|---|"]
     for n, runs in groups.items():
         v = [runs[s]["val_loss"] for s in sorted(runs)]
         secs = np.mean([r["train_seconds"] for r in runs.values()])
@@ -183,6 +206,9 @@ def write_report(results, out, cost, base_config=None, missing=()) -> Path:
     for a, b in pairs:
         d = paired(groups, a, b)
         lines.append(f"| {a} - {b} | {_fmt(bootstrap_ci(d))} | {', '.join(f'{x:+.4f}' for x in d)} |")
+    if pairs:
+        plot_paired(groups, pairs, out / "paired_diff.png")
+        lines += ["", "![paired differences](paired_diff.png)"]
     lines += ["", "![validation loss](val_loss.png)", "", "![loss curves](loss_curves.png)", "",
               "## Compute", "", "Every variant runs the same code path: attention logits are computed on the full "
               "L x L square and masked, so executed FLOPs are identical. If only the attended entries were "
