@@ -62,7 +62,7 @@ def _paths(model, batch):
     mask = attention_mask(cfg.mask, idx, idx, n_heads=cfg.n_heads, prefix_len_B=batch.get("prefix_len"),
                           q_seg_BxQ=seg, k_seg_BxK=seg)
     valid = seg > 0
-    x0 = jnp.take(model.embed.value, tokens, axis=0).astype(jnp.dtype(cfg.dtype))
+    x0 = jnp.take(model.embed[...], tokens, axis=0).astype(jnp.dtype(cfg.dtype))
 
     def ffn(block, h):
         return block.ffn(block.ffn_norm(h), valid)[0] if block.is_moe else block.ffn(block.ffn_norm(h))

@@ -104,7 +104,7 @@ def test_rewired_full_path_matches_model(causal_model):
     logits, aux = causal_model(jnp.asarray(b["tokens"]), positions_BxL=jnp.asarray(b["positions"]),
                                segment_ids_BxL=jnp.asarray(b["segment_ids"]), return_attention=True)
     x = causal_model.final_norm(jnp.asarray(hidden["full"][-1]))
-    np.testing.assert_allclose(x @ causal_model.lm_head.value, logits, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(x @ causal_model.lm_head[...], logits, atol=1e-4, rtol=1e-4)
     for p, q in zip(probs, aux["attention"]):
         np.testing.assert_allclose(p, q, atol=1e-6)
     assert len(hidden["pure_attn"]) == causal_model.cfg.n_layers + 1
