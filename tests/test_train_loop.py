@@ -123,3 +123,18 @@ def test_sigterm_saves_and_exits_0(tmp_path):
     assert time.time() - t0 < 30
     saved = [int(d.name) for d in (tmp_path / "checkpoints").iterdir() if d.name.isdigit()]
     assert saved and saved[0] >= 3
+
+
+def test_damaged_latest_checkpoint_falls_back_to_previous(tiny_run, tmp_path):
+    work = tmp_path / "copy"
+    shutil.copytree(tiny_run, work)
+    for f in (work / "checkpoints" / "20" / "state").rglob("*"):
+        if f.is_file():
+            f.write_bytes(b"garbage")  # damage every file of the newest checkpoint's state
+    logs = []
+    run(tiny_config(), work, log=logs.append)  # resumes from 10 and trains 11..20 again
+    assert any("checkpoint 20" in line and "damaged" in line for line in logs), logs
+    assert any("resuming" in line and "step 10" in line for line in logs), logs
+    assert (work / "checkpoints" / "20.damaged").is_dir() and (work / "checkpoints" / "20").is_dir()
+    rows = [json.loads(x) for x in (work / "metrics.jsonl").read_text().splitlines()]
+    assert sum(r["step"] == 20 and "loss" in r for r in rows) == 2  # step 20 was trained again

@@ -49,26 +49,43 @@ def check_compatible(saved_model: dict, mcfg: ModelConfig, where: str) -> None:
 def restore_latest(mngr: ocp.CheckpointManager, abstract_state, mcfg: ModelConfig, log=print):
     """(state, meta) of the newest readable checkpoint, or (None, None) if there is none.
 
-    A damaged newest checkpoint is reported and the previous one is used; an incompatible one is an error.
+    A damaged newest checkpoint is reported, moved aside to `<step>.damaged` (kept for inspection; the run will
+    write that step again) and the previous one is used; an incompatible one is an error.
     """
     steps = sorted(mngr.all_steps(), reverse=True)
-    for i, step in enumerate(steps):
+    damaged = []
+    for step in steps:
         try:
             meta = read_meta(mngr, step)
-        except Exception as e:  # noqa: BLE001 - any read failure means this checkpoint is unusable
-            log(f"warning: checkpoint {step} is damaged ({type(e).__name__}); trying the previous one")
-            continue
-        check_compatible(meta["model"], mcfg, str(mngr.directory))
-        try:
+            check_compatible(meta["model"], mcfg, str(mngr.directory))
             restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
-            return restored.state, meta
-        except Exception as e:  # noqa: BLE001
-            more = "; trying the previous one" if i + 1 < len(steps) else ""
-            log(f"warning: checkpoint {step} is damaged ({type(e).__name__}: {str(e)[:120]}){more}")
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any read failure means this checkpoint is unusable
+            log(f"warning: checkpoint {step} in {mngr.directory} is damaged ({type(e).__name__}: "
+                f"{str(e)[:120]}); trying the previous one")
+            damaged.append(step)
+            continue
+        _set_aside(mngr, damaged, log)
+        return restored.state, meta
     if steps:
         raise UserError(f"no readable checkpoint in {mngr.directory} (steps {steps} are all damaged); "
                         "remove them or use a new --workdir")
     return None, None
+
+
+def _set_aside(mngr: ocp.CheckpointManager, steps, log) -> None:
+    if not steps or jax.process_index() != 0:
+        return
+    for step in steps:
+        src = Path(mngr.directory) / str(step)
+        dst = src.with_name(f"{step}.damaged")
+        n = 1
+        while dst.exists():
+            dst, n = src.with_name(f"{step}.damaged{n}"), n + 1
+        src.rename(dst)
+        log(f"warning: moved damaged checkpoint {step} to {dst}")
+    mngr.reload()
 
 
 def load_model(workdir, step: int | None = None):
