@@ -59,6 +59,7 @@ def _cli_error(capsys, *args):
 
 @pytest.mark.parametrize("args,expected", [
     (["--config.mesh.data=3"], "mesh"),
+    (["--config.mesh.data=2", "--config.mesh.tensor=4", "--config.model.vocab_size=8194"], "does not split"),
     (["--config.train.batch_size=6"], "train.batch_size"),
     (["--config.train.no_such_key=1"], "no_such_key"),
     (["--config.model.top_k=99"], "model.top_k"),

@@ -10,6 +10,7 @@ from flax import nnx
 
 from moe import RoutingBias, Transformer
 from moe.sharding import state_shardings
+from train.errors import UserError
 
 
 def split_model(model: Transformer):
@@ -35,7 +36,23 @@ def init_state(mcfg, tx, seed: int, mesh):
     graphdef = split_model(abstract_model(mcfg))[0]
     abstract = jax.eval_shape(init)
     shardings = state_shardings(abstract, mesh)
+    check_divisible(abstract, shardings)
     return graphdef, jax.jit(init, out_shardings=shardings)(), shardings
+
+
+def check_divisible(abstract, shardings) -> None:
+    """Every sharded dimension must split evenly over its mesh axes; say which parameter and axis if not."""
+    leaves = jax.tree_util.tree_leaves_with_path(abstract)
+    for (path, leaf), sharding in zip(leaves, jax.tree.leaves(shardings)):
+        for dim, axes in zip(leaf.shape, sharding.spec):
+            axes = (axes,) if isinstance(axes, str) else (axes or ())
+            n = 1
+            for a in axes:
+                n *= sharding.mesh.shape[a]
+            if dim % n:
+                name = jax.tree_util.keystr(path)
+                raise UserError(f"parameter {name} has a dimension of {dim} that does not split over mesh axes "
+                                f"{axes} ({n} devices); change --config.mesh.* or the model size")
 
 
 def abstract_state(state):
