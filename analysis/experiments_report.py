@@ -59,11 +59,7 @@ def plot_val_loss(groups, path):
     fig, ax = plt.subplots(figsize=(1.3 * len(names) + 2.5, 3.6))
     for i, n in enumerate(names):
         v = [r["val_loss"] for r in groups[n].values()]
-        m, lo, hi = bootstrap_ci(v)
-        ax.errorbar([i], [m], yerr=[[m - lo], [hi - m]], fmt="o", color="C0", capsize=6, ms=7,
-                    label="mean, 95% bootstrap CI" if i == 0 else None)
-        ax.scatter(np.full(len(v), i) + np.linspace(-0.12, 0.12, len(v)), v, color="C1", s=14, zorder=3,
-                   label="seeds" if i == 0 else None)
+        _ci_points(ax, i, v)
     ax.set_xticks(range(len(names)))
     ax.set_xticklabels(names)
     ax.set_xlim(-0.6, len(names) - 0.4)
@@ -76,16 +72,21 @@ def plot_val_loss(groups, path):
     plt.close(fig)
 
 
+def _ci_points(ax, i, values):
+    """At x = i: the mean with its 95% bootstrap CI, and each seed's value beside it."""
+    m, lo, hi = bootstrap_ci(values)
+    ax.errorbar([i], [m], yerr=[[m - lo], [hi - m]], fmt="o", color="C0", capsize=6, ms=7,
+                label="mean, 95% bootstrap CI" if i == 0 else None)
+    ax.scatter(np.full(len(values), i) + np.linspace(-0.12, 0.12, len(values)), values, color="C1", s=14,
+               zorder=3, label="seeds" if i == 0 else None)
+
+
 def plot_paired(groups, pairs, path):
     """Per-seed paired differences (variant - reference) with their mean and 95% bootstrap CI; 0 = no effect."""
     fig, ax = plt.subplots(figsize=(1.6 * len(pairs) + 2.5, 3.6))
     for i, (a, b) in enumerate(pairs):
         d = paired(groups, a, b)
-        m, lo, hi = bootstrap_ci(d)
-        ax.errorbar([i], [m], yerr=[[m - lo], [hi - m]], fmt="o", color="C0", capsize=6, ms=7,
-                    label="mean, 95% bootstrap CI" if i == 0 else None)
-        ax.scatter(np.full(len(d), i) + np.linspace(-0.12, 0.12, len(d)), d, color="C1", s=14, zorder=3,
-                   label="seeds" if i == 0 else None)
+        _ci_points(ax, i, d)
     ax.axhline(0, color="gray", linewidth=1)
     ax.set_xticks(range(len(pairs)))
     ax.set_xticklabels([f"{a}\n- {b}" for a, b in pairs], fontsize=8)

@@ -1,5 +1,6 @@
 """Shared by the benchmarks: presets, timing, device facts."""
 
+import argparse
 import datetime
 import importlib
 import os
@@ -70,3 +71,13 @@ def table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(fmt(r[k]) for k in keys) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def arg_parser(description: str) -> argparse.ArgumentParser:
+    """The flags every benchmark takes: preset, dispatch paths, expert counts, capacity factor."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
+    ap.add_argument("--dispatch", default=",".join(DISPATCHES))
+    ap.add_argument("--experts", default="8,64")
+    ap.add_argument("--capacity_factor", type=float, default=1.25)
+    return ap

@@ -4,13 +4,12 @@ active FLOPs (width top_k * moe_d_ff), at n_routed_experts = 8 and 64 (fixed top
     python -m benchmarks.moe_layer --preset cpu
 """
 
-import argparse
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import DISPATCHES, PRESETS, describe, preset, table, time_fn
+from benchmarks.common import arg_parser, describe, preset, table, time_fn
 from moe import expert_parallel, experts, router
 
 
@@ -57,11 +56,7 @@ def bench(name: str, n_experts: int, dispatches, capacity_factor: float = 1.25) 
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
-    ap.add_argument("--dispatch", default=",".join(DISPATCHES))
-    ap.add_argument("--experts", default="8,64")
-    ap.add_argument("--capacity_factor", type=float, default=1.25)
+    ap = arg_parser(__doc__.splitlines()[0])
     a = ap.parse_args(argv)
     print(describe())
     rows = []

@@ -8,13 +8,12 @@ MFU = model FLOPs (moe.accounting.train_flops_per_token, the loop's figure) / th
 (bf16 on accelerators, fp32 on CPU: train.flops.measure_peak_flops) x devices.
 """
 
-import argparse
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from benchmarks.common import DISPATCHES, PRESETS, describe, peak_memory_gb, preset, table, time_fn
+from benchmarks.common import PRESETS, arg_parser, describe, peak_memory_gb, preset, table, time_fn
 from configs.base import base_config
 from moe import train_flops_per_token
 from moe.sharding import use_mesh
@@ -66,11 +65,7 @@ def bench(name, dispatch, n_experts, peak, capacity_factor=1.25) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
-    ap.add_argument("--dispatch", default=",".join(DISPATCHES))
-    ap.add_argument("--experts", default="8,64")
-    ap.add_argument("--capacity_factor", type=float, default=1.25)
+    ap = arg_parser(__doc__.splitlines()[0])
     ap.add_argument("--peak_flops", type=float, default=0.0, help="per device; 0 measures a large matmul")
     a = ap.parse_args(argv)
     peak = a.peak_flops or measure_peak_flops()
