@@ -36,6 +36,12 @@ def preset(name: str, n_experts: int | None = None) -> dict:
 
 
 DISPATCHES = ("dropless", "capacity", "expert_parallel")
+GROUPED = ("dropless", "expert_parallel")  # the dispatches that run a grouped matmul (model.grouped_matmul)
+
+
+def variants(dispatches: list[str], grouped_matmuls: list[str]) -> list[tuple[str, str]]:
+    """(dispatch, grouped_matmul) pairs to time: every grouped matmul for the paths that have one."""
+    return [(d, g) for d in dispatches for g in (grouped_matmuls if d in GROUPED else ["-"])]
 
 
 def time_fn(fn, *args, steps: int) -> float:
@@ -74,10 +80,13 @@ def table(rows: list[dict]) -> str:
 
 
 def arg_parser(description: str) -> argparse.ArgumentParser:
-    """The flags every benchmark takes: preset, dispatch paths, expert counts, capacity factor."""
+    """The flags every benchmark takes: preset, dispatch paths, grouped matmuls, attention, expert counts, capacity
+    factor. Lists are comma-separated; each combination is one row."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
     ap.add_argument("--dispatch", default=",".join(DISPATCHES))
+    ap.add_argument("--grouped_matmul", default="auto", help="auto,ragged_dot,blocked (dropless/expert_parallel)")
+    ap.add_argument("--attention_impl", default="einsum", help="einsum,xla,cudnn (train step only)")
     ap.add_argument("--experts", default="8,64")
     ap.add_argument("--capacity_factor", type=float, default=1.25)
     return ap

@@ -1,7 +1,8 @@
-"""The routed experts alone (forward + backward), per dispatch path, against a dense SwiGLU FFN with the same
+"""The routed experts alone (forward + backward), per dispatch path and grouped matmul, against a dense SwiGLU FFN with the same
 active FLOPs (width top_k * moe_d_ff), at n_routed_experts = 8 and 64 (fixed top-k and expert width).
 
     python -m benchmarks.moe_layer --preset cpu
+    python -m benchmarks.moe_layer --preset gpu --grouped_matmul ragged_dot,blocked
 """
 
 import functools
@@ -9,21 +10,22 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import arg_parser, describe, preset, table, time_fn
+from benchmarks.common import arg_parser, describe, preset, table, time_fn, variants
 from moe import expert_parallel, experts, router
 
 
-def _routed_fn(dispatch: str, capacity_factor: float, group_size: int):
+def _routed_fn(dispatch: str, grouped: str, capacity_factor: float, group_size: int):
     if dispatch == "dropless":
-        return experts.dropless
+        return functools.partial(experts.dropless, grouped=grouped)
     if dispatch == "capacity":
         return functools.partial(experts.capacity, capacity_factor=capacity_factor, group_size=group_size)
     if dispatch == "expert_parallel":  # one device: the all_to_all-free single-shard version of the same math
-        return lambda *a: expert_parallel.dispatch(*a, capacity_factor=capacity_factor)[0]
+        return lambda *a: expert_parallel.dispatch(*a, capacity_factor=capacity_factor, grouped_matmul=grouped)[0]
     raise ValueError(f"unknown dispatch {dispatch!r}")
 
 
-def bench(name: str, n_experts: int, dispatches, capacity_factor: float = 1.25) -> list[dict]:
+def bench(name: str, n_experts: int, dispatches, grouped_matmuls=("auto",), capacity_factor: float = 1.25
+          ) -> list[dict]:
     p = preset(name, n_experts)
     m = p["model"]
     T, D, F, K = p["batch"] * p["seq_len"], m["d_model"], m["moe_d_ff"], m["top_k"]
@@ -38,17 +40,18 @@ def bench(name: str, n_experts: int, dispatches, capacity_factor: float = 1.25) 
     flops = 6 * T * K * 3 * D * F  # fwd + bwd of K expert SwiGLUs per token
     rows = []
 
-    def add(name, fn, *args):
+    def add(name, grouped, fn, *args):
         step = jax.jit(jax.grad(lambda x, *w: fn(x, *w).astype(jnp.float32).sum(), argnums=(0, 1, 2, 3)))
         s = time_fn(step, *args, steps=p["steps"])
-        rows.append({"path": name, "experts": n_experts, "tokens": T, "ms": s * 1e3, "TFLOP/s": flops / s / 1e12})
+        rows.append({"path": name, "grouped matmul": grouped, "experts": n_experts, "tokens": T, "ms": s * 1e3,
+                     "TFLOP/s": flops / s / 1e12})
 
-    for d in dispatches:
-        fn = _routed_fn(d, capacity_factor, p["seq_len"])
-        add(d, lambda x, wg, wu, wd, fn=fn: fn(x, ids, gates, wg, wu, wd), x, *ws)
+    for d, g in variants(dispatches, grouped_matmuls):
+        fn = _routed_fn(d, g, capacity_factor, p["seq_len"])
+        add(d, g, lambda x, wg, wu, wd, fn=fn: fn(x, ids, gates, wg, wu, wd), x, *ws)
     dense = [(jax.random.normal(k, s, jnp.float32) * s[0] ** -0.5).astype(dt)
              for k, s in zip(ks[2:5], [(D, K * F), (D, K * F), (K * F, D)])]
-    add("dense FFN (same active FLOPs)", experts.swiglu, x, *dense)
+    add("dense FFN (same active FLOPs)", "-", experts.swiglu, x, *dense)
     base = rows[-1]["ms"]
     for r in rows:
         r["x dense"] = r["ms"] / base
@@ -61,7 +64,7 @@ def main(argv=None):
     print(describe())
     rows = []
     for e in map(int, a.experts.split(",")):
-        rows += bench(a.preset, e, a.dispatch.split(","), a.capacity_factor)
+        rows += bench(a.preset, e, a.dispatch.split(","), a.grouped_matmul.split(","), a.capacity_factor)
     print(table(rows))
 
 

@@ -15,7 +15,8 @@ def base_config() -> ml_collections.ConfigDict:
         first_k_dense=1, tie_embeddings=False, norm_eps=1e-6, mask="causal", rope=True, rope_theta=10000.0,
         n_routed_experts=16, n_shared_experts=1, top_k=2, moe_d_ff=256, n_group=1, topk_group=1,
         routed_scaling_factor=1.0, norm_topk_prob=True, balance_loss_weight=1e-4, dispatch="dropless",
-        capacity_factor=1.25, dtype="float32", init_std=0.02,
+        capacity_factor=1.25, grouped_matmul="auto", attention_impl="einsum", dtype="float32", remat=False,
+        init_std=0.02,
     ))
 
     c.data = ml_collections.ConfigDict(dict(

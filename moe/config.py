@@ -10,6 +10,8 @@ MaskMode = Literal["causal", "prefix", "bidirectional", "mixed"]
 MASK_MODES = ("causal", "prefix", "bidirectional", "mixed")
 DISPATCH_MODES = ("dropless", "capacity", "expert_parallel", "reference")
 DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
+GROUPED_MATMULS = ("auto", "ragged_dot", "blocked")
 
 
 class ConfigError(ValueError):
@@ -33,6 +35,10 @@ class ModelConfig:
     mask: str = "causal"  # causal | prefix | bidirectional | mixed (see moe/masks.py)
     rope: bool = True  # False: no position encoding (NoPE)
     rope_theta: float = 10000.0
+    # einsum: explicit einsums + fp32 softmax (the reference; always used with a KV cache or for attention maps).
+    # xla / cudnn: jax.nn.dot_product_attention(implementation=...); cudnn is fused flash attention on NVIDIA
+    # GPUs (bf16/fp16, head_dim a multiple of 8 and <= 128 before Hopper / 256 from Hopper on).
+    attention_impl: str = "einsum"
     # MoE (DeepSeek-V3).
     n_routed_experts: int = 16
     n_shared_experts: int = 1
@@ -49,6 +55,9 @@ class ModelConfig:
     # pair. reference: loop over experts (tests). See moe/moe_layer.py and moe/expert_parallel.py.
     dispatch: str = "dropless"
     capacity_factor: float = 1.25  # capacity / expert_parallel only; copies past the capacity are dropped
+    # The grouped matmul of dropless / expert_parallel: ragged_dot (jax.lax.ragged_dot), blocked (rows padded to
+    # 64-row blocks, batched matmuls), auto (blocked on CPU, where XLA lowers ragged_dot densely; else ragged_dot).
+    grouped_matmul: str = "auto"
     # Numerics: params are always fp32; activations/matmuls run in `dtype`.
     dtype: str = "float32"
     remat: bool = False  # recompute each block in the backward pass (activation memory: O(1) blocks, not O(depth))
@@ -109,8 +118,19 @@ def validate(c: ModelConfig) -> None:
             or not c.capacity_factor > 0:
         fail("capacity_factor", f"must be a number > 0 (1.25: 25% headroom over a perfectly even load), "
                                 f"got {c.capacity_factor!r}")
+    if c.grouped_matmul not in GROUPED_MATMULS:
+        fail("grouped_matmul", f"unknown grouped matmul {c.grouped_matmul!r}; allowed: "
+                               f"{', '.join(GROUPED_MATMULS)}")
     if c.dtype not in DTYPES:
         fail("dtype", f"unknown dtype {c.dtype!r}; allowed: {', '.join(DTYPES)}")
+    if c.attention_impl not in ATTENTION_IMPLS:
+        fail("attention_impl", f"unknown attention implementation {c.attention_impl!r}; allowed: "
+                               f"{', '.join(ATTENTION_IMPLS)}")
+    if c.attention_impl == "cudnn" and c.dtype == "float32":
+        fail("attention_impl", "cudnn attention runs in bfloat16 or float16; set model.dtype=bfloat16 or use "
+                               "attention_impl=xla")
+    if c.attention_impl == "cudnn" and (c.head_dim % 8 or c.head_dim > 256):
+        fail("attention_impl", f"cudnn attention needs head_dim a multiple of 8 and <= 256, got {c.head_dim}")
     if not c.routed_scaling_factor > 0:
         fail("routed_scaling_factor", f"must be > 0, got {c.routed_scaling_factor}")
     if c.balance_loss_weight < 0:

@@ -7,7 +7,7 @@ active mesh. With P = mesh.expert shards of E_l = E / P experts each:
   2. it sorts its N = T_l * K token copies by expert id (so by destination shard e // E_l) into a padded send
      buffer [P, C, D]: C rows per (source, destination) pair, C = ceil(cf * N / P), at most N;
   3. `jax.lax.all_to_all` over `expert` swaps buffers: row block p of the receive buffer came from shard p;
-  4. the grouped matmul (`ragged_dot`) runs the E_l local experts on the received rows (padding rows are
+  4. the grouped matmul (`model.grouped_matmul`) runs the E_l local experts on the received rows (padding rows are
      sorted last and left out of every group, so they cost nothing and produce zeros);
   5. a second all_to_all sends the outputs back; each copy is gathered from its slot and combined with its gate.
 Copies past C are dropped (output 0, counted in the returned keep mask). C = N (capacity_factor=None) can never
@@ -43,16 +43,11 @@ def token_shards(mesh) -> int:
     return math.prod(mesh.shape[a] for a in TOKEN_AXES)
 
 
-def _ragged_swiglu(x_MxD, gs_E, w_gate, w_up, w_down):
-    # The grouped matmul of moe/experts.py (ragged_dot on GPU/TPU, padded blocks on CPU); rows past
-    # sum(gs_E) are padding and come out zero.
-    return experts.grouped_swiglu(x_MxD, gs_E, w_gate, w_up, w_down)
-
-
 def local_dispatch(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, n_shards: int,
-                   capacity: int, axis_name: str | None = "expert"):
+                   capacity: int, axis_name: str | None = "expert", grouped_matmul: str = "auto"):
     """One device's part (inside shard_map; ids are global expert ids, weights the E_l local experts).
-    Returns (y_TxD, keep_TxK). With axis_name None (one shard) there is no exchange."""
+    Returns (y_TxD, keep_TxK). With axis_name None (one shard) there is no exchange. grouped_matmul: see
+    experts.grouped_swiglu_for; rows past sum(group sizes) are padding and come out zero in both."""
     T, K = ids_TxK.shape
     El = w_gate_ExDxF.shape[0]
     D = x_TxD.shape[-1]
@@ -77,8 +72,9 @@ def local_dispatch(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_E
     rids_M = recv_ids_PxC.reshape(M)
     order_M = jnp.argsort(rids_M, stable=True)  # padding rows (id El) last, outside every group
     gs_E = (rids_M[:, None] == jnp.arange(El)).sum(0).astype(jnp.int32)
-    y_sorted_MxD = _ragged_swiglu(jnp.take(recv_PxCxD.reshape(M, D), order_M, axis=0), gs_E,
-                                  w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
+    grouped_fn = experts.grouped_swiglu_for(grouped_matmul)
+    y_sorted_MxD = grouped_fn(jnp.take(recv_PxCxD.reshape(M, D), order_M, axis=0), gs_E,
+                              w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
     y_PxCxD = jnp.take(y_sorted_MxD, jnp.argsort(order_M), axis=0).reshape(Pn, C, D)
     back_PxCxD = exchange(y_PxCxD)
 
@@ -91,20 +87,21 @@ def local_dispatch(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_E
 
 
 def dispatch(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, mesh=None,
-             capacity_factor: float | None = None):
+             capacity_factor: float | None = None, grouped_matmul: str = "auto"):
     """(y_TxD, keep_TxK) with experts sharded over mesh axis `expert`. T must be divisible by
     data * fsdp * expert. mesh None: the same math on one shard (no exchange)."""
     T, K = ids_TxK.shape
     if mesh is None:
         C = send_capacity(T * K, 1, capacity_factor)
         return local_dispatch(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, n_shards=1,
-                              capacity=C, axis_name=None)
+                              capacity=C, axis_name=None, grouped_matmul=grouped_matmul)
     n_ep, n_tok = mesh.shape["expert"], token_shards(mesh)
     if T % n_tok:
         raise ValueError(f"expert parallelism needs the {T} tokens divisible by data*fsdp*expert ({n_tok})")
     C = send_capacity(T // n_tok * K, n_ep, capacity_factor)
     tok, ex = P(TOKEN_AXES), P("expert")
-    f = jax.shard_map(functools.partial(local_dispatch, n_shards=n_ep, capacity=C), mesh=mesh,
+    f = jax.shard_map(functools.partial(local_dispatch, n_shards=n_ep, capacity=C, grouped_matmul=grouped_matmul),
+                      mesh=mesh,
                       in_specs=(tok, tok, tok, ex, ex, ex), out_specs=(tok, tok))
     return f(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
 

@@ -65,22 +65,28 @@ def grouped_swiglu_blocked(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_dow
     return jnp.where((group_N < E)[:, None], y_PxD[dest_N], 0)
 
 
-def grouped_swiglu(*args):
-    """ragged_dot where it is a real grouped matmul (GPU/TPU), padded blocks on CPU."""
-    if jax.default_backend() == "cpu":
-        return grouped_swiglu_blocked(*args)
-    return grouped_swiglu_ragged(*args)
+GROUPED_SWIGLU = {"ragged_dot": grouped_swiglu_ragged, "blocked": grouped_swiglu_blocked}
 
 
-def dropless(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, grouped=None):
-    """Sort the T*K token copies by expert and run each expert on exactly its tokens (no capacity, no drops)."""
+def grouped_swiglu_for(grouped_matmul: str = "auto"):
+    """The grouped SwiGLU by name (`model.grouped_matmul`); auto: ragged_dot where it is a real grouped matmul
+    (GPU/TPU), padded blocks on CPU."""
+    if grouped_matmul == "auto":
+        grouped_matmul = "blocked" if jax.default_backend() == "cpu" else "ragged_dot"
+    return GROUPED_SWIGLU[grouped_matmul]
+
+
+def dropless(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, grouped="auto"):
+    """Sort the T*K token copies by expert and run each expert on exactly its tokens (no capacity, no drops).
+    grouped: a `grouped_swiglu_for` name, or the grouped SwiGLU function itself."""
     T, K = ids_TxK.shape
     E = w_gate_ExDxF.shape[0]
     flat_ids_N = ids_TxK.reshape(-1)  # N = T*K token copies
     order_N = jnp.argsort(flat_ids_N, stable=True)
     x_NxD = jnp.take(x_TxD, order_N // K, axis=0)
     group_sizes_E = jnp.bincount(flat_ids_N, length=E).astype(jnp.int32)
-    y_sorted_NxD = (grouped or grouped_swiglu)(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
+    grouped_fn = grouped if callable(grouped) else grouped_swiglu_for(grouped)
+    y_sorted_NxD = grouped_fn(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
     # Undo the sort with a gather by the inverse permutation (its transpose is a scatter-add, cheap in bwd).
     inverse_N = jnp.argsort(order_N)
     y_TxKxD = jnp.take(y_sorted_NxD, inverse_N, axis=0).reshape(T, K, -1)

@@ -41,6 +41,12 @@ def rope(x_BxLxHxDh, positions_BxL, theta: float):
     return out.astype(x_BxLxHxDh.dtype)
 
 
+def fused_attention_impl(name: str) -> str:
+    """`jax.nn.dot_product_attention`'s implementation for `model.attention_impl`. cuDNN exists only on NVIDIA
+    GPUs; elsewhere (say, analysing a GPU run on a laptop) the same function runs with the XLA implementation."""
+    return "cudnn" if name == "cudnn" and jax.default_backend() == "gpu" else "xla"
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg, rngs: nnx.Rngs):
         D, H, N, Dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -57,6 +63,12 @@ class Attention(nnx.Module):
 
         With `cache` ({"k","v": [B,S,N,Dh]}), this call's keys/values are written at slots
         [cache_index, cache_index + L) and queries attend over all S slots (the mask hides unwritten ones).
+
+        `cfg.attention_impl` "xla" / "cudnn" hands the no-cache, no-probabilities call (training, evaluation) to
+        `jax.nn.dot_product_attention` with that implementation: cuDNN's fused flash attention on NVIDIA GPUs,
+        never materializing the [B,H,L,S] logits. For the causal mask it also passes is_causal, so the kernel
+        skips blocks above the diagonal; the boolean mask (segments, prefix) still applies. The einsum path below
+        is the reference it is tested against, and the path for the KV cache and for attention probabilities.
         """
         cfg, dt = self.cfg, x_BxLxD.dtype
         q_BxLxHxDh = jnp.einsum("bld,dhk->blhk", x_BxLxD, self.wq.value.astype(dt))
@@ -75,6 +87,13 @@ class Attention(nnx.Module):
             k_BxSxNxDh, v_BxSxNxDh = k_all.astype(dt), v_all.astype(dt)
         else:
             k_BxSxNxDh, v_BxSxNxDh = k_BxLxNxDh, v_BxLxNxDh
+
+        if cfg.attention_impl != "einsum" and cache is None and not return_probs:
+            out_BxLxHxDh = jax.nn.dot_product_attention(
+                q_BxLxHxDh, k_BxSxNxDh, v_BxSxNxDh, mask=mask_BxHxLxS, is_causal=cfg.mask == "causal",
+                implementation=fused_attention_impl(cfg.attention_impl))
+            out_BxLxD = jnp.einsum("blhk,hkd->bld", out_BxLxHxDh, self.wo.value.astype(dt))
+            return out_BxLxD, None, None
 
         B, L, H, Dh = q_BxLxHxDh.shape
         N = cfg.n_kv_heads

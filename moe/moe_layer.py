@@ -6,7 +6,8 @@ The routing bias is a `RoutingBias` variable, not an `nnx.Param`: the optimizer 
 updates it from the expert load that every forward call returns (aux-loss-free balancing).
 
 Which routed-expert path runs (`cfg.dispatch`; see `routed_experts`):
-  dropless         no active mesh, or mesh.expert == 1: sort + ragged_dot, auto-sharded by XLA.
+  dropless         no active mesh, or mesh.expert == 1: sort + grouped matmul (cfg.grouped_matmul), auto-
+                   sharded by XLA.
                    active mesh with expert > 1: expert-parallel (shard_map + all_to_all) with a bound that cannot
                    drop, so the result is the same as without the mesh (buffers: mesh.expert x the token copies).
   expert_parallel  shard_map + all_to_all with capacity_factor-sized buffers (drops counted); without a mesh
@@ -36,13 +37,15 @@ def routed_experts(cfg, x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_down, group_s
         return experts.capacity_with_stats(x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_down,
                                            capacity_factor=cfg.capacity_factor, group_size=group_size)
     if cfg.dispatch == "expert_parallel" and (fits or ep_mesh is None):
-        return expert_parallel.dispatch(x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_down,
-                                        mesh=ep_mesh, capacity_factor=cfg.capacity_factor)
+        return expert_parallel.dispatch(x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_down, mesh=ep_mesh,
+                                        capacity_factor=cfg.capacity_factor, grouped_matmul=cfg.grouped_matmul)
     if cfg.dispatch == "dropless" and fits:
-        y_TxD, _ = expert_parallel.dispatch(x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_down, mesh=ep_mesh)
+        y_TxD, _ = expert_parallel.dispatch(x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_down, mesh=ep_mesh,
+                                            grouped_matmul=cfg.grouped_matmul)
         return y_TxD, None
-    fn = experts.reference if cfg.dispatch == "reference" else experts.dropless
-    return fn(x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_down), None
+    if cfg.dispatch == "reference":
+        return experts.reference(x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_down), None
+    return experts.dropless(x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_down, grouped=cfg.grouped_matmul), None
 
 
 class RoutingBias(nnx.Variable):

@@ -19,6 +19,10 @@ from moe import ConfigError, ModelConfig
     (dict(balance_loss_weight=-1.0), "model.balance_loss_weight"),
     (dict(capacity_factor=0.0), "model.capacity_factor"),
     (dict(capacity_factor="big"), "model.capacity_factor"),
+    (dict(grouped_matmul="cutlass"), "model.grouped_matmul"),
+    (dict(attention_impl="flash"), "model.attention_impl"),
+    (dict(attention_impl="cudnn", dtype="float32"), "model.attention_impl"),
+    (dict(attention_impl="cudnn", dtype="bfloat16", head_dim=12), "model.attention_impl"),
 ])
 def test_validation_errors(changes, field):
     with pytest.raises(ConfigError, match=field):
@@ -33,3 +37,13 @@ def test_valid_default():
 @pytest.mark.parametrize("dispatch", ["dropless", "capacity", "expert_parallel", "reference"])
 def test_dispatch_modes_valid(dispatch):
     assert ModelConfig(dispatch=dispatch, capacity_factor=2).dispatch == dispatch
+
+
+def test_base_config_mirrors_model_config():
+    """configs/base.py lists every ModelConfig field with the same default, so each one is a command-line flag."""
+    import dataclasses
+
+    from configs.base import base_config
+
+    fields = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    assert base_config().model.to_dict() == fields

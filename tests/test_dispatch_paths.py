@@ -47,7 +47,8 @@ def _assert_close(got, want):
 
 
 PATHS = {
-    "dropless": experts.dropless,
+    "dropless": experts.dropless,  # model.grouped_matmul "auto": blocked on CPU
+    "dropless_ragged_dot": functools.partial(experts.dropless, grouped="ragged_dot"),
     "capacity": functools.partial(experts.capacity, capacity_factor=E / K),  # C = T: cannot drop
     "capacity_grouped": functools.partial(experts.capacity, capacity_factor=E / K, group_size=16),
 }
@@ -70,7 +71,10 @@ def test_paths_on_meshes_equal_reference(shape):
     x = put(x, P(("data", "fsdp")))
     ws = (put(ws[0], P("expert", "fsdp", "tensor")), put(ws[1], P("expert", "fsdp", "tensor")),
           put(ws[2], P("expert", "tensor", "fsdp")))
-    fns = {"expert_parallel": lambda *a: expert_parallel.dispatch(*a, mesh=mesh)[0], **PATHS}
+    fns = {"expert_parallel": lambda *a: expert_parallel.dispatch(*a, mesh=mesh)[0],
+           "expert_parallel_ragged_dot": lambda *a: expert_parallel.dispatch(*a, mesh=mesh,
+                                                                             grouped_matmul="ragged_dot")[0],
+           **PATHS}
     got = jax.jit(lambda *a: {name: jax.value_and_grad(functools.partial(_loss, fn), argnums=(0, 1, 2))(*a)
                               for name, fn in fns.items()})(x, w_router, ws)
     for name in fns:

@@ -37,9 +37,10 @@ def read_meta(mngr: ocp.CheckpointManager, step: int) -> dict:
 def check_compatible(saved_model: dict, mcfg: ModelConfig, where: str) -> None:
     """The same architecture is required to resume; name the first field that differs."""
     ours = dataclasses.asdict(mcfg)
-    # dtype, dispatch (and its capacity factor) and the balance-loss weight change numerics, not shapes: they
-    # may differ on resume.
-    free = {"dtype", "dispatch", "capacity_factor", "balance_loss_weight"}
+    # These change numerics or speed, not shapes: they may differ on resume (and may be missing from checkpoints
+    # written before they existed).
+    free = {"dtype", "dispatch", "capacity_factor", "grouped_matmul", "attention_impl", "remat",
+            "balance_loss_weight"}
     for key in sorted(set(ours) | set(saved_model)):
         if key not in free and saved_model.get(key) != ours.get(key):
             raise UserError(f"checkpoint in {where} was written with model.{key}={saved_model.get(key)!r} but the "
