@@ -11,6 +11,7 @@ import jax
 
 # Shapes per preset. cpu: small enough for a shared 2-core box (figures show relative cost only);
 # gpu: configs/gpu_1b.py (bf16, sequence 2048, top-6 of 64 experts of width 320), one micro-batch of 16 rows.
+# `batch` is per device (the train-step benchmark multiplies it by the device count).
 PRESETS = {
     "cpu": dict(model=dict(d_model=128, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=32, d_ff=512,
                            first_k_dense=1, vocab_size=4096, n_routed_experts=8, n_shared_experts=1, top_k=2,

@@ -32,7 +32,8 @@ def _config(name: str, dispatch: str, n_experts: int, capacity_factor: float, gr
     c.model.update(**{**p["model"], "dispatch": dispatch, "capacity_factor": capacity_factor,
                       "grouped_matmul": "auto" if grouped == "-" else grouped, "attention_impl": attention})
     c.data.seq_len = p["seq_len"]
-    c.train.update(batch_size=p["batch"], steps=1000, warmup_steps=10)
+    # The preset's batch is per device: on N devices the (data-parallel) step sees N times the rows.
+    c.train.update(batch_size=p["batch"] * jax.device_count(), steps=1000, warmup_steps=10)
     return c
 
 

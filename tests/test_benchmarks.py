@@ -1,0 +1,26 @@
+"""The benchmark scripts run and report sane figures (on CPU, one small combination each; timings not asserted)."""
+
+from benchmarks import common, moe_layer, train_step
+
+
+def test_variants_cover_grouped_matmuls_only_where_they_apply():
+    assert common.variants(["dropless", "capacity"], ["ragged_dot", "blocked"]) == [
+        ("dropless", "ragged_dot"), ("dropless", "blocked"), ("capacity", "-")]
+
+
+def test_moe_layer_rows_and_dense_baseline():
+    rows = moe_layer.bench("cpu", 8, ["dropless", "capacity"], ["blocked"])
+    assert [r["path"] for r in rows] == ["dropless", "capacity", "dense FFN (same active FLOPs)"]
+    assert all(r["ms"] > 0 and r["TFLOP/s"] > 0 for r in rows)
+    assert rows[-1]["x dense"] == 1.0
+
+
+def test_train_step_row(capsys):
+    train_step.main(["--preset", "cpu", "--dispatch", "dropless", "--grouped_matmul", "blocked",
+                     "--attention_impl", "xla", "--experts", "8", "--peak_flops", "1e12"])
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| dropless"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[:4] == ["dropless", "blocked", "xla", "8"]
+    mfu = float(cells[8])
+    assert 0 < mfu < 100
