@@ -139,3 +139,20 @@ def test_damaged_latest_checkpoint_falls_back_to_previous(tiny_run, tmp_path):
     assert (work / "checkpoints" / "20.damaged").is_dir() and (work / "checkpoints" / "20").is_dir()
     rows = [json.loads(x) for x in (work / "metrics.jsonl").read_text().splitlines()]
     assert sum(r["step"] == 20 and "loss" in r for r in rows) == 2  # step 20 was trained again
+
+
+def test_speed_knobs_are_free_on_resume():
+    """Checkpoints written before grouped_matmul / attention_impl / remat existed (keys missing) or with other
+    values still resume; an architecture field that differs is refused, naming it."""
+    import dataclasses
+
+    from moe import ModelConfig
+    from train.checkpoint import check_compatible
+
+    mcfg = ModelConfig(grouped_matmul="ragged_dot", attention_impl="xla", remat=True)
+    saved = dataclasses.asdict(ModelConfig())
+    for key in ("grouped_matmul", "attention_impl", "remat"):
+        del saved[key]
+    check_compatible(saved, mcfg, "old")
+    with pytest.raises(UserError, match="model.d_model"):
+        check_compatible({**saved, "d_model": 128}, mcfg, "old")
