@@ -90,4 +90,7 @@ def arg_parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--attention_impl", default="einsum", help="einsum,xla,cudnn (train step only)")
     ap.add_argument("--experts", default="8,64")
     ap.add_argument("--capacity_factor", type=float, default=1.25)
+    ap.add_argument("--batch", type=int, default=0, help="rows per device; 0: the preset's")
+    ap.add_argument("--peak_flops", type=float, default=0.0, help="per device; 0 measures a large matmul "
+                                                                   "(train step only)")
     return ap

@@ -24,11 +24,12 @@ def _routed_fn(dispatch: str, grouped: str, capacity_factor: float, group_size: 
     raise ValueError(f"unknown dispatch {dispatch!r}")
 
 
-def bench(name: str, n_experts: int, dispatches, grouped_matmuls=("auto",), capacity_factor: float = 1.25
-          ) -> list[dict]:
+def bench(name: str, n_experts: int, dispatches, grouped_matmuls=("auto",), capacity_factor: float = 1.25,
+          batch: int = 0) -> list[dict]:
+    """One device's layer: `batch` (default: the preset's) rows of the preset's sequence length."""
     p = preset(name, n_experts)
     m = p["model"]
-    T, D, F, K = p["batch"] * p["seq_len"], m["d_model"], m["moe_d_ff"], m["top_k"]
+    T, D, F, K = (batch or p["batch"]) * p["seq_len"], m["d_model"], m["moe_d_ff"], m["top_k"]
     dt = jnp.dtype(m["dtype"])
     ks = jax.random.split(jax.random.key(0), 6)
     x = jax.random.normal(ks[0], (T, D), dt)
@@ -64,7 +65,7 @@ def main(argv=None):
     print(describe())
     rows = []
     for e in map(int, a.experts.split(",")):
-        rows += bench(a.preset, e, a.dispatch.split(","), a.grouped_matmul.split(","), a.capacity_factor)
+        rows += bench(a.preset, e, a.dispatch.split(","), a.grouped_matmul.split(","), a.capacity_factor, a.batch)
     print(table(rows))
 
 

@@ -26,14 +26,15 @@ from train.state import init_state
 from train.step import make_train_step
 
 
-def _config(name: str, dispatch: str, n_experts: int, capacity_factor: float, grouped: str, attention: str):
+def _config(name: str, dispatch: str, n_experts: int, capacity_factor: float, grouped: str, attention: str,
+            batch: int = 0):
     p = preset(name, n_experts)
     c = base_config()
     c.model.update(**{**p["model"], "dispatch": dispatch, "capacity_factor": capacity_factor,
                       "grouped_matmul": "auto" if grouped == "-" else grouped, "attention_impl": attention})
     c.data.seq_len = p["seq_len"]
     # The preset's batch is per device: on N devices the (data-parallel) step sees N times the rows.
-    c.train.update(batch_size=p["batch"] * jax.device_count(), steps=1000, warmup_steps=10)
+    c.train.update(batch_size=(batch or p["batch"]) * jax.device_count(), steps=1000, warmup_steps=10)
     return c
 
 
@@ -45,8 +46,9 @@ def _batch(B: int, L: int, V: int, mesh):
     return jax.device_put(b, NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
 
 
-def bench(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto", attention="einsum") -> dict:
-    c = _config(name, dispatch, n_experts, capacity_factor, grouped, attention)
+def bench(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto", attention="einsum", batch=0
+          ) -> dict:
+    c = _config(name, dispatch, n_experts, capacity_factor, grouped, attention, batch)
     mcfg, t = check(c), c.train
     mesh = mesh_lib.make_mesh(c.mesh)
     tx = optim.optimizer(t)
@@ -68,15 +70,14 @@ def bench(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto",
 
 
 def main(argv=None):
-    ap = arg_parser(__doc__.splitlines()[0])
-    ap.add_argument("--peak_flops", type=float, default=0.0, help="per device; 0 measures a large matmul")
-    a = ap.parse_args(argv)
+    a = arg_parser(__doc__.splitlines()[0]).parse_args(argv)
     peak = a.peak_flops or measure_peak_flops()
     print(describe() + f" | matmul peak {peak / 1e12:.3g} TFLOP/s per device")
     experts_list = [int(e) for e in a.experts.split(",")]
     combos = [(d, g, att) for d, g in variants(a.dispatch.split(","), a.grouped_matmul.split(","))
               for att in a.attention_impl.split(",")]
-    rows = [bench(a.preset, d, e, peak, a.capacity_factor, g, att) for d, g, att in combos for e in experts_list]
+    rows = [bench(a.preset, d, e, peak, a.capacity_factor, g, att, a.batch) for d, g, att in combos
+            for e in experts_list]
     print(table(rows))
     if len(experts_list) == 2:
         for d, g, att in combos:

@@ -49,7 +49,7 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = True
     balance_loss_weight: float = 1e-4  # alpha of the sequence-wise balance loss; 0 turns it off
-    # dropless: sorted ragged_dot, never drops; on a mesh with expert > 1 it runs expert-parallel (all_to_all)
+    # dropless: sort + grouped matmul (grouped_matmul below), never drops; on a mesh with expert > 1 it runs expert-parallel (all_to_all)
     # with a no-drop bound. capacity: GShard einsums, at most C = ceil(capacity_factor * L * K / E) tokens per
     # expert and sequence. expert_parallel: all_to_all with ceil(capacity_factor * N / expert) rows per device
     # pair. reference: loop over experts (tests). See moe/moe_layer.py and moe/expert_parallel.py.

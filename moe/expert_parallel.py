@@ -14,8 +14,10 @@ Copies past C are dropped (output 0, counted in the returned keep mask). C = N (
 drop: that is what `dispatch="dropless"` uses, at the price of send/receive buffers of P * N rows instead of
 cf * N (P times the local dropless path's N rows). `dispatch="expert_parallel"` uses cf = capacity_factor.
 
-Weights enter with in_specs that name only `expert`: XLA all-gathers their fsdp/tensor shards before the
-shard_map (ZeRO-3), and shard_map's transpose sums their gradients over (data, fsdp). The routing statistics
+Weights enter split over `expert` and, with mesh.tensor > 1, their expert width F over `tensor` (Megatron style:
+each tensor rank computes its slice of every expert's hidden units on the same rows, and the partial outputs are
+summed with one psum over `tensor` before the return all_to_all). XLA all-gathers their fsdp (embed) shards
+before the shard_map (ZeRO-3), and shard_map's transpose sums their gradients over (data, fsdp). The routing statistics
 (load, balance loss) are computed outside, from the auto-sharded router output, so they are global.
 `jax.lax.ragged_all_to_all` (GPU/TPU only, not on XLA:CPU) would avoid the padding; not used yet.
 """
@@ -44,10 +46,13 @@ def token_shards(mesh) -> int:
 
 
 def local_dispatch(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, n_shards: int,
-                   capacity: int, axis_name: str | None = "expert", grouped_matmul: str = "auto"):
+                   capacity: int, axis_name: str | None = "expert", grouped_matmul: str = "auto",
+                   tensor_axis: str | None = None):
     """One device's part (inside shard_map; ids are global expert ids, weights the E_l local experts).
     Returns (y_TxD, keep_TxK). With axis_name None (one shard) there is no exchange. grouped_matmul: see
-    experts.grouped_swiglu_for; rows past sum(group sizes) are padding and come out zero in both."""
+    experts.grouped_swiglu_for; rows past sum(group sizes) are padding and come out zero in both.
+    tensor_axis: the weights hold this device's slice of the expert width F (Megatron style), so the expert
+    outputs are partial sums, added up over that axis."""
     T, K = ids_TxK.shape
     El = w_gate_ExDxF.shape[0]
     D = x_TxD.shape[-1]
@@ -75,6 +80,8 @@ def local_dispatch(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_E
     grouped_fn = experts.grouped_swiglu_for(grouped_matmul)
     y_sorted_MxD = grouped_fn(jnp.take(recv_PxCxD.reshape(M, D), order_M, axis=0), gs_E,
                               w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
+    if tensor_axis is not None:
+        y_sorted_MxD = jax.lax.psum(y_sorted_MxD, tensor_axis)
     y_PxCxD = jnp.take(y_sorted_MxD, jnp.argsort(order_M), axis=0).reshape(Pn, C, D)
     back_PxCxD = exchange(y_PxCxD)
 
@@ -99,9 +106,11 @@ def dispatch(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, 
     if T % n_tok:
         raise ValueError(f"expert parallelism needs the {T} tokens divisible by data*fsdp*expert ({n_tok})")
     C = send_capacity(T // n_tok * K, n_ep, capacity_factor)
-    tok, ex = P(TOKEN_AXES), P("expert")
-    f = jax.shard_map(functools.partial(local_dispatch, n_shards=n_ep, capacity=C, grouped_matmul=grouped_matmul),
-                      mesh=mesh,
-                      in_specs=(tok, tok, tok, ex, ex, ex), out_specs=(tok, tok))
+    tok = P(TOKEN_AXES)
+    tp = "tensor" if mesh.shape.get("tensor", 1) > 1 else None
+    w_in, w_out = P("expert", None, tp), P("expert", tp, None)  # [E, D, F] and [E, F, D]: F split over tensor
+    f = jax.shard_map(functools.partial(local_dispatch, n_shards=n_ep, capacity=C, grouped_matmul=grouped_matmul,
+                                        tensor_axis=tp),
+                      mesh=mesh, in_specs=(tok, tok, tok, w_in, w_in, w_out), out_specs=(tok, tok))
     return f(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
 

@@ -41,10 +41,16 @@ def rope(x_BxLxHxDh, positions_BxL, theta: float):
     return out.astype(x_BxLxHxDh.dtype)
 
 
+def _on_cuda() -> bool:
+    if jax.default_backend() != "gpu":
+        return False
+    return "cuda" in jax.devices()[0].client.platform_version.lower()  # not ROCm
+
+
 def fused_attention_impl(name: str) -> str:
     """`jax.nn.dot_product_attention`'s implementation for `model.attention_impl`. cuDNN exists only on NVIDIA
     GPUs; elsewhere (say, analysing a GPU run on a laptop) the same function runs with the XLA implementation."""
-    return "cudnn" if name == "cudnn" and jax.default_backend() == "gpu" else "xla"
+    return "cudnn" if name == "cudnn" and _on_cuda() else "xla"
 
 
 class Attention(nnx.Module):
@@ -66,9 +72,11 @@ class Attention(nnx.Module):
 
         `cfg.attention_impl` "xla" / "cudnn" hands the no-cache, no-probabilities call (training, evaluation) to
         `jax.nn.dot_product_attention` with that implementation: cuDNN's fused flash attention on NVIDIA GPUs,
-        never materializing the [B,H,L,S] logits. For the causal mask it also passes is_causal, so the kernel
-        skips blocks above the diagonal; the boolean mask (segments, prefix) still applies. The einsum path below
-        is the reference it is tested against, and the path for the KV cache and for attention probabilities.
+        with no fp32 [B,H,L,S] logits or probabilities in memory. For the causal mask it also passes is_causal,
+        so the kernel skips blocks above the diagonal; the boolean mask (segments, prefix) still applies, and
+        cuDNN takes it as an additive bias of the mask's shape ([B,1,L,S], or [B,H,L,S] for `mixed`). The
+        einsum path below is the reference it is tested against, and the path for the KV cache and for
+        attention probabilities.
         """
         cfg, dt = self.cfg, x_BxLxD.dtype
         q_BxLxHxDh = jnp.einsum("bld,dhk->blhk", x_BxLxD, self.wq.value.astype(dt))
@@ -77,7 +85,10 @@ class Attention(nnx.Module):
         if cfg.rope:
             q_BxLxHxDh = rope(q_BxLxHxDh, positions_BxL, cfg.rope_theta)
             k_BxLxNxDh = rope(k_BxLxNxDh, positions_BxL, cfg.rope_theta)
+        # q, k and v sharded alike (heads over tensor): cuDNN's partitioner requires identical shardings.
         q_BxLxHxDh = constrain(q_BxLxHxDh, ("batch", "length", "act_heads", None))
+        k_BxLxNxDh = constrain(k_BxLxNxDh, ("batch", "length", "act_heads", None))
+        v_BxLxNxDh = constrain(v_BxLxNxDh, ("batch", "length", "act_heads", None))
         new_cache = None
         if cache is not None:
             at = (0, cache_index, 0, 0)

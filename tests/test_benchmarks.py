@@ -17,10 +17,11 @@ def test_moe_layer_rows_and_dense_baseline():
 
 def test_train_step_row(capsys):
     train_step.main(["--preset", "cpu", "--dispatch", "dropless", "--grouped_matmul", "blocked",
-                     "--attention_impl", "xla", "--experts", "8", "--peak_flops", "1e12"])
+                     "--attention_impl", "xla", "--experts", "8", "--peak_flops", "1e12", "--batch", "1"])
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("| dropless"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[:4] == ["dropless", "blocked", "xla", "8"]
+    assert int(cells[5]) == 8 * 256  # tokens/step: one row of 256 per (fake) device
     mfu = float(cells[8])
     assert 0 < mfu < 100

@@ -63,6 +63,9 @@ def _cli_error(capsys, *args):
     (["--config.train.batch_size=6"], "train.batch_size"),
     (["--config.train.no_such_key=1"], "no_such_key"),
     (["--config.model.top_k=99"], "model.top_k"),
+    (["--config.model.attention_impl=cudnn"], "model.attention_impl"),  # tiny config is float32
+    (["--config.model.attention_impl=cudnn", "--config.model.dtype=bfloat16", "--config.data.seq_len=33"],
+     "data.seq_len=33"),
     (["--config.data.tokenizer=/nonexistent/tokenizer.json"], "tokenizer"),
     (["--config.data.name=no_such_dataset"], "no_such_dataset"),
 ])

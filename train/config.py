@@ -41,6 +41,9 @@ def check(c: ml_collections.ConfigDict) -> ModelConfig:
         raise UserError(f"model.mask={mcfg.mask!r} needs a per-row prefix: set data.task='prefix'")
     if int(c.data.seq_len) <= 1:
         raise UserError(f"data.seq_len must be > 1, got {c.data.seq_len}")
+    if mcfg.attention_impl == "cudnn" and int(c.data.seq_len) % 2:
+        raise UserError(f"model.attention_impl='cudnn' trains only even sequence lengths (a cuDNN limit with a "
+                        f"mask), got data.seq_len={c.data.seq_len}; use an even length or attention_impl='xla'")
     for key in ("every", "keep"):
         if int(c.checkpoint[key]) <= 0:
             raise UserError(f"checkpoint.{key} must be a positive integer, got {c.checkpoint[key]}")
