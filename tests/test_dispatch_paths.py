@@ -81,6 +81,21 @@ def test_paths_on_meshes_equal_reference(shape):
         _assert_close(got[name], _reference())
 
 
+def test_expert_parallel_keeps_expert_width_split_over_tensor():
+    """With mesh.tensor > 1 each tensor rank computes its slice of the expert width: the compiled program sums
+    partial outputs (all-reduce) and never all-gathers the tensor-split weights."""
+    mesh = sharding.make_mesh(1, 1, 2, 4)
+    x, w_router, ws = _inputs()
+    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
+    F4 = 12  # an expert width that splits 4 ways
+    ws = (put(jnp.ones((E, D, F4)), P("expert", None, "tensor")), put(jnp.ones((E, D, F4)), P("expert", None, "tensor")),
+          put(jnp.ones((E, F4, D)), P("expert", "tensor", None)))
+    _, ids, gates = router.route(x, w_router, jnp.zeros(E), top_k=K)
+    hlo = jax.jit(lambda *a: expert_parallel.dispatch(*a, mesh=mesh)[0]).lower(x, ids, gates, *ws).compile().as_text()
+    assert "all-gather" not in hlo
+    assert "all-reduce" in hlo
+
+
 def _drops_only_unkept(y, keep, x, ids, gates, ws):
     """A dropped copy contributes nothing; every kept one exactly its gated expert output."""
     want = experts.reference(x, ids, gates * keep, *ws)
