@@ -7,13 +7,10 @@ import warnings
 from collections import defaultdict
 from pathlib import Path
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+from analysis.figures import plt, save
 
-DPI = 110
 N_BOOT = 10000
 
 
@@ -60,16 +57,8 @@ def plot_val_loss(groups, path):
     for i, n in enumerate(names):
         v = [r["val_loss"] for r in groups[n].values()]
         _ci_points(ax, i, v)
-    ax.set_xticks(range(len(names)))
-    ax.set_xticklabels(names)
-    ax.set_xlim(-0.6, len(names) - 0.4)
-    ax.set_ylabel("validation loss (output part)")
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title("Final validation loss per variant", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    _label_ci_axes(ax, names, "validation loss (output part)", "Final validation loss per variant")
+    save(fig, path)
 
 
 def _ci_points(ax, i, values):
@@ -81,6 +70,17 @@ def _ci_points(ax, i, values):
                zorder=3, label="seeds" if i == 0 else None)
 
 
+def _label_ci_axes(ax, labels, ylabel, title, label_size=None):
+    """Axes drawn by _ci_points at x = 0..n-1: one tick label per point, y grid, legend, title."""
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels(labels, fontsize=label_size)
+    ax.set_xlim(-0.6, len(labels) - 0.4)
+    ax.set_ylabel(ylabel)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=10)
+
+
 def plot_paired(groups, pairs, path):
     """Per-seed paired differences (variant - reference) with their mean and 95% bootstrap CI; 0 = no effect."""
     fig, ax = plt.subplots(figsize=(1.6 * len(pairs) + 2.5, 3.6))
@@ -88,16 +88,9 @@ def plot_paired(groups, pairs, path):
         d = paired(groups, a, b)
         _ci_points(ax, i, d)
     ax.axhline(0, color="gray", linewidth=1)
-    ax.set_xticks(range(len(pairs)))
-    ax.set_xticklabels([f"{a}\n- {b}" for a, b in pairs], fontsize=8)
-    ax.set_xlim(-0.6, len(pairs) - 0.4)
-    ax.set_ylabel("validation loss difference")
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title("Paired by seed (same data order and initial weights); < 0: first is better", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    _label_ci_axes(ax, [f"{a}\n- {b}" for a, b in pairs], "validation loss difference",
+                   "Paired by seed (same data order and initial weights); < 0: first is better", label_size=8)
+    save(fig, path)
 
 
 def _aligned(runs, key):
@@ -125,9 +118,7 @@ def plot_curves(groups, path):
         ax.legend(fontsize=8)
     lo = min(v for rs in groups.values() for r in rs.values() for _, v in r["val_curve"])
     axes[0].set_ylim(lo - 0.3, lo + 3.0)
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    save(fig, path)
 
 
 def rank_table(groups):
@@ -164,9 +155,7 @@ def plot_rank(table, path):
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle("Attention rank (mean over heads, validation sequences and seeds)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    save(fig, path)
 
 
 def write_report(results, out, cost, base_config=None, missing=()) -> Path:

@@ -1,32 +1,18 @@
 """Plots of an analysis.rank result (matplotlib, Agg): one PNG each, written into a directory."""
 
-import math
+import numpy as np
 
-import matplotlib
+from analysis.figures import grid, plt, save
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
-DPI = 110
 PATH_STYLE = {"full": ("trained model", "C0", "-"), "no_mlp": ("MLPs removed", "C1", "--"),
               "no_skip": ("skips removed", "C2", "-."), "pure_attn": ("pure attention", "C3", ":")}
-
-
-def _grid(n, ncols, w, h):
-    ncols = min(ncols, n)
-    fig, axes = plt.subplots(math.ceil(n / ncols), ncols, figsize=(w * ncols, h * math.ceil(n / ncols)),
-                             squeeze=False)
-    for ax in axes.flat[n:]:
-        ax.set_visible(False)
-    return fig, axes.flat
 
 
 def plot_heads(result, path):
     """Per layer: numerical rank / n and effective rank / n per head, real-token block and prefix block."""
     att = result["attention"]
     L, H = result["n_layers"], result["n_heads"]
-    fig, axes = _grid(L, 4, 3.2, 2.8)
+    fig, axes = grid(L, 4, 3.2, 2.8)
     bars = [(blk, key) for blk in att for key in ("rank_frac", "erank_frac")]
     width = 0.8 / len(bars)
     labels = {"rank_frac": "rank/n", "erank_frac": "eff. rank/n"}
@@ -43,31 +29,25 @@ def plot_heads(result, path):
     fig.legend(handles, labels_, loc="lower center", ncol=len(bars), fontsize=8, frameon=False)
     fig.suptitle(f"Attention rank, mask={result['mask']}, rope={result['rope']} "
                  f"({result['sequences']} val. sequences; tol = S.max*n*eps32)", fontsize=10)
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    return save(fig, path, rect=(0, 0.08, 1, 1))
 
 
 def plot_spectrum(result, path):
     """Per layer: mean normalized singular values s_i / s_1 of each head against i / n (log scale)."""
     spec = result["spectrum"]
     L = len(spec)
-    fig, axes = _grid(L, 4, 3.2, 2.8)
-    grid = np.linspace(0, 1, len(spec[0][0]))
+    fig, axes = grid(L, 4, 3.2, 2.8)
+    frac_i = np.linspace(0, 1, len(spec[0][0]))
     for layer, ax in zip(range(L), axes):
         for h, s in enumerate(spec[layer]):
-            ax.semilogy(grid, np.maximum(s, 1e-12), label=f"head {h}")
+            ax.semilogy(frac_i, np.maximum(s, 1e-12), label=f"head {h}")
         ax.set_title(f"Layer {layer}", fontsize=10)
         ax.set_xlabel("i / n", fontsize=8)
         ax.set_ylabel("s_i / s_1", fontsize=8)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle(f"Singular values of attention (real-token block), mask={result['mask']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def plot_collapse(result, path):
@@ -85,10 +65,7 @@ def plot_collapse(result, path):
         ax.grid(alpha=0.3, which="both")
     axes[0].legend(fontsize=8)
     fig.suptitle(f"Rank collapse of token representations, mask={result['mask']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def plot_all(result, out):

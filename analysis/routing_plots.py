@@ -7,13 +7,10 @@ CLI may add since leading dense layers shift it), else by MoE-layer index.
 
 import math
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+from analysis.figures import grid, plt, save
 
-DPI = 110
 UNIFORM_STYLE = dict(color="crimson", linestyle="--", linewidth=1.0)
 
 
@@ -33,22 +30,6 @@ def _expert_ticks(ax, n_experts, axis="x"):
         set_ticks(np.arange(n_experts), minor=True)
 
 
-def _grid(n, ncols, w, h):
-    ncols = min(ncols, n)
-    nrows = math.ceil(n / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(w * ncols, h * nrows), squeeze=False)
-    for ax in axes.flat[n:]:
-        ax.set_visible(False)
-    return fig, list(axes.flat[:n])
-
-
-def _save(fig, path):
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
-    return path
-
-
 def _domain_names(result, domain_names):
     return list(domain_names) if domain_names is not None else [f"domain {d}" for d in range(int(result["n_domains"]))]
 
@@ -60,7 +41,7 @@ def plot_domain_bars(result, layer, path, domain_names=None, key="share_LxDxE"):
     n_domains, n_experts = share_DxE.shape
     names = _domain_names(result, domain_names)
     uniform = (1 if "top1" in key or "norm" in key else int(result["top_k"])) / n_experts
-    fig, axes = _grid(n_domains, 3 if n_experts <= 24 else 2, max(4.0, 0.12 * n_experts + 1.5), 2.6)
+    fig, axes = grid(n_domains, 3 if n_experts <= 24 else 2, max(4.0, 0.12 * n_experts + 1.5), 2.6)
     ymax = np.nanmax(share_DxE) * 1.08 if np.isfinite(share_DxE).any() else 1.0
     for d, ax in enumerate(axes):
         ax.bar(np.arange(n_experts), np.nan_to_num(share_DxE[d]), color="tab:blue", width=0.8)
@@ -73,7 +54,7 @@ def plot_domain_bars(result, layer, path, domain_names=None, key="share_LxDxE"):
         ax.set_ylabel("share of tokens", fontsize=8)
         ax.tick_params(axis="y", labelsize=7)
     axes[0].legend(fontsize=7, loc="upper right")
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_domain_heatmaps(result, path, domain_names=None, layers=None, key="share_LxDxE"):
@@ -82,7 +63,7 @@ def plot_domain_heatmaps(result, path, domain_names=None, layers=None, key="shar
     layers = range(share_LxDxE.shape[0]) if layers is None else layers
     n_domains, n_experts = share_LxDxE.shape[1:]
     names = _domain_names(result, domain_names)
-    fig, axes = _grid(len(layers), 1 if n_experts > 32 else 2, max(5.0, 0.16 * n_experts + 2.5),
+    fig, axes = grid(len(layers), 1 if n_experts > 32 else 2, max(5.0, 0.16 * n_experts + 2.5),
                       0.3 * n_domains + 1.4)
     for ax, layer in zip(axes, layers):
         im = ax.imshow(share_LxDxE[layer], aspect="auto", cmap="viridis", vmin=0, interpolation="nearest")
@@ -94,7 +75,7 @@ def plot_domain_heatmaps(result, path, domain_names=None, layers=None, key="shar
         uniform = (1 if "top1" in key or "norm" in key else int(result["top_k"])) / n_experts
         ax.set_title(f"{_layer_name(result, layer)} - {what} (uniform {uniform:.3f})", fontsize=9)
         fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02).ax.tick_params(labelsize=7)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_token_experts(result, path, token_text, which="track", max_tokens=12):
@@ -109,9 +90,9 @@ def plot_token_experts(result, path, token_text, which="track", max_tokens=12):
         fig, ax = plt.subplots(figsize=(5, 1.5))
         ax.text(0.5, 0.5, "no occurrences of the requested tokens", ha="center", va="center")
         ax.set_axis_off()
-        return _save(fig, path)
+        return save(fig, path)
     n_layers, n_experts = share_TxLxE.shape[1:]
-    fig, axes = _grid(len(keep), 1 if n_experts > 32 else 2, max(5.0, 0.14 * n_experts + 2.5),
+    fig, axes = grid(len(keep), 1 if n_experts > 32 else 2, max(5.0, 0.14 * n_experts + 2.5),
                       0.28 * n_layers + 1.5)
     for ax, t in zip(axes, keep):
         im = ax.imshow(share_TxLxE[t], aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
@@ -121,7 +102,7 @@ def plot_token_experts(result, path, token_text, which="track", max_tokens=12):
         _expert_ticks(ax, n_experts)
         ax.set_xlabel("expert", fontsize=8)
         fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02, label="share of occurrences").ax.tick_params(labelsize=7)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_locality(result, path):
@@ -146,7 +127,7 @@ def plot_locality(result, path):
     ax.set_title(f"Routing locality vs previous token (top-{int(result['top_k'])} of {int(result['n_experts'])})")
     # Below the axes so tall bars are never hidden; columns pair each metric with its baseline.
     ax.legend(handles=handles, fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.1))
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_vocab_specialization(result, path):
@@ -168,7 +149,7 @@ def plot_vocab_specialization(result, path):
                  f"{int(result.get('vocab_min_count', 10))} times)\nuniform 1/E = {1 / n_experts:.3f}, "
                  f"always the same expert 1/K = {top:.3f}", fontsize=9)
     fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02, label="share to top expert")
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_coactivation(result, path, layers=None):
@@ -177,7 +158,7 @@ def plot_coactivation(result, path, layers=None):
     layers = range(coact_LxExE.shape[0]) if layers is None else layers
     n_experts = coact_LxExE.shape[-1]
     side = max(3.6, 0.09 * n_experts + 2.8)
-    fig, axes = _grid(len(layers), 1 if n_experts > 32 else 2, side + 0.8, side)
+    fig, axes = grid(len(layers), 1 if n_experts > 32 else 2, side + 0.8, side)
     for ax, layer in zip(axes, layers):
         im = ax.imshow(coact_LxExE[layer], cmap="magma", vmin=0, interpolation="nearest")
         _expert_ticks(ax, n_experts, "x")
@@ -186,7 +167,7 @@ def plot_coactivation(result, path, layers=None):
         ax.set_ylabel("expert i", fontsize=8)
         ax.set_title(f"{_layer_name(result, layer)} - co-activation N(i,j) / N(i)", fontsize=9)
         fig.colorbar(im, ax=ax, fraction=0.046, pad=0.03).ax.tick_params(labelsize=7)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_maxvio_series(series, path, log=True):
@@ -203,7 +184,7 @@ def plot_maxvio_series(series, path, log=True):
     if series:
         ax.legend(fontsize=7, ncol=max(1, math.ceil(len(series) / 8)))
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_maxvio_global(result, path):
@@ -217,7 +198,7 @@ def plot_maxvio_global(result, path):
     ax.set_ylabel("MaxVio_global")
     ax.set_title(f"Load imbalance on {int(result['n_tokens'])} analysed tokens")
     ax.grid(axis="y", alpha=0.3)
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_saturation(sat_by_step, path, final_step=None, random_baseline=None, layer_names=None):
@@ -250,4 +231,4 @@ def plot_saturation(sat_by_step, path, final_step=None, random_baseline=None, la
     ax.set_ylabel("share of final top-k matched")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save(fig, path)
