@@ -23,9 +23,14 @@ from pathlib import Path
 
 import numpy as np
 
-from train.errors import UserError
+from rundir import RunDir, open_run
+from rundir.checkpoints import steps_in
+from rundir.metrics import read_rows
+from train.cli import ArgParser, config_from_argv
+from train.errors import UserError, exit_with, os_error
 
 RANK_SEQUENCES = 8
+DEFAULT_CONFIG = "configs/compare_masks.py"
 
 
 class Interrupted(Exception):
@@ -56,12 +61,10 @@ def fingerprint(config) -> str:
 
 
 def read_metrics(workdir) -> tuple[dict, dict]:
-    """(train loss by step, eval row by step) from metrics.jsonl; a resumed run logs some steps twice and the
-    last row of a step wins."""
+    """(train loss by step, eval row by step) from metrics.jsonl (rundir.metrics: torn lines skipped); if a
+    step appears twice the last row wins."""
     train, evals = {}, {}
-    path = Path(workdir) / "metrics.jsonl"
-    for line in path.read_text().splitlines() if path.exists() else []:
-        row = json.loads(line)
+    for row in read_rows(RunDir(Path(workdir)).metrics):
         if "loss" in row:
             train[row["step"]] = row["loss"]
         if "val/loss" in row:
@@ -90,14 +93,12 @@ def attention_cost(config, mcfg) -> dict:
 def summarize_run(config, workdir, seconds: float) -> dict:
     from analysis.rank import analyse, select_rows
     from moe import param_counts
-    from train.checkpoint import load_model
     from train.config import model_config
     from train.inputs import eval_rows
 
     train, evals = read_metrics(workdir)
     last = evals[max(evals)]
-    model, _ = load_model(workdir)
-    rank = analyse(model, select_rows(eval_rows(config), RANK_SEQUENCES))
+    rank = analyse(open_run(workdir).model, select_rows(eval_rows(config), RANK_SEQUENCES))
     mcfg = model_config(config)
     return {
         "mask": config.model.mask, "rope": bool(config.model.rope), "seed": int(config.train.seed),
@@ -111,8 +112,6 @@ def summarize_run(config, workdir, seconds: float) -> dict:
 
 def train_one(config, workdir, log=print, run_fn=None) -> dict:
     """Train (or resume) one run and cache its result; a cached result with the same fingerprint is returned as is."""
-    from train import checkpoint
-
     workdir = Path(workdir)
     cache = workdir / "result.json"
     fp = fingerprint(config)
@@ -134,7 +133,7 @@ def train_one(config, workdir, log=print, run_fn=None) -> dict:
         from train.loop import run as run_fn
     t0 = time.perf_counter()
     run_fn(config, workdir, log=log)
-    done = checkpoint.steps_in(workdir)
+    done = steps_in(RunDir(workdir).checkpoints)
     if not done or done[-1] < config.train.steps:
         raise Interrupted(f"{workdir} stopped at step {done[-1] if done else 0} of {config.train.steps}")
     result = summarize_run(config, workdir, time.perf_counter() - t0)
@@ -184,49 +183,45 @@ def compare_masks(base, masks, seeds: int, steps: int, nope: bool, out, log=prin
     return write_report(results, out / "report", cost, base, missing)
 
 
-def parse_flags(argv):
-    from absl import flags
-    from ml_collections import config_flags
+def parser() -> ArgParser:
+    p = ArgParser(prog="python -m analysis.experiments", description=__doc__.splitlines()[0],
+                  epilog="any config key can be overridden with --config.KEY=VALUE (see python -m train --help)")
+    p.add_argument("command", choices=["compare-masks"], help="the study to run")
+    p.add_argument("--config", metavar="FILE", default=DEFAULT_CONFIG, help=f"study config (default {DEFAULT_CONFIG})")
+    p.add_argument("--masks", default="causal,prefix,mixed", help="comma-separated masks to compare")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per variant (train.seed = 0 .. seeds-1)")
+    p.add_argument("--steps", type=int, default=None, help="training steps per run (default: train.steps)")
+    p.add_argument("--nope", action="store_true", help="also train every mask without position encoding")
+    p.add_argument("--out", default="runs/compare_masks", help="study directory (runs, caches, report/)")
+    p.add_argument("--report_only", action="store_true", help="train nothing: report the finished runs")
+    return p
 
-    fv = flags.FlagValues()
-    config_flags.DEFINE_config_file("config", "configs/compare_masks.py", "Study config (ml_collections).",
-                                    flag_values=fv, lock_config=True, sys_argv=list(argv))
-    flags.DEFINE_string("masks", "causal,prefix,mixed", "Comma-separated masks to compare.", flag_values=fv)
-    flags.DEFINE_integer("seeds", 3, "Seeds per variant (train.seed = 0 .. seeds-1).", flag_values=fv)
-    flags.DEFINE_integer("steps", None, "Training steps per run (default: the config's train.steps).",
-                         flag_values=fv)
-    flags.DEFINE_bool("nope", False, "Also train every mask without position encoding (model.rope=False).",
-                      flag_values=fv)
-    flags.DEFINE_string("out", "runs/compare_masks", "Study directory (runs, caches, report/).", flag_values=fv)
-    flags.DEFINE_bool("report_only", False, "Train nothing: report the finished runs.", flag_values=fv)
-    try:
-        rest = fv(argv)
-    except (flags.Error, AttributeError, KeyError, ValueError, TypeError, OSError, ImportError) as e:
-        raise UserError(f"bad command line: {e}") from None
-    if rest[1:] != ["compare-masks"]:
-        raise UserError(f"expected the sub-command `compare-masks`, got {' '.join(rest[1:]) or 'none'}; "
-                        "usage: python -m analysis.experiments compare-masks --config FILE --masks a,b --seeds N")
-    masks = [m.strip() for m in fv.masks.split(",") if m.strip()]
+
+def parse_flags(argv):
+    """argv[0] is the program name."""
+    config, _, rest = config_from_argv(list(argv[1:]), DEFAULT_CONFIG)
+    args = parser().parse_args(rest)
+    masks = [m.strip() for m in args.masks.split(",") if m.strip()]
     bad = [m for m in masks if m not in ("causal", "prefix", "mixed")]
     if not masks or bad or len(set(masks)) != len(masks):
         raise UserError(f"--masks takes distinct names from causal,prefix,mixed (input->output rows need a "
-                        f"next-token mask), got {fv.masks!r}")
-    if fv.seeds < 1:
-        raise UserError(f"--seeds must be at least 1, got {fv.seeds}")
-    steps = fv.steps if fv.steps is not None else int(fv.config.train.steps)
+                        f"next-token mask), got {args.masks!r}")
+    if args.seeds < 1:
+        raise UserError(f"--seeds must be at least 1, got {args.seeds}")
+    steps = args.steps if args.steps is not None else int(config.train.steps)
     if steps < 1:
         raise UserError(f"--steps must be a positive integer, got {steps}")
-    config = fv.config
-    with config.unlocked():
-        config.data.task = "prefix"
-    return config, masks, fv.seeds, steps, fv.nope, fv.out, fv.report_only
+    config.data.task = "prefix"
+    return config, masks, args.seeds, steps, args.nope, args.out, args.report_only
 
 
 def main(argv=None):
     from moe import ConfigError
-    from train.errors import exit_with
 
     argv = sys.argv if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv[1:]):
+        parser().print_help()
+        raise SystemExit(0)
     try:
         config, masks, seeds, steps, nope, out, report_only = parse_flags(argv)
         cache_dir = Path(out) / ".jax_cache"  # the same mask's graph is compiled once for all seeds
@@ -241,6 +236,8 @@ def main(argv=None):
         exit_with(UserError(f"{e}; re-run the same command to resume the study"), 130)
     except KeyboardInterrupt:
         exit_with(UserError("interrupted; re-run the same command to resume the study"), 130)
+    except OSError as e:
+        exit_with(os_error(e))
     print(f"wrote {report}")
 
 

@@ -15,7 +15,6 @@ Frobenius too) of the block outputs, for four paths through the SAME weights:
 Writes OUT/rank.json and OUT/rank_heads.png, OUT/rank_spectrum.png, OUT/rank_collapse.png (OUT = WORKDIR/rank).
 """
 
-import argparse
 import json
 import sys
 import warnings
@@ -24,6 +23,10 @@ from pathlib import Path
 import numpy as np
 
 from analysis import rank_metrics as rm
+from rundir import open_run
+from train.cli import ArgParser, check_out_dir
+from train.errors import UserError, exit_with, os_error
+from train.inputs import eval_rows
 
 PATHS = ("full", "no_mlp", "no_skip", "pure_attn")
 
@@ -87,26 +90,39 @@ def _paths(model, batch):
     return probs, hidden
 
 
-def attention_stats(probs, n_B, prefix_B=None):
-    """Per layer, head and sequence: rank measures of the real-token block and of the prefix block."""
+def documents(segment_ids_BxL, prefix_B=None) -> list[tuple[int, int, int, int]]:
+    """(row, start, length, prefix length) of every document: packed rows hold several (segment ids 1, 2, ...;
+    0 is padding), and each document's attention is its own square block. The prefix applies to one-document
+    rows (the prefix task)."""
+    docs = []
+    for b, seg in enumerate(np.asarray(segment_ids_BxL)):
+        for s in np.unique(seg[seg > 0]):
+            idx = np.flatnonzero(seg == s)
+            P = int(prefix_B[b]) if prefix_B is not None else 0
+            docs.append((b, int(idx[0]), len(idx), P))
+    return docs
+
+
+def attention_stats(probs, docs):
+    """Per layer, head and document: rank measures of the document's block and of its prefix block."""
     n_layers, H = len(probs), probs[0].shape[1]
     keys = ("rank", "rank_rel1e-6", "erank", "logdet", "n")
-    out = {blk: {k: np.full((n_layers, H, len(n_B)), np.nan) for k in keys} for blk in ("full", "prefix")}
-    for b, n in enumerate(n_B):
-        P = int(prefix_B[b]) if prefix_B is not None else 0
+    out = {blk: {k: np.full((n_layers, H, len(docs)), np.nan) for k in keys} for blk in ("full", "prefix")}
+    for i, (b, start, n, P) in enumerate(docs):
         for layer, p_BxHxLxL in enumerate(probs):
-            blocks = {"full": p_BxHxLxL[b, :, :n, :n]}
+            doc = p_BxHxLxL[b, :, start:start + n, start:start + n]
+            blocks = {"full": doc}
             if P > 1:
-                blocks["prefix"] = p_BxHxLxL[b, :, :P, :P]
+                blocks["prefix"] = doc[:, :P, :P]
             for blk, A in blocks.items():
                 s = rm.singular_values(A)
                 o = out[blk]
-                o["rank"][layer, :, b] = np.sum(s > rm.default_tolerance(s, A.shape)[:, None], -1)
-                o["rank_rel1e-6"][layer, :, b] = np.sum(s > 1e-6 * s.max(-1, keepdims=True), -1)
-                o["erank"][layer, :, b] = rm.effective_rank(s=s)
-                o["logdet"][layer, :, b] = (rm.block_triangular_logdet(A, P) if blk == "full"
+                o["rank"][layer, :, i] = np.sum(s > rm.default_tolerance(s, A.shape)[:, None], -1)
+                o["rank_rel1e-6"][layer, :, i] = np.sum(s > 1e-6 * s.max(-1, keepdims=True), -1)
+                o["erank"][layer, :, i] = rm.effective_rank(s=s)
+                o["logdet"][layer, :, i] = (rm.block_triangular_logdet(A, P) if blk == "full"
                                             else rm.triangular_logdet(A))
-                o["n"][layer, :, b] = A.shape[-1]
+                o["n"][layer, :, i] = A.shape[-1]
     return out
 
 
@@ -130,11 +146,11 @@ def summarize_attention(stats):
     return summary
 
 
-def collapse_stats(hidden, n_B):
-    """Per path and layer (0 = embedding): mean over sequences of the residual ratio, both norms."""
+def collapse_stats(hidden, docs):
+    """Per path and layer (0 = embedding): mean over documents of the residual ratio, both norms."""
     out = {}
     for p, xs in hidden.items():
-        out[p] = {norm: [float(np.mean([rm.residual_ratio(x[b, :n], norm) for b, n in enumerate(n_B)]))
+        out[p] = {norm: [float(np.mean([rm.residual_ratio(x[b, start:start + n], norm) for b, start, n, _ in docs]))
                          for x in xs] for norm in ("l1linf", "fro")}
     return out
 
@@ -142,32 +158,35 @@ def collapse_stats(hidden, n_B):
 def analyse(model, batch):
     """The whole analysis of one batch of validation rows -> JSON-ready dict."""
     probs, hidden = forward_paths(model, batch)
-    n_B = np.asarray(batch["segment_ids"]).sum(-1).astype(int)
     prefix = batch.get("prefix_len")
-    stats = attention_stats(probs, n_B, None if prefix is None else np.asarray(prefix))
+    docs = documents(batch["segment_ids"], None if prefix is None else np.asarray(prefix))
+    if not docs:
+        raise ValueError("no real tokens in the rows to analyse")
+    stats = attention_stats(probs, docs)
     return {
         "mask": model.cfg.mask,
         "rope": bool(model.cfg.rope),
         "n_layers": model.cfg.n_layers,
         "n_heads": model.cfg.n_heads,
         "head_dim": model.cfg.head_dim,
-        "sequences": len(n_B),
+        "sequences": int(len(batch["segment_ids"])),
+        "documents": len(docs),
         "tolerance": "rank: S.max * n * eps(float32) (numpy matrix_rank default); rank_rel1e-6: 1e-6 * S.max",
         "collapse_norm": "l1linf: sqrt(||R||_1 ||R||_inf) (Dong et al. 2021); fro: Frobenius",
         "attention": summarize_attention(stats),
-        "collapse": collapse_stats(hidden, n_B),
-        "spectrum": mean_spectra(probs, n_B),
+        "collapse": collapse_stats(hidden, docs),
+        "spectrum": mean_spectra(probs, docs),
     }
 
 
-def mean_spectra(probs, n_B, points: int = 50):
-    """Per layer and head: singular values / S.max on a common grid of index/n (mean over sequences)."""
+def mean_spectra(probs, docs, points: int = 50):
+    """Per layer and head: singular values / S.max on a common grid of index/n (mean over documents)."""
     grid = np.linspace(0, 1, points)
     out = []
     for p in probs:
         curves = []
-        for b, n in enumerate(n_B):
-            s = rm.singular_values(p[b, :, :n, :n])
+        for b, start, n, _ in docs:
+            s = rm.singular_values(p[b, :, start:start + n, start:start + n])
             s = s / s[:, :1]
             curves.append([np.interp(grid, np.arange(n) / max(n - 1, 1), s_h) for s_h in s])
         out.append(np.mean(curves, 0).tolist())
@@ -182,16 +201,11 @@ def select_rows(rows, sequences: int):
 
 
 def run_rank(workdir, sequences: int = 16, step=None, out=None, plots: bool = True) -> dict:
-    from train.checkpoint import load_model, meta_config
-    from train.inputs import eval_rows
-
-    model, meta = load_model(workdir, step)
-    config = meta_config(meta)
-    result = analyse(model, select_rows(eval_rows(config), sequences))
-    result.update(workdir=str(workdir), step=int(meta["step"]))
+    run = open_run(workdir, step)
+    result = analyse(run.model, select_rows(eval_rows(run.config), sequences))
+    result.update(workdir=str(workdir), step=run.step)
     if out is not None:
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
+        out = check_out_dir(out, out)
         (out / "rank.json").write_text(json.dumps(result, indent=1))
         if plots:
             from analysis.rank_plots import plot_all
@@ -201,26 +215,27 @@ def run_rank(workdir, sequences: int = 16, step=None, out=None, plots: bool = Tr
 
 
 def main(argv=None):
-    from train.errors import UserError, exit_with
-
-    ap = argparse.ArgumentParser(prog="python -m analysis.rank", description=__doc__.splitlines()[0])
+    ap = ArgParser(prog="python -m analysis.rank", description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", required=True, help="a trained run directory (with checkpoints/)")
     ap.add_argument("--out", default=None, help="output directory (default WORKDIR/rank)")
-    ap.add_argument("--sequences", type=int, default=16, help="validation sequences to analyse (default 16)")
-    ap.add_argument("--step", type=int, default=None, help="checkpoint step (default the latest)")
-    args = ap.parse_args(argv)
+    ap.add_argument("--sequences", type=int, default=16, help="validation rows to analyse (default 16); packed "
+                                                             "rows count each document separately")
+    ap.add_argument("--step", type=int, default=None, help="checkpoint step (default the newest readable one)")
     try:
+        args = ap.parse_args(sys.argv[1:] if argv is None else argv)
         if args.sequences <= 0:
             raise UserError(f"--sequences must be a positive integer, got {args.sequences}")
-        out = Path(args.out) if args.out else Path(args.workdir) / "rank"
+        out = check_out_dir(args.out, Path(args.workdir) / "rank", create=False)
         r = run_rank(args.workdir, args.sequences, args.step, out)
     except UserError as e:
         exit_with(e)
+    except OSError as e:
+        exit_with(os_error(e))
     print_summary(r, out)
 
 
 def print_summary(r, out=None, file=sys.stdout):
-    print(f"mask={r['mask']} rope={r['rope']} sequences={r['sequences']}", file=file)
+    print(f"mask={r['mask']} rope={r['rope']} sequences={r['sequences']} documents={r.get('documents')}", file=file)
     for blk, s in r["attention"].items():
         for layer, (rk, er, ld) in enumerate(zip(s["rank_frac"], s["erank_frac"], s["logdet_per_token"])):
             print(f"  {blk:6s} layer {layer}: rank/n {np.round(rk, 3).tolist()} erank/n {np.round(er, 3).tolist()} "

@@ -14,7 +14,6 @@ jitted, and writes into --out (default WORKDIR/analysis):
 and prints a short summary. Bad input (no checkpoint, unknown step, a non-MoE layer): one line, exit 2.
 """
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -22,16 +21,12 @@ from pathlib import Path
 import numpy as np
 
 from analysis import routing_html, routing_plots, routing_run, routing_stats
-from train.errors import UserError, exit_with
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse prints usage over several lines; ours is one line, exit 2
-        exit_with(UserError(f"{message} (see python -m analysis.routing --help)"))
+from train.cli import ArgParser, check_out_dir
+from train.errors import UserError, exit_with, os_error
 
 
 def parse_args(argv):
-    p = _Parser(prog="python -m analysis.routing", description=__doc__.split("\n")[0])
+    p = ArgParser(prog="python -m analysis.routing", description=__doc__.split("\n")[0])
     p.add_argument("--workdir", required=True, help="run directory with checkpoints/ (and metrics.jsonl)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     p.add_argument("--out", default=None, help="output directory (default: WORKDIR/analysis)")
@@ -150,6 +145,7 @@ def summary(a: routing_run.Analysis, layer, step, compare_step=None):
 
 def run(args, log=print):
     """Everything the CLI does; returns (Analysis, output directory)."""
+    check_out_dir(args.out, Path(args.workdir) / "analysis", create=False)
     run_ = routing_run.load_run(args.workdir, args.step)
     layer = routing_run.check_layer(run_, args.layer)
     compare = routing_run.load_run(args.workdir, args.compare_step) if args.compare_step is not None else None
@@ -162,8 +158,7 @@ def run(args, log=print):
     if a.n_tokens == 0:
         raise UserError(f"no tokens to analyse in split {args.split or run_.config.data.eval_split!r}; "
                         "check --split and --max_tokens")
-    out = Path(args.out) if args.out else Path(args.workdir) / "analysis"
-    out.mkdir(parents=True, exist_ok=True)
+    out = check_out_dir(args.out, Path(args.workdir) / "analysis")
     series = maxvio_series(args.workdir)
     meta = {"workdir": str(args.workdir), "step": run_.step, "compare_step": args.compare_step,
             "split": args.split or run_.config.data.eval_split, "max_tokens": args.max_tokens,
@@ -183,6 +178,8 @@ def main(argv=None):
         run(parse_args(sys.argv[1:] if argv is None else argv))
     except UserError as e:
         exit_with(e)
+    except OSError as e:
+        exit_with(os_error(e))
 
 
 if __name__ == "__main__":

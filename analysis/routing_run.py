@@ -17,32 +17,16 @@ import time
 
 import jax
 import numpy as np
-import tokenizers
 from flax import nnx
 from tqdm.auto import tqdm
 
 from analysis.routing_stats import RoutingAccumulator, SaturationAccumulator
-from train import checkpoint, inputs
+from rundir import Run, open_run
+from train import inputs
 from train.data import packing
 from train.errors import UserError
 
 DEFAULT_TOKENS = (".", " the", ":", "what")
-
-
-@dataclasses.dataclass
-class Run:
-    """A loaded checkpoint: model, its step, the run config (ConfigDict) and tokenizer."""
-
-    workdir: str
-    step: int
-    model: object
-    config: object
-    tokenizer: tokenizers.Tokenizer
-
-    @property
-    def moe_layer_ids(self):
-        cfg = self.model.cfg
-        return [i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)]
 
 
 @dataclasses.dataclass
@@ -58,9 +42,8 @@ class Analysis:
 
 
 def load_run(workdir, step=None) -> Run:
-    model, meta = checkpoint.load_model(workdir, step)
-    tok = tokenizers.Tokenizer.from_str(checkpoint.tokenizer_json(meta))
-    return Run(str(workdir), int(meta["step"]), model, checkpoint.meta_config(meta), tok)
+    """The run's checkpoint (rundir.open_run: the newest readable one by default)."""
+    return open_run(workdir, step)
 
 
 def check_layer(run: Run, layer):

@@ -12,11 +12,12 @@ Only counts are kept, never activations; memory is dominated by the L*V*E int32 
 (disable with track_vocab=False, which drops vocabulary specialization and the frequent-token table).
 """
 
-import json
 import math
 import re
 
 import numpy as np
+
+from rundir.metrics import read_rows
 
 
 def locality_baseline(n_experts, top_k):
@@ -253,15 +254,11 @@ def read_maxvio_series(path, key_pattern=r"moe/layer_(\d+)/maxvio", step_key="st
     """Reads a metrics.jsonl (one JSON object per line) and returns {layer: (steps_N, maxvio_N)}, sorted by
     layer. The layer index is the first group of `key_pattern`; lines without a match are skipped."""
     regex, series = re.compile(key_pattern), {}
-    with open(path) as f:
-        for line_no, line in enumerate(f):
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            for key, value in record.items():
-                match = regex.fullmatch(key)
-                if match and value is not None:
-                    series.setdefault(int(match.group(1)), []).append((record.get(step_key, line_no), value))
+    for record in read_rows(path):  # torn or unparsable lines are skipped
+        for key, value in record.items():
+            match = regex.fullmatch(key)
+            if match and value is not None:
+                series.setdefault(int(match.group(1)), []).append((record[step_key], value))
     return {layer: tuple(np.asarray(v, np.float64) for v in zip(*series[layer])) for layer in sorted(series)}
 
 

@@ -4,6 +4,7 @@
 """
 
 import dataclasses
+import math
 from typing import Literal
 
 MaskMode = Literal["causal", "prefix", "bidirectional", "mixed"]
@@ -90,8 +91,16 @@ def validate(c: ModelConfig) -> None:
             fail(field, f"must be a positive integer, got {v!r}")
     for field in ("n_shared_experts", "first_k_dense"):
         v = getattr(c, field)
-        if not isinstance(v, int) or v < 0:
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             fail(field, f"must be a non-negative integer, got {v!r}")
+    for field in ("tie_embeddings", "rope", "norm_topk_prob", "remat"):
+        if not isinstance(getattr(c, field), bool):
+            fail(field, f"must be true or false, got {getattr(c, field)!r}")
+    for field in ("norm_eps", "rope_theta", "routed_scaling_factor", "balance_loss_weight", "capacity_factor",
+                  "init_std"):
+        v = getattr(c, field)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            fail(field, f"must be a finite number, got {v!r}")
     if c.first_k_dense > c.n_layers:
         fail("first_k_dense", f"must be <= n_layers ({c.n_layers}), got {c.first_k_dense}")
     if c.n_heads % c.n_kv_heads:

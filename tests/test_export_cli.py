@@ -14,9 +14,9 @@ import pytest
 from flax import nnx
 
 import moe
+from rundir import open_run
 from train import export as export_cli
 from train import generate as generate_cli
-from train.checkpoint import load_model
 
 PROMPTS = ["The quick brown fox", "Once upon a time, there"]
 
@@ -30,6 +30,11 @@ def _hf():
 @nnx.jit
 def _logits(model, tokens):
     return model(tokens)[0]
+
+
+def load_model(workdir, step=None):
+    run = open_run(workdir, step)
+    return run.model, run.meta
 
 
 @pytest.fixture(scope="module")
@@ -137,8 +142,8 @@ def test_bfloat16_hf_export_loads(tiny_run, ours, tokens, tmp_path):
 
 def test_overwrite_replaces_and_failure_keeps_old(tiny_run, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep.txt").write_text("old")
+    export_cli.main(["--workdir", str(tiny_run), "--out", str(out), "--format", "orbax"])
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
 
     def boom(*args, **kwargs):
         raise RuntimeError("disk full")
@@ -146,17 +151,19 @@ def test_overwrite_replaces_and_failure_keeps_old(tiny_run, tmp_path, monkeypatc
     monkeypatch.setattr(export_cli, "write_export", boom)
     with pytest.raises(RuntimeError):
         export_cli.main(["--workdir", str(tiny_run), "--out", str(out), "--format", "safetensors", "--overwrite"])
-    assert os.listdir(tmp_path) == ["out"] and (out / "keep.txt").read_text() == "old"
+    assert os.listdir(tmp_path) == ["out"]
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     monkeypatch.undo()
     export_cli.main(["--workdir", str(tiny_run), "--out", str(out), "--format", "safetensors", "--overwrite"])
-    assert sorted(os.listdir(out)) == ["model.safetensors", "moe_config.json", "tokenizer.json"]
+    assert sorted(os.listdir(out)) == ["model.safetensors", "moe-export.json", "moe_config.json", "tokenizer.json"]
     assert os.listdir(tmp_path) == ["out"]
 
 
-def _refusing_load_model(**changes):
+def _refusing_open_run(**changes):
     def fake(workdir, step=None):
-        model, meta = load_model(workdir, step)
-        return model, {**meta, "model": {**meta["model"], **changes}}
+        run = open_run(workdir, step)
+        run.meta = {**run.meta, "model": {**run.meta["model"], **changes}}
+        return run
 
     return fake
 
@@ -165,6 +172,7 @@ def _refusing_load_model(**changes):
     ("no_workdir", "does not exist"),
     ("no_step", "no checkpoint for step 7"),
     ("not_empty", "exists and is not empty"),
+    ("foreign", "not an export written by train.export"),
     ("dtype", "--dtype 'float64' is not supported"),
     ("format", "--format 'onnx' is not supported"),
     ("bf16_orbax", "applies to --format hf only"),
@@ -175,13 +183,15 @@ def test_bad_input_exits_2_with_one_line(tiny_run, tmp_path, monkeypatch, capsys
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("old")
-    args = {"--workdir": str(tiny_run), "--out": str(out), "--overwrite": None}
+    args = {"--workdir": str(tiny_run), "--out": str(out / "new")}
     if case == "no_workdir":
         args["--workdir"] = str(tmp_path / "missing")
     elif case == "no_step":
         args["--step"] = "7"
     elif case == "not_empty":
-        del args["--overwrite"]
+        args["--out"] = str(out)
+    elif case == "foreign":  # --overwrite on a directory that is not an export
+        args.update({"--out": str(out), "--overwrite": None})
     elif case == "dtype":
         args["--dtype"] = "float64"
     elif case == "format":
@@ -190,7 +200,7 @@ def test_bad_input_exits_2_with_one_line(tiny_run, tmp_path, monkeypatch, capsys
         args.update({"--format": "orbax", "--dtype": "bfloat16"})
     else:
         changes = {"mask": "prefix"} if case == "prefix" else {"rope": False}
-        monkeypatch.setattr("train.checkpoint.load_model", _refusing_load_model(**changes))
+        monkeypatch.setattr(export_cli, "open_run", _refusing_open_run(**changes))
     argv = [x for k, v in args.items() for x in ([k] if v is None else [k, v])]
     with pytest.raises(SystemExit) as e:
         export_cli.main(argv)

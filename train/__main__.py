@@ -1,34 +1,59 @@
 """`python -m train [--config configs/NAME.py] [--workdir DIR] [--config.a.b=value ...]`.
 
 With no arguments: configs/default.py into runs/default. Re-running the same command resumes.
-Bad input (config value, flag, data file, checkpoint) prints one line and exits 2.
+Bad input (config value, flag, data file, checkpoint, an unusable --workdir) prints one line and exits 2.
+SIGTERM or Ctrl-C saves a checkpoint at the next step and exits (0 for SIGTERM, 130 for Ctrl-C).
 """
 
-import sys
-from pathlib import Path
+from train import signals
 
-from train.errors import UserError, exit_with
+signals.install()  # before the heavy imports below: a signal during start-up stops cleanly, never a traceback
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from train.cli import ArgParser, config_from_argv, print_help  # noqa: E402
+from train.errors import UserError, disk_full, exit_with, os_error  # noqa: E402
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "default.py")
 
 
-def parse_flags(argv):
-    """(config, workdir) from argv; a fresh FlagValues per call, so main() can run several times in-process."""
-    from absl import flags
-    from ml_collections import config_flags
+def parser() -> ArgParser:
+    p = ArgParser(prog="python -m train", add_help=False,
+                  description="Train (or resume) a decoder-only MoE language model. Re-running the same command "
+                              "resumes from the newest checkpoint; SIGTERM / Ctrl-C save one and exit.",
+                  epilog="examples:\n  python -m train\n  python -m train --config configs/tiny.py --workdir "
+                         "runs/tiny --config.train.steps=50",
+                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", metavar="FILE", default=DEFAULT_CONFIG,
+                   help="config file with get_config() (default: configs/default.py)")
+    p.add_argument("--config.KEY", metavar="VALUE", dest="_unused",
+                   help="override one config key, e.g. --config.train.steps=50 (keys listed below)")
+    p.add_argument("--workdir", default="runs/default",
+                   help="run directory: checkpoints/, metrics.jsonl, loss_curves.png, tensorboard/ "
+                        "(default: runs/default)")
+    p.add_argument("-h", "--help", action="store_true", help="show this help and the config keys, then exit")
+    return p
 
-    fv = flags.FlagValues()
-    flags.DEFINE_string("workdir", "runs/default", "Run directory: checkpoints, metrics.jsonl, tensorboard/.",
-                        flag_values=fv)
-    config_flags.DEFINE_config_file("config", DEFAULT_CONFIG, "Config file (ml_collections get_config()).",
-                                    flag_values=fv, lock_config=True, sys_argv=list(argv))
-    try:
-        fv(argv)
-        return fv.config, fv.workdir
-    except KeyError as e:
-        raise UserError(f"unknown config key {e.args[0]!r} on the command line; configs/base.py lists the keys") from None
-    except (flags.Error, AttributeError, ValueError, TypeError, OSError, ImportError) as e:
-        raise UserError(f"bad command line: {e}") from None
+
+def parse_flags(argv):
+    """(config, workdir) from argv (argv[0] is the program); --help prints the options and every config key
+    (of --config if given) and exits 0."""
+    p = parser()
+    if _wants_help(argv):
+        try:
+            config = config_from_argv([a for a in argv[1:] if a not in ("-h", "--help")], DEFAULT_CONFIG)[0]
+        except UserError:
+            config = None
+        print_help(p, config)
+        raise SystemExit(0)
+    config, _, rest = config_from_argv(list(argv[1:]), DEFAULT_CONFIG)
+    return config, p.parse_args(rest).workdir
+
+
+def _wants_help(argv) -> bool:
+    return any(a in ("-h", "--help") for a in argv[1:])
 
 
 def main(argv=None):
@@ -39,11 +64,21 @@ def main(argv=None):
         config, workdir = parse_flags(argv)
         from train.loop import run
 
-        run(config, workdir)
+        result = run(config, workdir)
     except (UserError, ConfigError) as e:
         exit_with(e)
     except KeyboardInterrupt:
-        exit_with(UserError("interrupted; re-run the same command to resume from the last checkpoint"), 130)
+        exit_with(UserError("interrupted before a checkpoint could be saved; re-run the same command to resume "
+                            "from the last checkpoint"), 130)
+    except OSError as e:
+        exit_with(os_error(e))
+    except Exception as e:
+        if disk_full(e):
+            exit_with(UserError(f"the disk is full ({type(e).__name__}); free space and re-run the same command "
+                                "to resume from the last complete checkpoint"))
+        raise
+    if result.get("stopped_by") == "SIGINT":
+        raise SystemExit(130)
 
 
 if __name__ == "__main__":

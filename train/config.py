@@ -1,19 +1,103 @@
-"""From an ml_collections config to what the code uses: moe.ModelConfig, checked train/mesh/data values."""
+"""From an ml_collections config to what the code uses: moe.ModelConfig, checked train/mesh/data values.
+
+`check(config)` runs before anything is written: every key must be one configs/base.py defines, have that
+key's type (a bool is not an int, an int is a valid float), be finite, and lie in the range below.
+"""
 
 import dataclasses
 import json
+import math
+import os
 
 import ml_collections
 
+from configs.base import base_config
 from moe import ConfigError, ModelConfig
+from train.cli import all_keys, unknown_key_error
 from train.errors import UserError
+
+POSITIVE, NON_NEGATIVE = (">", 0), (">=", 0)
+
+# key -> (check, bound or choices) for every non-model key; model.* is checked by moe.ModelConfig.
+RANGES = {
+    "train.steps": POSITIVE, "train.seed": NON_NEGATIVE, "train.batch_size": POSITIVE,
+    "train.grad_accum": POSITIVE, "train.lr": POSITIVE, "train.min_lr_ratio": ("[]", (0, 1)),
+    "train.warmup_steps": NON_NEGATIVE, "train.schedule": ("in", ("cosine", "wsd")),
+    "train.decay_frac": ("(]", (0, 1)), "train.weight_decay": NON_NEGATIVE, "train.b1": ("[)", (0, 1)),
+    "train.b2": ("[)", (0, 1)), "train.eps": POSITIVE, "train.grad_clip": POSITIVE,
+    "train.bias_update_rate": NON_NEGATIVE, "train.bias_update_stop": ("[]", (0, 1)),
+    "data.name": ("nonempty", None), "data.split": ("nonempty", None), "data.eval_split": ("nonempty", None),
+    "data.text_field": ("nonempty", None), "data.seq_len": (">", 1), "data.task": ("in", ("lm", "prefix")),
+    "data.prefix_frac": ("()", (0, 1)),
+    "checkpoint.every": POSITIVE, "checkpoint.keep": POSITIVE, "log.every": POSITIVE,
+    "log.peak_flops": NON_NEGATIVE, "eval.every": POSITIVE, "eval.rows_per_domain": POSITIVE,
+    "eval.batch_size": POSITIVE,
+}
+
+
+def _type_error(key, value, default):
+    kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[type(default)]
+    return UserError(f"config key {key} must be {kind}, got {value!r} ({type(value).__name__})")
+
+
+def check_types(c: ml_collections.ConfigDict) -> None:
+    defaults = all_keys(base_config())
+    for key, value in all_keys(c).items():
+        if key not in defaults:
+            raise unknown_key_error(key, defaults, " in the config")
+        default = defaults[key]
+        ok = (isinstance(value, bool) if isinstance(default, bool)
+              else isinstance(value, int) and not isinstance(value, bool) if isinstance(default, int)
+              else isinstance(value, (int, float)) and not isinstance(value, bool) if isinstance(default, float)
+              else isinstance(value, type(default)))
+        if not ok:
+            raise _type_error(key, value, default)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"config key {key} must be a finite number, got {value}")
+
+
+def check_ranges(c: ml_collections.ConfigDict) -> None:
+    values = all_keys(c)
+    for key, (op, bound) in RANGES.items():
+        v = values[key]
+        bad = not _within(op, bound, v)
+        if bad:
+            want = _describe(op, bound)
+            raise UserError(f"config key {key} must be {want}, got {v!r}")
+    for key in ("data", "fsdp", "expert", "tensor"):
+        if values[f"mesh.{key}"] == 0 or values[f"mesh.{key}"] < -1:
+            raise UserError(f"mesh.{key} must be a positive integer or -1 (the remaining devices), "
+                            f"got {values[f'mesh.{key}']}")
+
+
+def _within(op, bound, v) -> bool:
+    if op == ">":
+        return v > bound
+    if op == ">=":
+        return v >= bound
+    if op == "in":
+        return v in bound
+    if op == "nonempty":
+        return bool(str(v).strip())
+    lo, hi = bound
+    return (lo <= v if op[0] == "[" else lo < v) and (v <= hi if op[1] == "]" else v < hi)
+
+
+def _describe(op, bound) -> str:
+    if op in (">", ">="):
+        return f"{op} {bound}"
+    if op == "in":
+        return "one of " + ", ".join(bound)
+    if op == "nonempty":
+        return "a non-empty string"
+    return f"in {op[0]}{bound[0]}, {bound[1]}{op[1]}"
 
 
 def model_config(c: ml_collections.ConfigDict) -> ModelConfig:
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(c.model.keys()) - fields)
     if unknown:
-        raise UserError(f"unknown config key model.{unknown[0]}; model keys are: {', '.join(sorted(fields))}")
+        raise unknown_key_error(f"model.{unknown[0]}", [f"model.{f}" for f in fields])
     try:
         return ModelConfig(**c.model.to_dict())
     except (ConfigError, TypeError) as e:
@@ -22,37 +106,57 @@ def model_config(c: ml_collections.ConfigDict) -> ModelConfig:
 
 def check(c: ml_collections.ConfigDict) -> ModelConfig:
     """Validate the whole config; returns the model config. Raises UserError naming the bad key."""
+    check_types(c)
     mcfg = model_config(c)
+    check_ranges(c)
     t = c.train
-    for key in ("steps", "batch_size", "grad_accum"):
-        if int(t[key]) <= 0:
-            raise UserError(f"train.{key} must be a positive integer, got {t[key]}")
     if t.batch_size % t.grad_accum:
         raise UserError(f"train.batch_size ({t.batch_size}) must be divisible by train.grad_accum ({t.grad_accum})")
-    if t.schedule not in ("cosine", "wsd"):
-        raise UserError(f"train.schedule must be 'cosine' or 'wsd', got {t.schedule!r}")
-    if not 0 <= t.bias_update_stop <= 1:
-        raise UserError(f"train.bias_update_stop is a fraction of the run in [0, 1], got {t.bias_update_stop}")
-    if c.data.task not in ("lm", "prefix"):
-        raise UserError(f"data.task must be 'lm' or 'prefix', got {c.data.task!r}")
     if c.data.task == "prefix" and mcfg.mask == "bidirectional":
         raise UserError("data.task='prefix' trains next-token prediction: use model.mask causal, prefix or mixed")
     if mcfg.mask in ("prefix", "mixed") and c.data.task != "prefix":
         raise UserError(f"model.mask={mcfg.mask!r} needs a per-row prefix: set data.task='prefix'")
-    if int(c.data.seq_len) <= 1:
-        raise UserError(f"data.seq_len must be > 1, got {c.data.seq_len}")
     if mcfg.attention_impl == "cudnn" and int(c.data.seq_len) % 2:
         raise UserError(f"model.attention_impl='cudnn' trains only even sequence lengths (a cuDNN limit with a "
                         f"mask), got data.seq_len={c.data.seq_len}; use an even length or attention_impl='xla'")
-    for key in ("every", "keep"):
-        if int(c.checkpoint[key]) <= 0:
-            raise UserError(f"checkpoint.{key} must be a positive integer, got {c.checkpoint[key]}")
-    if int(c.log.every) <= 0 or int(c.eval.every) <= 0:
-        raise UserError("log.every and eval.every must be positive integers")
-    for key in ("data", "fsdp", "expert", "tensor"):
-        if int(c.mesh[key]) == 0 or int(c.mesh[key]) < -1:
-            raise UserError(f"mesh.{key} must be a positive integer or -1 (the remaining devices), got {c.mesh[key]}")
+    if c.eval.batch_size < 1:
+        raise UserError("eval.batch_size must be a positive integer")
     return mcfg
+
+
+def activation_bytes(c: ml_collections.ConfigDict, mcfg: ModelConfig, data_parallel: int) -> int:
+    """A lower bound on one device's activation memory for a train step: the fp32 logits (and their
+    gradient) and, with einsum attention, the [H, L, L] scores and probabilities of every layer kept for the
+    backward pass (one layer with remat). Used only to refuse shapes that cannot possibly fit."""
+    rows = max(c.train.batch_size // c.train.grad_accum // max(data_parallel, 1), 1)
+    L = c.data.seq_len
+    logits = rows * L * mcfg.vocab_size * 4 * 2
+    layers = 1 if mcfg.remat else mcfg.n_layers
+    attention = rows * mcfg.n_heads * L * L * 4 * 2 * layers if mcfg.attention_impl == "einsum" else 0
+    return logits + attention
+
+
+def device_memory_bytes(device) -> int | None:
+    """Memory one device can use: the accelerator's limit, or the host's RAM for CPU devices (shared by all
+    the fake CPU devices, so the bound stays loose there)."""
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - not every backend reports memory
+        stats = {}
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None
+
+
+def check_memory(c: ml_collections.ConfigDict, mcfg: ModelConfig, data_parallel: int, device) -> None:
+    need, have = activation_bytes(c, mcfg, data_parallel), device_memory_bytes(device)
+    if have is not None and need > have:
+        raise UserError(f"this shape needs at least {need / 2**30:.1f} GiB of activations per device but the "
+                        f"device has {have / 2**30:.1f} GiB; lower data.seq_len ({c.data.seq_len}) or "
+                        f"train.batch_size ({c.train.batch_size}), raise train.grad_accum, or set model.remat=true")
 
 
 def to_json(c: ml_collections.ConfigDict) -> str:

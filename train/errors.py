@@ -1,5 +1,6 @@
 """User-facing errors: one line that names the problem and the fix; the CLIs print it and exit 2."""
 
+import errno
 import sys
 
 
@@ -12,3 +13,36 @@ def exit_with(err: BaseException, code: int = 2) -> None:
     msg = " ".join(str(err).split())
     print(f"error: {msg}", file=sys.stderr)
     raise SystemExit(code)
+
+
+_HINTS = {
+    errno.ENOSPC: "the disk is full; free space and re-run the same command (a run resumes from its last "
+                  "checkpoint, which is intact)",
+    errno.EDQUOT: "the disk quota is exceeded; free space and re-run the same command",
+    errno.EACCES: "permission denied; check the permissions or choose another path",
+    errno.EPERM: "permission denied; check the permissions or choose another path",
+    errno.EROFS: "the file system is read-only; choose a writable path",
+    errno.ENOTDIR: "a part of the path is a file, not a directory; choose another path",
+    errno.EISDIR: "the path is a directory where a file was expected; choose another path",
+    errno.ENOENT: "no such file or directory; check the path",
+}
+
+
+def os_error(e: OSError) -> UserError:
+    """An OSError as one line naming the path and what to do."""
+    where = e.filename or "a file"
+    hint = _HINTS.get(e.errno, "check the path and try again")
+    return UserError(f"cannot access {where}: {e.strerror or e}; {hint}")
+
+
+def disk_full(e: BaseException) -> bool:
+    """Whether an exception (orbax and tensorstore wrap OSErrors in their own types) is a full disk."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(e) or "RESOURCE_EXHAUSTED: Quota" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False

@@ -10,7 +10,6 @@ The export is written into a temporary directory next to --out and renamed into 
 never leaves a half export or touches an existing one. Bad input prints one line on stderr and exits 2.
 """
 
-import argparse
 import dataclasses
 import json
 import math
@@ -20,26 +19,24 @@ import sys
 import tempfile
 from pathlib import Path
 
-from train.errors import UserError, exit_with
+from rundir import RunDir, is_run_dir, metrics, open_run
+from train.cli import ArgParser
+from train.errors import UserError, disk_full, exit_with, os_error
 
 FORMATS = ("hf", "safetensors", "orbax")
 DTYPES = ("float32", "bfloat16")
 ORBAX_DIR = "params"  # the orbax item inside an orbax export: {"params": nnx.State, "bias": nnx.State}
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse prints usage + message over two lines; we want one line
-        raise UserError(f"{message} (see `python -m {self.prog} --help`)")
+EXPORT_MARKER = "moe-export.json"  # what --overwrite looks for: {"format", "export_format", "files", ...}
 
 
 def parse_args(argv):
-    p = _Parser(prog="train.export", description="Export a trained run (HF, safetensors or orbax).")
+    p = ArgParser(prog="python -m train.export", description="Export a trained run (HF, safetensors or orbax).")
     p.add_argument("--workdir", required=True, help="run directory with checkpoints/")
     p.add_argument("--out", required=True, help="export directory (must not exist or be empty, see --overwrite)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     p.add_argument("--dtype", default="float32", help="weights dtype for --format hf: float32 | bfloat16")
     p.add_argument("--format", default="hf", help="hf | safetensors | orbax")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing non-empty --out")
+    p.add_argument("--overwrite", action="store_true", help="replace a previous export in --out (never anything else)")
     args = p.parse_args(argv)
     if args.format not in FORMATS:
         raise UserError(f"--format {args.format!r} is not supported; use one of {', '.join(FORMATS)}")
@@ -51,26 +48,55 @@ def parse_args(argv):
     return args
 
 
-def check_out(out: Path, overwrite: bool) -> None:
+def check_out(out: Path, workdir, overwrite: bool) -> None:
+    """Refuse (nothing written) an --out that would replace anything but a previous export of ours: a run, a
+    directory holding the run being exported, or a directory with other content."""
+    if str(out).strip() == "":
+        raise UserError("--out is empty; pass an export directory, e.g. --out exports/my_run")
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} exists and is not a directory; choose another --out")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise UserError(f"--out {out} exists and is not empty; pass --overwrite to replace it or choose another")
+    o, w = out.resolve(), Path(workdir).resolve()
+    if o == w or o in w.parents:
+        raise UserError(f"--out {out} is or contains the run being exported ({workdir}); choose another --out")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if is_run_dir(out):
+        raise UserError(f"--out {out} is a training run; an export never replaces a run, choose another --out")
+    if not overwrite:
+        raise UserError(f"--out {out} exists and is not empty; pass --overwrite to replace a previous export "
+                        "there, or choose another --out")
+    marker = read_export_marker(out)
+    if marker is None:
+        raise UserError(f"--out {out} is not an export written by train.export (no {EXPORT_MARKER}); --overwrite "
+                        "replaces only a previous export: choose another --out or empty it yourself")
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in set(marker["files"]) | {EXPORT_MARKER})
+    if foreign:
+        raise UserError(f"--out {out} holds files the previous export did not write ({', '.join(foreign[:3])}); "
+                        "--overwrite would delete them: move them away or choose another --out")
+
+
+def read_export_marker(path: Path) -> dict | None:
+    try:
+        doc = json.loads((path / EXPORT_MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and doc.get("format") == "moe-lm export" and \
+        isinstance(doc.get("files"), list) else None
+
+
+def write_export_marker(out_dir: Path, fmt: str, workdir, step: int) -> None:
+    files = sorted(p.name for p in out_dir.iterdir())
+    doc = {"format": "moe-lm export", "export_format": fmt, "workdir": str(Path(workdir).resolve()),
+           "step": int(step), "files": files}
+    (out_dir / EXPORT_MARKER).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def final_val_loss(workdir, step: int) -> float | None:
     """The last "val/loss" in WORKDIR/metrics.jsonl at or before `step` (None if there is none)."""
-    path = Path(workdir) / "metrics.jsonl"
-    if not path.is_file():
-        return None
     loss = None
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:  # a line cut short by a killed run
-            continue
+    for row in metrics.read_rows(RunDir(Path(workdir)).metrics):
         v = row.get("val/loss")
-        if isinstance(v, (int, float)) and math.isfinite(v) and row.get("step", 0) <= step:
+        if isinstance(v, (int, float)) and math.isfinite(v) and row["step"] <= step:
             loss = float(v)
     return loss
 
@@ -122,20 +148,19 @@ def load_orbax_export(path_dir):
 
 def write_export(model, meta: dict, workdir, out_dir: Path, fmt: str, dtype: str) -> None:
     """Write the export into `out_dir` (an existing empty directory)."""
-    from train.checkpoint import dump_tokenizer
-
     if fmt == "hf":
         from train.hf_export import write_hf_checkpoint
 
         with tempfile.TemporaryDirectory() as tmp:
-            tok = dump_tokenizer(meta, Path(tmp) / "tokenizer.json")
+            tok = Path(tmp) / "tokenizer.json"
+            tok.write_text(meta["tokenizer"], encoding="utf-8")
             write_hf_checkpoint(model, str(out_dir), str(tok), dtype, model_card(workdir, meta),
                                 max_position_embeddings=int(meta["config"]["data"]["seq_len"]))
     elif fmt == "safetensors":
         from moe.safetensors_io import save_safetensors
 
         save_safetensors(model, str(out_dir), extra_meta={"step": meta["step"], "workdir": str(workdir)})
-        dump_tokenizer(meta, out_dir / "tokenizer.json")
+        (out_dir / "tokenizer.json").write_text(meta["tokenizer"], encoding="utf-8")
     else:
         save_orbax_export(model, out_dir, meta["tokenizer"])
 
@@ -158,12 +183,11 @@ def export(workdir, out, step=None, dtype="float32", fmt="hf", overwrite=False) 
     from train.hf_export import ExportError, check_exportable
 
     out = Path(out)
-    check_out(out, overwrite)
     if not Path(workdir).is_dir():
         raise UserError(f"--workdir {workdir} does not exist; pass a run directory written by `python -m train`")
-    from train.checkpoint import load_model
-
-    model, meta = load_model(workdir, step)
+    check_out(out, workdir, overwrite)
+    run = open_run(workdir, step)
+    model, meta = run.model, run.meta
     if fmt == "hf":
         try:
             check_exportable(ModelConfig(**meta["model"]))
@@ -173,6 +197,7 @@ def export(workdir, out, step=None, dtype="float32", fmt="hf", overwrite=False) 
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         write_export(model, meta, workdir, tmp, fmt, dtype)
+        write_export_marker(tmp, fmt, workdir, meta["step"])
         _umask_permissions(tmp)
         if out.exists():  # empty, or --overwrite: move it aside first so a failed rename can restore it
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
@@ -201,6 +226,13 @@ def main(argv=None):
             out = export(args.workdir, args.out, args.step, args.dtype, args.format, args.overwrite)
         except (ExportError, ConfigError) as e:
             raise UserError(str(e)) from None
+        except OSError as e:
+            raise os_error(e) from None
+        except Exception as e:
+            if disk_full(e):
+                raise UserError(f"the disk is full while writing the export to {args.out}; nothing was replaced, "
+                                "free space and run the export again") from None
+            raise
     except UserError as e:
         exit_with(e)
     print(f"exported {args.workdir} ({args.format}, {args.dtype}) to {out}")

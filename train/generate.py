@@ -6,37 +6,40 @@ KV-cache decoding (moe/decode.py); temperature 0 is greedy. --export takes a dir
 prompt and its continuation, which stops before the first <|endoftext|>. Bad input: one line, exit 2.
 """
 
-import argparse
+import json
+import math
 import sys
-import tempfile
 from pathlib import Path
 
-from train.errors import UserError, exit_with
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UserError(f"{message} (see `python -m {self.prog} --help`)")
+from rundir import open_run
+from train.cli import ArgParser
+from train.errors import UserError, exit_with, os_error
 
 
 def parse_args(argv):
-    p = _Parser(prog="train.generate", description="Sample from a trained run or an export.")
+    p = ArgParser(prog="python -m train.generate",
+                  description="Sample from a trained run or an export (KV-cache decoding; greedy by default).")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--workdir", help="run directory with checkpoints/")
     src.add_argument("--export", help="directory written by python -m train.export (hf, safetensors or orbax)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step with --workdir (default: newest)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max_new_tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    p.add_argument("--top_p", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 (the default) is greedy decoding")
+    p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1: off)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    try:
+        args.prompt.encode("utf-8")  # undecodable bytes in argv arrive as lone surrogates
+    except UnicodeEncodeError:
+        raise UserError("--prompt is not valid UTF-8 text; pass the prompt in UTF-8") from None
     if args.step is not None and args.export:
         raise UserError("--step applies to --workdir only; an export holds one step")
     if args.max_new_tokens < 1:
         raise UserError(f"--max_new_tokens must be >= 1, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        raise UserError(f"--temperature must be >= 0 (0: greedy), got {args.temperature}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise UserError(f"--temperature must be a finite number >= 0 (0: greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:
         raise UserError(f"--top_p must be in (0, 1], got {args.top_p}")
     return args
@@ -77,20 +80,35 @@ def load_export(path):
             from train.export import load_orbax_export
 
             model = load_orbax_export(path)
-    except ValueError as e:  # HFImportError, safetensors_io's and ModelConfig's errors: a bad export directory
-        raise UserError(f"--export {path}: {e}") from None
+    except (UserError, OSError):
+        raise
+    except Exception as e:  # noqa: BLE001 - HFImportError, a truncated safetensors file, a bad orbax export
+        raise UserError(f"--export {path} is unreadable ({type(e).__name__}: {' '.join(str(e).split())[:120]}); "
+                        "write it again with `python -m train.export`") from None
+    if not (path / "tokenizer.json").is_file():
+        raise UserError(f"--export {path} has no tokenizer.json; write it again with `python -m train.export`")
     return model, load_tokenizer(path / "tokenizer.json")
 
 
 def load_run(workdir, step=None):
-    """(model, tokenizer) from a training run's checkpoint."""
-    from train.checkpoint import dump_tokenizer, load_model
-    from train.data.tokenizer import load_tokenizer
+    """(model, tokenizer, trained sequence length) from a training run's checkpoint."""
+    run = open_run(workdir, step)
+    return run.model, run.tokenizer, int(run.config.data.seq_len)
 
-    model, meta = load_model(workdir, step)
-    with tempfile.TemporaryDirectory() as tmp:
-        tok = load_tokenizer(dump_tokenizer(meta, Path(tmp) / "tokenizer.json"))
-    return model, tok
+
+def export_trained_len(path) -> int | None:
+    """The sequence length an HF export was trained on (its max_position_embeddings); None for other formats."""
+    try:
+        return int(json.loads((Path(path) / "config.json").read_text())["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_decodable(model) -> None:
+    """KV-cache decoding appends one token at a time, which only a causal or prefix-style mask allows."""
+    if model.cfg.mask == "bidirectional":
+        raise UserError("this model was trained with a bidirectional mask: every position attends to later ones, "
+                        "so it cannot generate left to right; use a causal, prefix or mixed model")
 
 
 def for_inference(model):
@@ -127,14 +145,24 @@ def main(argv=None) -> list[int]:
     argv = sys.argv[1:] if argv is None else argv
     try:
         args = parse_args(argv)
-        model, tok = load_export(args.export) if args.export else load_run(args.workdir, args.step)
+        if args.export:
+            (model, tok), trained_len = load_export(args.export), export_trained_len(args.export)
+        else:
+            model, tok, trained_len = load_run(args.workdir, args.step)
+        check_decodable(model)
         prompt_ids = tok.encode(args.prompt).ids
         if not prompt_ids:
             raise UserError("--prompt is empty after tokenization; give at least one character")
+        total = len(prompt_ids) + args.max_new_tokens
+        if trained_len and total > trained_len:
+            print(f"warning: {total} tokens is past the {trained_len} this model was trained on; quality drops "
+                  "beyond that", file=sys.stderr)
         new = continue_ids(model, prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            top_p=args.top_p, seed=args.seed)
     except UserError as e:
         exit_with(e)
+    except OSError as e:
+        exit_with(os_error(e))
     print(tok.decode(prompt_ids + new, skip_special_tokens=False))
     return new
 

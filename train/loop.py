@@ -1,13 +1,12 @@
-"""The training loop, top to bottom: set up, resume, step, log, evaluate, checkpoint, stop cleanly.
+"""The training loop, top to bottom: claim the run, resume, step, log, evaluate, checkpoint, stop cleanly.
 
 `run(config, workdir)` is what `python -m train` calls; experiments call it too.
 """
 
 import math
 import os
-import signal
+import threading
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -16,13 +15,18 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from moe import param_counts, router, train_flops_per_token
 from moe.sharding import use_mesh
-from train import checkpoint, inputs, optim
+from rundir import checkpoints as checkpoint
+from rundir import layout
+from rundir import metrics as metrics_file
+from rundir.lock import RunLock
+from train import inputs, optim, signals
 from train import mesh as mesh_lib
-from train.config import check, to_json
+from train.config import check, check_memory, to_json
 from train.data.packing import iterate
 from train.errors import UserError
 from train.flops import measure_peak_flops
 from train.metrics import MetricsWriter, flatten
+from train.progress import Progress, duration, eval_line
 from train.state import abstract_state, init_state
 from train.step import make_eval_step, make_train_step
 
@@ -35,20 +39,6 @@ def maybe_init_distributed() -> None:
         n, i = os.environ.get("JAX_NUM_PROCESSES"), os.environ.get("JAX_PROCESS_ID")
         jax.distributed.initialize(num_processes=None if n is None else int(n),
                                    process_id=None if i is None else int(i))
-
-
-class Preemption:
-    """SIGTERM sets a flag; the loop saves a checkpoint at the next step boundary and exits 0."""
-
-    def __init__(self):
-        self.requested = False
-        self._old = signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame):
-        self.requested = True
-
-    def close(self):
-        signal.signal(signal.SIGTERM, self._old)
 
 
 def _to_global(batch: dict, mesh) -> dict:
@@ -72,10 +62,11 @@ def evaluate(eval_step, state, batches, mesh, domain_names, moe_layer_ids) -> di
 
 
 def run(config, workdir, log=print) -> dict:
-    """Train (or resume) the run in `workdir`. Returns the last logged metrics plus the last eval."""
+    """Train (or resume) the run in `workdir`. Returns the last logged metrics plus the last eval, with
+    "stopped_by" set when SIGTERM / SIGINT stopped it early (after saving a checkpoint)."""
     mcfg = check(config)
     maybe_init_distributed()
-    t, workdir = config.train, Path(workdir)
+    t = config.train
     mesh = mesh_lib.make_mesh(config.mesh)
     dp = mesh_lib.data_parallel_size(mesh)
     if dp % jax.process_count():
@@ -84,23 +75,77 @@ def run(config, workdir, log=print) -> dict:
     if t.batch_size % (dp * t.grad_accum):
         raise UserError(f"train.batch_size ({t.batch_size}) must be divisible by the data-parallel size "
                         f"(mesh.data x mesh.fsdp = {dp}) times train.grad_accum ({t.grad_accum})")
+    check_memory(config, mcfg, dp, jax.devices()[0])
+    run_dir = layout.check_workdir(workdir)
+    own_signals = not signals.installed() and threading.current_thread() is threading.main_thread()
+    if own_signals:
+        signals.install()
+    lock = None
+    try:
+        if jax.process_index() == 0:
+            run_dir.root.mkdir(parents=True, exist_ok=True)
+            lock = RunLock(run_dir.lock).acquire()
+            if lock.previous:
+                log(f"took over the lock left by a stopped process ({lock.previous})")
+            if not run_dir.is_run():
+                layout.create(run_dir, to_json(config))
+        return _train(config, mcfg, mesh, run_dir, log)
+    finally:
+        if lock is not None:
+            lock.release()
+        if own_signals:
+            signals.uninstall()
+
+
+def _check_history(run_dir) -> None:
+    """Refuse to restart at step 0 a run whose checkpoints are gone: it would append a second history to
+    metrics.jsonl. A run killed before its first checkpoint completed is simply started again."""
+    if checkpoint.steps_in(run_dir.checkpoints):
+        return
+    last = metrics_file.last_step(run_dir.metrics)
+    marker = run_dir.read_marker()
+    if last > 0 and (marker is None or marker.get("checkpointed", True)):
+        raise UserError(f"{run_dir.root} has metrics up to step {last} but no checkpoint (checkpoints/ is missing "
+                        "or empty), so it cannot resume; to start over on purpose move metrics.jsonl away, or "
+                        "use a new --workdir")
+
+
+def _last_rows(run_dir) -> dict:
+    last = {}
+    for row in metrics_file.read_rows(run_dir.metrics):
+        last.update({k: v for k, v in row.items() if k != "step"})
+    return last
+
+
+def _train(config, mcfg, mesh, run_dir, log) -> dict:
+    t, workdir = config.train, run_dir.root
+    pi, pc = jax.process_index(), jax.process_count()
+    say = log if pi == 0 else (lambda *a: None)
+    _check_history(run_dir)
     inputs.check_vocab(config.data, mcfg.vocab_size)
     sampler, domain_names = inputs.sampler(config)
-    pi, pc = jax.process_index(), jax.process_count()
     val_batches = inputs.eval_batches(config, pi, pc)
 
     lr_schedule = optim.schedule(t)
     tx = optim.optimizer(t)
     graphdef, state, shardings = init_state(mcfg, tx, t.seed, mesh)
-    mngr = checkpoint.manager(workdir, config.checkpoint.keep, config.checkpoint.async_save)
-    restored, meta = checkpoint.restore_latest(mngr, abstract_state(state), mcfg, log)
+    mngr = checkpoint.manager(run_dir.checkpoints, config.checkpoint.keep, config.checkpoint.async_save)
+    restored, meta = checkpoint.restore_latest(mngr, abstract_state(state), mcfg, say)
     start = 0
     if restored is not None:
         state, start = restored, int(meta["data_position"])
-        log(f"resuming {workdir} from step {start}")
-    elif pi == 0:
-        workdir.mkdir(parents=True, exist_ok=True)
-        (workdir / "config.json").write_text(to_json(config))
+        if start >= t.steps:
+            say(f"{workdir} is already trained to step {start} (train.steps={t.steps}); nothing to do. "
+                "Raise --config.train.steps to train longer.")
+            return _last_rows(run_dir)
+        say(f"resuming {workdir} from step {start}")
+    if pi == 0:
+        dropped = metrics_file.truncate_after(run_dir.metrics, start)
+        if dropped:
+            say(f"metrics.jsonl: dropped {dropped} row(s) after step {start} (a stopped run logged them; they are "
+                "logged again)")
+        if restored is not None and not (run_dir.read_marker() or {}).get("checkpointed"):
+            run_dir.write_marker(checkpointed=True)  # also marks a run written before the marker existed
     tok_path = inputs.tokenizer_path(config.data)
 
     step_fn = make_train_step(graphdef, tx, lr_schedule, t)
@@ -116,20 +161,19 @@ def run(config, workdir, log=print) -> dict:
     counts = param_counts(mcfg)
     tokens_per_step = t.batch_size * config.data.seq_len
     flops_per_step = train_flops_per_token(mcfg, config.data.seq_len) * tokens_per_step
-    peak = config.log.peak_flops or measure_peak_flops()
-    log(f"model: {counts['total'] / 1e6:.2f}M params, {counts['active'] / 1e6:.2f}M active | mesh "
+    peak = float(config.log.peak_flops) or measure_peak_flops()
+    say(f"model: {counts['total'] / 1e6:.2f}M params, {counts['active'] / 1e6:.2f}M active | mesh "
         f"{dict(mesh.shape)} | batch {t.batch_size} x {config.data.seq_len} | steps {start}->{t.steps}")
+    say(f"mfu is relative to {peak / 1e12:.3g} TFLOP/s per device ("
+        + ("from log.peak_flops)" if config.log.peak_flops else "measured now; fix it with --config.log.peak_flops)"))
 
     writer = MetricsWriter(workdir, config.log.tensorboard)
-    preempt = Preemption()
-    bar = None
-    if config.log.progress and pi == 0:
-        from tqdm import tqdm
-
-        bar = tqdm(total=t.steps, initial=start, desc="train", dynamic_ncols=True)
+    progress = Progress(t.steps, start, pi == 0, config.log.progress, say)
     last, pending = {}, None
     last_saved = start if restored is not None else None
+    checkpointed = restored is not None
     timer = (time.perf_counter(), start)
+    t_begin, stopped_by = time.perf_counter(), signals.requested()
 
     def pull(step, metrics):
         """Host side of step `step`: NaN check every step; log every log.every steps."""
@@ -139,18 +183,24 @@ def run(config, workdir, log=print) -> dict:
             good = f"the last good checkpoint is step {last_saved}" if last_saved else "no checkpoint was saved"
             raise UserError(f"loss, gradients or parameters became NaN/Inf at step {step}; stopped, {good} in {workdir}; "
                             "lower train.lr or raise train.warmup_steps")
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(loss=f"{float(host['loss']):.3f}")
+        tps = None
         if step % config.log.every == 0 or step == t.steps:
             now = time.perf_counter()
             elapsed, n = now - timer[0], step - timer[1]
             timer = (now, step)
             tps = n * tokens_per_step / max(elapsed, 1e-9)
             last = flatten(host, moe_layer_ids)
-            last.update(tokens_per_sec=tps, mfu=tps / tokens_per_step * flops_per_step / (peak * jax.device_count()))
+            last.update(tokens_per_sec=tps, peak_flops=peak,
+                        mfu=tps / tokens_per_step * flops_per_step / (peak * jax.device_count()))
             writer.write(step, last)
+        progress.step(step, float(host["loss"]), tps, config.log.every)
 
+    if stopped_by:
+        say(f"{stopped_by} before the first step: nothing trained, nothing to save")
+        writer.close()
+        progress.close()
+        return {"stopped_by": stopped_by}
+    step = start
     try:
         with use_mesh(mesh):
             data = iterate(sampler, start, t.batch_size, pi, pc)
@@ -160,21 +210,28 @@ def run(config, workdir, log=print) -> dict:
                 if pending is not None:  # step N-1's metrics, pulled after step N is dispatched
                     pull(*pending)
                 pending = (step, metrics)
-                boundary = step == t.steps or preempt.requested
+                stopped_by = signals.requested()
+                boundary = step == t.steps or stopped_by
                 if step % config.eval.every == 0 or step == t.steps:
                     pull(*pending)
                     pending = None
                     ev = evaluate(eval_step, state, val_batches, mesh, domain_names, moe_layer_ids)
                     writer.write(step, ev)
                     last.update(ev)
+                    progress.line(eval_line(step, ev))
                 if step % config.checkpoint.every == 0 or boundary:
                     if pending is not None:
                         pull(*pending)  # never save a state whose step went NaN
                         pending = None
                     checkpoint.save(mngr, step, state, config, mcfg, tok_path)
                     last_saved = step
-                if preempt.requested:
-                    log(f"SIGTERM: saved a checkpoint at step {step}; exiting")
+                    if not checkpointed:  # the first completed checkpoint: from now on the run can resume
+                        mngr.wait_until_finished()
+                        if pi == 0:
+                            run_dir.write_marker(checkpointed=True)
+                        checkpointed = True
+                    progress.line(f"step {step}: saved checkpoint {run_dir.checkpoints / str(step)}")
+                if stopped_by:
                     break
             if pending is not None:
                 pull(*pending)
@@ -182,7 +239,30 @@ def run(config, workdir, log=print) -> dict:
         mngr.wait_until_finished()
         mngr.close()
         writer.close()
-        preempt.close()
-        if bar is not None:
-            bar.close()
+        progress.close()
+    seconds = time.perf_counter() - t_begin
+    if stopped_by:
+        say(f"{stopped_by}: saved a checkpoint at step {step} in {run_dir.checkpoints}; re-run the same command "
+            f"to resume from step {step}")
+        return {**last, "stopped_by": stopped_by}
+    say(summary(run_dir, step, t.steps, seconds, (step - start) * tokens_per_step, last))
     return last
+
+
+def summary(run_dir, step: int, steps: int, seconds: float, tokens: int, last: dict) -> str:
+    root = run_dir.root
+    lines = [f"done: step {step}/{steps} in {duration(seconds)} ({tokens / max(seconds, 1e-9):,.0f} tokens/s incl. "
+             f"compile and evaluation)"]
+    losses = []
+    if "loss" in last:
+        losses.append(f"train loss {last['loss']:.4f}")
+    if "val/loss" in last:
+        losses.append(f"val loss {last['val/loss']:.4f}")
+    if losses:
+        lines.append("  " + ", ".join(losses))
+    outputs = [f"checkpoints/{step}", "metrics.jsonl"] + [p.name + ("/" if p.is_dir() else "")
+                                                         for p in (run_dir.loss_curves, run_dir.tensorboard)
+                                                         if p.exists()]
+    lines.append(f"  outputs in {root}: {', '.join(outputs)}")
+    lines.append(f"  next: python -m analysis.routing --workdir {root}")
+    return "\n".join(lines)

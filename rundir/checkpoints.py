@@ -1,0 +1,174 @@
+"""Orbax checkpoints under WORKDIR/checkpoints: train state + metadata (config, data position, tokenizer).
+
+Each step directory holds two items:
+  state  params, routing biases, optimizer state, step (sharded arrays; restored into the run's shardings)
+  meta   {"step", "config" (the full run config), "model" (moe.ModelConfig fields), "data_position" (the next
+         global batch index: the sampler is a pure function of (seed, step)), "tokenizer" (its JSON text)}
+
+Reading always takes the newest *readable* checkpoint: a damaged one (a killed save, a truncated file) is
+reported in one line and skipped. Only the trainer, which holds the run's lock, moves it aside.
+"""
+
+import contextlib
+import dataclasses
+import logging
+from pathlib import Path
+
+import jax
+import ml_collections
+import orbax.checkpoint as ocp
+from absl import logging as absl_logging
+
+from moe import ConfigError, ModelConfig
+from train.errors import UserError
+from train.state import abstract_model, merge_model, split_model
+
+
+def manager(ckpt_dir, keep: int = 3, async_save: bool = True, read_only: bool = False) -> ocp.CheckpointManager:
+    opts = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
+                                        create=not read_only, read_only=read_only,
+                                        cleanup_tmp_directories=not read_only)
+    return ocp.CheckpointManager(Path(ckpt_dir).absolute(), options=opts)
+
+
+def save(mngr: ocp.CheckpointManager, step: int, state, config: ml_collections.ConfigDict, mcfg: ModelConfig,
+         tokenizer_path) -> None:
+    meta = {"step": int(step), "config": config.to_dict(), "model": dataclasses.asdict(mcfg),
+            "data_position": int(step), "tokenizer": Path(tokenizer_path).read_text(encoding="utf-8")}
+    mngr.save(int(step), args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                 meta=ocp.args.JsonSave(meta)), force=True)
+
+
+@contextlib.contextmanager
+def quiet_orbax():
+    """Orbax logs its own tracebacks when a read fails; we report a damaged checkpoint in one line instead."""
+    loggers = [logging.getLogger(n) for n in ("absl", "orbax", "jax._src.distributed")]
+    levels = [lg.level for lg in loggers]
+    verbosity = absl_logging.get_verbosity()
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    absl_logging.set_verbosity(absl_logging.FATAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+        absl_logging.set_verbosity(verbosity)
+
+
+def read_meta(mngr: ocp.CheckpointManager, step: int) -> dict:
+    meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+    if not isinstance(meta, dict) or not {"step", "config", "model", "tokenizer"} <= set(meta):
+        raise ValueError("metadata incomplete")
+    return meta
+
+
+def check_compatible(saved_model: dict, mcfg: ModelConfig, where: str) -> None:
+    """The same architecture is required to resume; name the first field that differs."""
+    ours = dataclasses.asdict(mcfg)
+    # These change numerics or speed, not shapes: they may differ on resume (and may be missing from checkpoints
+    # written before they existed).
+    free = {"dtype", "dispatch", "capacity_factor", "grouped_matmul", "attention_impl", "remat",
+            "balance_loss_weight"}
+    for key in sorted(set(ours) | set(saved_model)):
+        if key not in free and saved_model.get(key) != ours.get(key):
+            raise UserError(f"checkpoint in {where} was written with model.{key}={saved_model.get(key)!r} but the "
+                            f"config says {ours.get(key)!r}; use a new --workdir or the checkpoint's config")
+
+
+def _damaged(step, directory, e, log):
+    log(f"warning: checkpoint {step} in {directory} is unreadable ({type(e).__name__}: "
+        f"{' '.join(str(e).split())[:120]}); using the previous one")
+
+
+def restore_latest(mngr: ocp.CheckpointManager, abstract_state, mcfg: ModelConfig, log=print):
+    """(state, meta) of the newest readable checkpoint, or (None, None) if there is none.
+
+    A damaged newest checkpoint is reported, moved aside to `<step>.damaged` (kept for inspection; the run will
+    write that step again) and the previous one is used; an incompatible one is an error.
+    """
+    steps = sorted(mngr.all_steps(), reverse=True)
+    damaged = []
+    for step in steps:
+        try:
+            with quiet_orbax():
+                meta = read_meta(mngr, step)
+                check_compatible(meta["model"], mcfg, str(mngr.directory))
+                restored = mngr.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state)))
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any read failure means this checkpoint is unusable
+            _damaged(step, mngr.directory, e, log)
+            damaged.append(step)
+            continue
+        _set_aside(mngr, damaged, log)
+        return restored.state, meta
+    if steps:
+        raise UserError(f"no readable checkpoint in {mngr.directory} (steps {sorted(steps)} are all damaged); "
+                        "move them away to start over, or use a new --workdir")
+    return None, None
+
+
+def _set_aside(mngr: ocp.CheckpointManager, steps, log) -> None:
+    if not steps or jax.process_index() != 0:
+        return
+    for step in steps:
+        src = Path(mngr.directory) / str(step)
+        dst = src.with_name(f"{step}.damaged")
+        n = 1
+        while dst.exists():
+            dst, n = src.with_name(f"{step}.damaged{n}"), n + 1
+        src.rename(dst)
+        log(f"warning: moved damaged checkpoint {step} to {dst}")
+    mngr.reload()
+
+
+def steps_in(ckpt_dir) -> list[int]:
+    """Step numbers of the checkpoint directories (readable or not), ascending."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted(int(p.name) for p in ckpt_dir.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def restore_model(ckpt_dir, step: int | None, log=print):
+    """(model, meta) of checkpoint `step`, or of the newest readable one when step is None; params and routing
+    biases on the default device, no optimizer state. UserError when nothing usable is there."""
+    steps = steps_in(ckpt_dir)
+    if not steps:
+        raise UserError(f"no checkpoints in {ckpt_dir}: train first, or pass the right --workdir")
+    if step is not None and step not in steps:
+        raise UserError(f"no checkpoint for step {step} in {ckpt_dir}; available steps: {steps}")
+    mngr = manager(ckpt_dir, read_only=True)
+    for s in [step] if step is not None else reversed(steps):
+        try:
+            with quiet_orbax():
+                return _restore_params(mngr, s)
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any read failure means this checkpoint is unusable
+            if step is not None:
+                others = [x for x in steps if x != step]
+                raise UserError(f"checkpoint {step} in {ckpt_dir} is unreadable ({type(e).__name__}); "
+                                f"pick another --step ({others}) or leave --step out for the newest readable "
+                                "one") from None
+            _damaged(s, ckpt_dir, e, log)
+    raise UserError(f"no readable checkpoint in {ckpt_dir} (steps {steps} are all damaged)")
+
+
+def _restore_params(mngr, step):
+    meta = read_meta(mngr, step)
+    try:
+        mcfg = ModelConfig(**meta["model"])
+    except (ConfigError, TypeError) as e:
+        raise UserError(f"checkpoint {step} in {mngr.directory} holds a model config this version cannot build "
+                        f"({e}); use the moe-lm version that wrote it") from None
+    graphdef, params, bias = split_model(abstract_model(mcfg))
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = {"params": params, "bias": bias}
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), target)
+    restored = mngr.restore(step, args=ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                                     partial_restore=True)))
+    return merge_model(graphdef, restored.state["params"], restored.state["bias"]), meta

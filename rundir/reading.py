@@ -1,0 +1,49 @@
+"""Opening a run for reading: what export, generation and every analysis use (never the trainer's lock)."""
+
+import dataclasses
+import functools
+from pathlib import Path
+
+import ml_collections
+import tokenizers
+
+from rundir import checkpoints, metrics
+from rundir.layout import RunDir
+from train.errors import UserError
+
+
+@dataclasses.dataclass
+class Run:
+    """One checkpoint of a run: its model (params + routing biases), run config and tokenizer."""
+
+    workdir: Path
+    step: int
+    model: object  # moe.Transformer
+    config: ml_collections.ConfigDict
+    meta: dict  # the checkpoint's metadata (rundir.checkpoints)
+
+    @property
+    def tokenizer_json(self) -> str:
+        return self.meta["tokenizer"]
+
+    @functools.cached_property
+    def tokenizer(self) -> tokenizers.Tokenizer:
+        return tokenizers.Tokenizer.from_str(self.tokenizer_json)
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        cfg = self.model.cfg
+        return [i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)]
+
+    def metrics(self) -> list[dict]:
+        return metrics.read_rows(RunDir(self.workdir).metrics)
+
+
+def open_run(workdir, step: int | None = None, log=print) -> Run:
+    """Checkpoint `step` of the run in `workdir` (default: the newest readable one). UserError if there is none."""
+    root = Path(workdir)
+    if not root.is_dir():
+        what = "is a file, not a run directory" if root.exists() else "does not exist"
+        raise UserError(f"--workdir {root} {what}; pass a run directory written by `python -m train`")
+    model, meta = checkpoints.restore_model(RunDir(root).checkpoints, step, log)
+    return Run(root, int(meta["step"]), model, ml_collections.ConfigDict(meta["config"]), meta)

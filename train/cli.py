@@ -1,0 +1,162 @@
+"""The command-line plumbing every CLI shares: one-line errors, config files, `--config.a.b=value` overrides.
+
+    parser = ArgParser(prog="python -m train.export", description="...")   # argparse; errors are one line
+    config, rest = config_from_argv(argv, default_path)                     # --config FILE, --config.KEY=VALUE
+
+Config files are plain Python with a `get_config()` returning an ml_collections.ConfigDict (big_vision style).
+An override is parsed by the type of the key's current value (bool: true/false/1/0/yes/no), so
+`--config.model.n_shared_experts=True` or `--config.train.steps=1e3` is an error naming the key, and an unknown
+key names the closest valid one.
+"""
+
+import argparse
+import difflib
+import importlib.util
+import sys
+from pathlib import Path
+
+import ml_collections
+
+from train.errors import UserError
+
+_BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse with its multi-line usage errors turned into one UserError line (the CLIs exit 2 on it)."""
+
+    def error(self, message):
+        raise UserError(f"{message} (see `{self.prog} --help`)")
+
+
+def load_config_file(path) -> ml_collections.ConfigDict:
+    """get_config() of the Python file at `path`; UserError naming the file for every way this can fail."""
+    p = Path(path)
+    if not p.is_file():
+        hint = ", ".join(sorted(str(c) for c in Path("configs").glob("*.py") if c.stem not in ("__init__", "base")))
+        raise UserError(f"config file {path} not found; pass an existing file"
+                        + (f" (e.g. {hint})" if hint else ""))
+    name = f"_moe_lm_config_{abs(hash(str(p.resolve())))}"
+    try:
+        spec = importlib.util.spec_from_file_location(name, p)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise UserError(f"config file {path} has a syntax error at line {e.lineno}: {e.msg}") from None
+    except Exception as e:  # noqa: BLE001 - any failure of the user's file is reported as that file's
+        raise UserError(f"config file {path} failed to load ({type(e).__name__}: {e})") from None
+    if not callable(getattr(module, "get_config", None)):
+        raise UserError(f"config file {path} defines no get_config() function")
+    try:
+        config = module.get_config()
+    except Exception as e:  # noqa: BLE001
+        raise UserError(f"get_config() in {path} failed ({type(e).__name__}: {e})") from None
+    if not isinstance(config, ml_collections.ConfigDict):
+        raise UserError(f"get_config() in {path} returned a {type(config).__name__}, "
+                        "expected an ml_collections.ConfigDict")
+    return config
+
+
+def all_keys(config: ml_collections.ConfigDict, prefix: str = "") -> dict:
+    """{"train.steps": 400, ...}: every leaf of the config with its value."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, ml_collections.ConfigDict):
+            out.update(all_keys(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def unknown_key_error(key: str, known, where: str = "") -> UserError:
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}?" if close else "configs/base.py lists every key"
+    return UserError(f"unknown config key {key}{where}; {hint}")
+
+
+def parse_value(key: str, text: str, current):
+    """`text` as the type of `current` (the key's value in the config file)."""
+    if isinstance(current, bool):
+        if text.strip().lower() not in _BOOLS:
+            raise UserError(f"--config.{key} takes true or false, got {text!r}")
+        return _BOOLS[text.strip().lower()]
+    if isinstance(current, int):
+        try:
+            return int(text)
+        except ValueError:
+            raise UserError(f"--config.{key} takes an integer, got {text!r}") from None
+    if isinstance(current, float):
+        try:
+            return float(text)
+        except ValueError:
+            raise UserError(f"--config.{key} takes a number, got {text!r}") from None
+    if isinstance(current, str):
+        return text
+    raise UserError(f"--config.{key} ({type(current).__name__}) cannot be set from the command line; "
+                    "set it in a config file")
+
+
+def apply_override(config: ml_collections.ConfigDict, key: str, text: str) -> None:
+    known = all_keys(config)
+    if key not in known:
+        raise unknown_key_error(key, known, " on the command line")
+    *path, leaf = key.split(".")
+    node = config
+    for p in path:
+        node = node[p]
+    node[leaf] = parse_value(key, text, known[key])
+
+
+def config_from_argv(argv, default_config: str) -> tuple[ml_collections.ConfigDict, str, list[str]]:
+    """(config, config path, remaining args): takes `--config FILE` and every `--config.KEY=VALUE` (or
+    `--config.KEY VALUE`) out of argv, loads the file and applies the overrides in order."""
+    path, overrides, rest = default_config, [], []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, value = arg.partition("=")
+        if name in ("--config", "-config") or name.startswith(("--config.", "-config.")):
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise UserError(f"{name} needs a value, e.g. {name}=VALUE")
+                value, i = argv[i + 1], i + 1
+            if name.lstrip("-") == "config":
+                path = value
+            else:
+                overrides.append((name.lstrip("-")[len("config."):], value))
+        else:
+            rest.append(arg)
+        i += 1
+    config = load_config_file(path)
+    for key, value in overrides:
+        apply_override(config, key, value)
+    return config, path, rest
+
+
+def format_keys(config: ml_collections.ConfigDict) -> str:
+    """Every key = value of a config, grouped by section, for --help."""
+    lines, section = [], None
+    for key, value in all_keys(config).items():
+        top = key.split(".", 1)[0]
+        if top != section:
+            lines.append(f"  [{top}]")
+            section = top
+        lines.append(f"    {key} = {value!r}")
+    return "\n".join(lines)
+
+
+def print_help(parser: argparse.ArgumentParser, config=None, file=sys.stdout) -> None:
+    parser.print_help(file)
+    if config is not None:
+        print("\nconfig keys (override any with --config.KEY=VALUE):", file=file)
+        print(format_keys(config), file=file)
+
+
+def check_out_dir(out, default, create: bool = True) -> Path:
+    """An analysis CLI's output directory (`default` when --out is not given); a file there is a UserError."""
+    path = Path(out) if out else Path(default)
+    if path.exists() and not path.is_dir():
+        raise UserError(f"--out {path} is a file, not a directory; choose another --out")
+    if create:
+        path.mkdir(parents=True, exist_ok=True)
+    return path

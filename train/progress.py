@@ -1,0 +1,66 @@
+"""What a person sees while training: a progress bar (or, without one, a line every log.every steps), a line at
+each evaluation and checkpoint, and a closing summary. Only process 0 prints."""
+
+import time
+
+
+def duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    h, m, s = seconds // 3600, seconds // 60 % 60, seconds % 60
+    return f"{h}h {m:02d}m" if h else f"{m}m {s:02d}s" if m else f"{s}s"
+
+
+class Progress:
+    def __init__(self, total: int, start: int, active: bool, bar: bool, log=print):
+        self.total, self.start, self.active, self.log = total, start, active, log
+        self.bar = None
+        self.t0 = None  # wall time after the first step (its compile would make every rate and ETA wrong)
+        self.n0 = start
+        if active and bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, desc="train", dynamic_ncols=True, unit="step")
+
+    def line(self, msg: str) -> None:
+        if not self.active:
+            return
+        if self.bar is not None:
+            self.bar.write(msg)
+        else:
+            self.log(msg)
+
+    def step(self, step: int, loss: float, tokens_per_sec: float | None, every: int) -> None:
+        if not self.active:
+            return
+        if self.t0 is None:
+            self.t0, self.n0 = time.perf_counter(), step
+            if self.bar is not None:  # restart tqdm's clock after the compile so its rate and ETA are honest
+                self.bar.start_t = self.bar._time()
+                self.bar.initial = self.bar.n + 1
+        if self.bar is not None:
+            self.bar.update(1)
+            post = {"loss": f"{loss:.3f}"}
+            if tokens_per_sec:
+                post["tok/s"] = f"{tokens_per_sec:,.0f}"
+            self.bar.set_postfix(post, refresh=False)
+        elif step % every == 0 or step == self.total:
+            eta = ""
+            if step > self.n0:
+                per_step = (time.perf_counter() - self.t0) / (step - self.n0)
+                eta = f" | eta {duration(per_step * (self.total - step))}"
+            tps = f" | {tokens_per_sec:,.0f} tok/s" if tokens_per_sec else ""
+            self.log(f"step {step}/{self.total} | loss {loss:.4f}{tps}{eta}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def eval_line(step: int, ev: dict) -> str:
+    domains = {k.split("/", 2)[2]: v for k, v in ev.items() if k.startswith("val/loss/")}
+    text = f"step {step}: val loss {ev['val/loss']:.4f}"
+    if domains:
+        best, worst = min(domains, key=domains.get), max(domains, key=domains.get)
+        text += f" (best {best} {domains[best]:.3f}, worst {worst} {domains[worst]:.3f})"
+    return text
