@@ -14,7 +14,7 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from train.cli import ArgParser, config_from_argv, print_help  # noqa: E402
-from train.errors import UserError, disk_full, exit_with, os_error  # noqa: E402
+from train.errors import UserError, disk_full, exit_with, hide_orbax_tracebacks, os_error  # noqa: E402
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "default.py")
 
@@ -60,6 +60,8 @@ def main(argv=None):
     argv = sys.argv if argv is None else argv
     from moe import ConfigError
 
+    hide_orbax_tracebacks()
+
     try:
         config, workdir = parse_flags(argv)
         from train.loop import run
@@ -74,8 +76,8 @@ def main(argv=None):
         exit_with(os_error(e))
     except Exception as e:
         if disk_full(e):
-            exit_with(UserError(f"the disk is full ({type(e).__name__}); free space and re-run the same command "
-                                "to resume from the last complete checkpoint"))
+            exit_with(UserError(f"the disk is full ({type(e).__name__} while saving); free space and re-run the "
+                                "same command to resume from the last complete checkpoint"))
         raise
     if result.get("stopped_by") == "SIGINT":
         raise SystemExit(130)

@@ -1,6 +1,7 @@
 """User-facing errors: one line that names the problem and the fix; the CLIs print it and exit 2."""
 
 import errno
+import logging
 import sys
 
 
@@ -46,3 +47,28 @@ def disk_full(e: BaseException) -> bool:
             return True
         e = e.__cause__ or e.__context__
     return False
+
+
+class _DropOrbaxErrors(logging.Filter):
+    """Orbax logs a full traceback from its background threads before the same error reaches our code, which
+    reports it in one line (a full disk, a damaged checkpoint); drop orbax's copy."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+
+
+def hide_orbax_tracebacks() -> None:
+    """For CLI processes: orbax errors are reported by the CLI's own one-line message."""
+    logger = logging.getLogger("absl")
+    if not any(isinstance(f, _DropOrbaxErrors) for f in logger.filters):
+        logger.addFilter(_DropOrbaxErrors())
+    if sys.unraisablehook is sys.__unraisablehook__:
+        sys.unraisablehook = _unraisable
+
+
+def _unraisable(args) -> None:
+    # After a failed save, tensorstore's write callbacks fire into orbax's already closed event loop; the
+    # failure itself is reported once, by the CLI.
+    if isinstance(args.exc_value, RuntimeError) and str(args.exc_value) == "Event loop is closed":
+        return
+    sys.__unraisablehook__(args)

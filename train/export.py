@@ -21,7 +21,7 @@ from pathlib import Path
 
 from rundir import RunDir, is_run_dir, metrics, open_run
 from train.cli import ArgParser
-from train.errors import UserError, disk_full, exit_with, os_error
+from train.errors import UserError, disk_full, exit_with, hide_orbax_tracebacks, os_error
 
 FORMATS = ("hf", "safetensors", "orbax")
 DTYPES = ("float32", "bfloat16")
@@ -217,6 +217,7 @@ def export(workdir, out, step=None, dtype="float32", fmt="hf", overwrite=False) 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
+    hide_orbax_tracebacks()
     try:
         args = parse_args(argv)
         from moe import ConfigError
