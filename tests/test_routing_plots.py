@@ -110,6 +110,7 @@ def test_plot_edge_cases(data, tmp_path):
     assert (tmp_path / "empty.png").stat().st_size > 0
     colors = routing_html.expert_colors(64)
     assert len(set(c for c, _ in colors)) == 64
+    assert [c for c, _ in colors[:20]] == list(routing_html.DISTINCT_20)  # the hand-picked palette first
 
 
 if __name__ == "__main__":
