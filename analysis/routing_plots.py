@@ -242,7 +242,8 @@ def plot_maxvio_global(result, path):
     """MaxVio_global per layer on the analysed tokens ((max load - mean) / mean; 0 = balanced)."""
     maxvio_L = result["maxvio_L"]
     fig, ax = plt.subplots(figsize=(max(5.0, 0.4 * len(maxvio_L) + 2.5), 3.4))
-    ax.bar(np.arange(len(maxvio_L)), maxvio_L, color="tab:purple")
+    ax.bar(np.arange(len(maxvio_L)), maxvio_L, color="tab:purple", width=0.6)
+    ax.set_xlim(-0.5 - 0.5 * (len(maxvio_L) < 3), len(maxvio_L) - 0.5 + 0.5 * (len(maxvio_L) < 3))  # one layer: no slab
     ax.set_xticks(np.arange(len(maxvio_L)))
     ax.set_xticklabels(layer_labels(result), fontsize=8, rotation=45 if len(maxvio_L) > 12 else 0)
     ax.set_ylabel("MaxVio_global")
@@ -264,7 +265,8 @@ def plot_saturation(sat_by_step, path, final_step=None, random_baseline=None, la
     fig, ax = plt.subplots(figsize=(max(6.0, 0.4 * n_layers + 3), 3.8))
     suffix = f" vs final step {final_step}" if final_step is not None else " vs final checkpoint"
     if len(steps) == 1:
-        ax.bar(np.arange(n_layers), sat_CxL[0], color="tab:cyan")
+        ax.bar(np.arange(n_layers), sat_CxL[0], color="tab:cyan", width=0.6)
+        ax.set_xlim(-0.5 - 0.5 * (n_layers < 3), n_layers - 0.5 + 0.5 * (n_layers < 3))  # one layer: no slab
         ax.set_xticks(np.arange(n_layers))
         ax.set_xticklabels(names, fontsize=8, rotation=45 if n_layers > 12 else 0)
         ax.set_title(f"Router saturation at step {steps[0]}{suffix}")
