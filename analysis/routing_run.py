@@ -19,7 +19,7 @@ import jax
 import numpy as np
 import tokenizers
 from flax import nnx
-from tqdm.auto import tqdm
+from tqdm import tqdm  # text bar: tqdm.auto warns in a notebook without ipywidgets
 
 from analysis.routing_stats import RoutingAccumulator, SaturationAccumulator
 from train import checkpoint, inputs
