@@ -100,11 +100,14 @@ def maxvio_series(workdir):
 
 
 def write_plots(a: routing_run.Analysis, out, layer, series, final_step=None, compare_step=None):
-    """Every PNG into `out`; `layer` is the MoE-layer index for the per-domain bar charts. Returns the paths."""
+    """Every PNG into `out`; returns the paths. Every MoE layer gets its domain_experts_layerL.png (one y scale
+    across them); `layer` (the --layer choice) only picks the layer of the terminal summary."""
+    del layer  # kept in the signature: run() passes it
     r, out, names = a.result, Path(out), a.domain_names
-    paths = [
-        routing_plots.plot_domain_bars(r, layer, out / f"domain_experts_layer{int(r['layer_ids_L'][layer])}.png",
-                                       names),
+    labels = routing_plots.layer_labels(r)
+    paths = [routing_plots.plot_domain_bars(r, i, out / f"domain_experts_{label.replace(' ', '')}.png", names)
+             for i, label in enumerate(labels)]
+    paths += [
         routing_plots.plot_domain_heatmaps(r, out / "domain_heatmap.png", names),
         routing_plots.plot_domain_heatmaps(r, out / "domain_specialization_top1.png", names,
                                            key="share_top1_LxDxE"),
@@ -121,8 +124,7 @@ def write_plots(a: routing_run.Analysis, out, layer, series, final_step=None, co
     if a.saturation is not None:
         paths.append(routing_plots.plot_saturation(
             {compare_step: a.saturation["saturation_L"]}, out / "saturation.png", final_step=final_step,
-            random_baseline=int(r["top_k"]) / int(r["n_experts"]),
-            layer_names=[_layer_label(r, i) for i in range(int(r["n_layers"]))]))
+            random_baseline=int(r["top_k"]) / int(r["n_experts"]), layer_names=labels))
     return paths
 
 

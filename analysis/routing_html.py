@@ -10,20 +10,34 @@ import html
 _WHITESPACE_MARKS = {"\n": "\u21b5\n", "\t": "\u2192\t", "\r": "\u240d"}
 
 
+# Sasha Trubetskoy's "20 simple, distinct colours", most distinct first; navy moved ahead of olive (close to
+# brown) and the near-white beige last, so 16 experts get 16 clearly different colours.
+DISTINCT_20 = ("#e6194b", "#3cb44b", "#ffe119", "#4363d8", "#f58231", "#911eb4", "#46f0f0", "#f032e6",
+               "#bcf60c", "#fabebe", "#008080", "#e6beff", "#9a6324", "#800000", "#aaffc3", "#000075",
+               "#808000", "#ffd8b1", "#808080", "#fffac8")
+
+
+def _text_color(r, g, b):
+    # WCAG: the text colour with the higher contrast ratio (black wins when luminance > ~0.18).
+    lin = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in (r, g, b)]
+    luminance = 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+    return "#000" if (luminance + 0.05) / 0.05 > 1.05 / (luminance + 0.05) else "#fff"
+
+
 def expert_colors(n_experts):
-    """A categorical palette of n_experts hex colours: golden-ratio hue steps, cycling lightness/saturation so
-    neighbours in hue still differ; returns [(background, text colour)] with text chosen for contrast."""
+    """[(background, text colour)] per expert. Up to 20 experts: a hand-picked qualitative palette whose
+    colours are easy to tell apart. Beyond 20 no palette stays distinguishable, so experts 20+ get
+    golden-ratio hue steps with cycling lightness: every colour differs, but some are close to others; the
+    number shown on hover (and in the legend) is the reliable way to tell them apart."""
     colors = []
     for e in range(n_experts):
-        hue = (e * 0.618033988749895) % 1.0
-        light = (0.78, 0.55, 0.40)[e % 3]
-        sat = (0.75, 0.60, 0.85)[(e // 3) % 3]
-        r, g, b = colorsys.hls_to_rgb(hue, light, sat)
-        # WCAG: pick the text colour with the higher contrast ratio (black wins when luminance > ~0.18).
-        lin = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in (r, g, b)]
-        luminance = 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
-        text = "#000" if (luminance + 0.05) / 0.05 > 1.05 / (luminance + 0.05) else "#fff"
-        colors.append((f"#{int(r * 255):02x}{int(g * 255):02x}{int(b * 255):02x}", text))
+        if e < len(DISTINCT_20):
+            h = DISTINCT_20[e]
+            r, g, b = (int(h[i:i + 2], 16) / 255 for i in (1, 3, 5))
+        else:
+            hue = (e * 0.618033988749895) % 1.0
+            r, g, b = colorsys.hls_to_rgb(hue, (0.72, 0.50, 0.35)[e % 3], (0.75, 0.60, 0.85)[(e // 3) % 3])
+        colors.append((f"#{round(r * 255):02x}{round(g * 255):02x}{round(b * 255):02x}", _text_color(r, g, b)))
     return colors
 
 
@@ -74,7 +88,10 @@ def render_tokens_html(samples, layers, n_experts, path, layer_names=None, title
         by_domain.setdefault(name, []).append((tokens, first_LxN))
     body = [f"<h1>{html.escape(title)}</h1>",
             "<p>Each token is coloured by its first-choice expert at the selected layer; hover for all layers."
-            " \u21b5 marks a newline.</p>",
+            " \u21b5 marks a newline."
+            + (f" With {n_experts} experts some colours are alike (only the first {len(DISTINCT_20)} are clearly"
+               " distinct): hover a token for its expert number." if n_experts > len(DISTINCT_20) else "")
+            + "</p>",
             '<div class="legend">Experts: '
             + "".join(f'<span class="e{e}">{e}</span>' for e in range(n_experts)) + "</div><br>"]
     body += [f'<input class="tab" type="radio" name="layer" id="tab{i}"{" checked" if i == 0 else ""}>'

@@ -1,22 +1,32 @@
 """Routing plots (matplotlib, Agg). Each function takes a `RoutingAccumulator.finalize()` dict (or the arrays
 named in its docstring) and a path, writes one PNG and returns the path.
 
-Layers are titled by `result["layer_ids_L"]` when present (the model-layer index of each MoE layer, which the
-CLI may add since leading dense layers shift it), else by MoE-layer index.
+Layers are labelled "layer L" everywhere (`layer_labels`): L is `result["layer_ids_L"]` when present (the
+model-layer index of each MoE layer, which the CLI adds since leading dense layers shift it), else the
+MoE-layer index. Heatmaps of several panels share one colour scale and one colourbar, so panels compare; where
+a random router has a known value (uniform share K/E, co-activation (K-1)/(E-1)) the scale is the ratio to it
+(`analysis.routing_scales`): white at chance, red above, blue below.
 """
 
 import math
 
 import numpy as np
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from analysis.figures import grid, plt, save
+from analysis.figures import grid, plt, save, smooth
+from analysis.routing_scales import CHANCE_CMAP, chance_norm, line_colors, shared_colorbar
 
-UNIFORM_STYLE = dict(color="crimson", linestyle="--", linewidth=1.0)
+UNIFORM_STYLE = dict(color="crimson", linestyle="--", linewidth=1.2)
+
+
+def layer_labels(result):
+    """"layer L" per MoE layer of `result`, L the model-layer index (see the module docstring)."""
+    ids = result.get("layer_ids_L")
+    return [f"layer {int(ids[i]) if ids is not None else i}" for i in range(int(result["n_layers"]))]
 
 
 def _layer_name(result, layer):
-    ids = result.get("layer_ids_L")
-    return f"Layer {int(ids[layer]) if ids is not None else layer}"
+    return layer_labels(result)[layer]
 
 
 def _expert_ticks(ax, n_experts, axis="x"):
@@ -36,16 +46,19 @@ def _domain_names(result, domain_names):
 
 def plot_domain_bars(result, layer, path, domain_names=None, key="share_LxDxE"):
     """One bar chart per domain of its tokens' distribution over experts at `layer` (top-k share, sums to K),
-    with the uniform share K/E dashed. key="share_top1_LxDxE" plots first choices (uniform 1/E)."""
-    share_DxE = result[key][layer]
+    with the uniform share K/E dashed. The y axis is the same for every layer (the maximum over all layers),
+    so the files of different layers compare. key="share_top1_LxDxE" plots first choices (uniform 1/E)."""
+    share_LxDxE = result[key]
+    share_DxE = share_LxDxE[layer]
     n_domains, n_experts = share_DxE.shape
     names = _domain_names(result, domain_names)
-    uniform = (1 if "top1" in key or "norm" in key else int(result["top_k"])) / n_experts
+    k = 1 if "top1" in key or "norm" in key else int(result["top_k"])
+    uniform = k / n_experts
     fig, axes = grid(n_domains, 3 if n_experts <= 24 else 2, max(4.0, 0.12 * n_experts + 1.5), 2.6)
-    ymax = np.nanmax(share_DxE) * 1.08 if np.isfinite(share_DxE).any() else 1.0
+    ymax = np.nanmax(share_LxDxE) * 1.08 if np.isfinite(share_LxDxE).any() else 1.0
     for d, ax in enumerate(axes):
         ax.bar(np.arange(n_experts), np.nan_to_num(share_DxE[d]), color="tab:blue", width=0.8)
-        ax.axhline(uniform, **UNIFORM_STYLE, label=f"uniform {uniform:.3f}")
+        ax.axhline(uniform, **UNIFORM_STYLE, label=f"uniform {'K/E' if k > 1 else '1/E'} = {uniform:.3f}")
         ax.set_title(f"{_layer_name(result, layer)} - {names[d]} (n={int(result['n_tokens_D'][d])})", fontsize=9)
         ax.set_xlim(-0.6, n_experts - 0.4)
         ax.set_ylim(0, ymax)
@@ -58,23 +71,30 @@ def plot_domain_bars(result, layer, path, domain_names=None, key="share_LxDxE"):
 
 
 def plot_domain_heatmaps(result, path, domain_names=None, layers=None, key="share_LxDxE"):
-    """Domain x expert heatmap of the top-k share per selected layer (default all), one colorbar each."""
+    """Domain x expert heatmap of the top-k share per selected layer (default all), on one colour scale
+    (white = uniform K/E, or 1/E for first choices) with one colourbar."""
     share_LxDxE = result[key]
-    layers = range(share_LxDxE.shape[0]) if layers is None else layers
+    layers = list(range(share_LxDxE.shape[0]) if layers is None else layers)
     n_domains, n_experts = share_LxDxE.shape[1:]
     names = _domain_names(result, domain_names)
-    fig, axes = grid(len(layers), 1 if n_experts > 32 else 2, max(5.0, 0.16 * n_experts + 2.5),
-                      0.3 * n_domains + 1.4)
+    k = 1 if "top1" in key or "norm" in key else int(result["top_k"])
+    shown = share_LxDxE[layers]
+    norm = chance_norm(np.nanmax(shown) if np.isfinite(shown).any() else 1.0, k / n_experts)
+    fig, axes = grid(len(layers), 1 if n_experts > 32 else 2, max(5.0, 0.16 * n_experts + 2.0),
+                     0.3 * n_domains + 1.2, layout="constrained")
     for ax, layer in zip(axes, layers):
-        im = ax.imshow(share_LxDxE[layer], aspect="auto", cmap="viridis", vmin=0, interpolation="nearest")
+        im = ax.imshow(share_LxDxE[layer], aspect="auto", cmap=CHANCE_CMAP, norm=norm, interpolation="nearest")
         ax.set_yticks(np.arange(n_domains))
         ax.set_yticklabels(names, fontsize=8)
         _expert_ticks(ax, n_experts)
         ax.set_xlabel("expert", fontsize=8)
-        what = "first choices" if "top1" in key else "share of domain tokens"
-        uniform = (1 if "top1" in key or "norm" in key else int(result["top_k"])) / n_experts
-        ax.set_title(f"{_layer_name(result, layer)} - {what} (uniform {uniform:.3f})", fontsize=9)
-        fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02).ax.tick_params(labelsize=7)
+        ax.set_title(_layer_name(result, layer), fontsize=9)
+    what = ("share of domain tokens whose first choice is the expert" if "top1" in key
+            else "share of domain tokens' top-k choices that go to the expert" if "norm" in key
+            else f"share of domain tokens with the expert in their top-{k}")
+    fig.suptitle(f"{what}\n(one colour scale for all layers; white = uniform {'1/E' if k == 1 else 'K/E'})",
+                 fontsize=10)
+    shared_colorbar(fig, im, axes, k / n_experts, "share", "uniform")
     return save(fig, path)
 
 
@@ -92,16 +112,20 @@ def plot_token_experts(result, path, token_text, which="track", max_tokens=12):
         ax.set_axis_off()
         return save(fig, path)
     n_layers, n_experts = share_TxLxE.shape[1:]
-    fig, axes = grid(len(keep), 1 if n_experts > 32 else 2, max(5.0, 0.14 * n_experts + 2.5),
-                      0.28 * n_layers + 1.5)
+    fig, axes = grid(len(keep), 1 if n_experts > 32 else 2, max(5.0, 0.14 * n_experts + 2.0),
+                     0.28 * n_layers + 1.3, layout="constrained")
+    uniform = int(result["top_k"]) / n_experts
+    norm = chance_norm(1.0, uniform)  # 1 = every occurrence: a fixed top, so tokens and runs compare
     for ax, t in zip(axes, keep):
-        im = ax.imshow(share_TxLxE[t], aspect="auto", cmap="viridis", vmin=0, vmax=1, interpolation="nearest")
+        im = ax.imshow(share_TxLxE[t], aspect="auto", cmap=CHANCE_CMAP, norm=norm, interpolation="nearest")
         ax.set_title(f"token {text(ids_T[t])!r} (id {int(ids_T[t])}, n={int(n_T[t])})", fontsize=9)
         ax.set_yticks(np.arange(n_layers))
-        ax.set_yticklabels([_layer_name(result, i) for i in range(n_layers)], fontsize=7)
+        ax.set_yticklabels(layer_labels(result), fontsize=7)
         _expert_ticks(ax, n_experts)
         ax.set_xlabel("expert", fontsize=8)
-        fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02, label="share of occurrences").ax.tick_params(labelsize=7)
+    fig.suptitle(f"share of a token's occurrences with the expert in their top-{int(result['top_k'])} "
+                 "(white = uniform K/E)", fontsize=10)
+    shared_colorbar(fig, im, axes, uniform, "share of occurrences", "uniform")
     return save(fig, path)
 
 
@@ -117,11 +141,10 @@ def plot_locality(result, path):
     width, handles = 0.27, []
     for i, (key, base, label, color) in enumerate(series):
         handles.append(ax.bar(x + (i - 1) * width, result[key], width, label=label, color=color))
-        handles.append(ax.axhline(float(result[base]), color=color, linestyle="--", linewidth=1.2,
+        handles.append(ax.axhline(float(result[base]), color=color, linestyle="--", linewidth=1.2, zorder=3,
                                   label=f"random: {float(result[base]):.3f}"))
     ax.set_xticks(x)
-    ax.set_xticklabels([_layer_name(result, i) for i in range(n_layers)], fontsize=8,
-                       rotation=45 if n_layers > 12 else 0)
+    ax.set_xticklabels(layer_labels(result), fontsize=8, rotation=45 if n_layers > 12 else 0)
     ax.set_ylabel("share of consecutive token pairs")
     ax.set_ylim(0, 1.04)  # bars at exactly 1 stay visible
     ax.set_title(f"Routing locality vs previous token (top-{int(result['top_k'])} of {int(result['n_experts'])})")
@@ -135,55 +158,83 @@ def plot_vocab_specialization(result, path):
     such token); the per-layer mean is in the y labels."""
     spec_LxE = result["vocab_spec_LxE"]
     n_layers, n_experts = spec_LxE.shape
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.16 * n_experts + 3), 0.35 * n_layers + 1.8))
+    fig, ax = plt.subplots(figsize=(max(7.0, 0.16 * n_experts + 4), max(3.4, 0.35 * n_layers + 1.8)))
     cmap = plt.get_cmap("viridis").with_extremes(bad="lightgrey")
-    top = 1 / int(result["top_k"])  # a token in its expert's top-k every time gets K of its K*n assignments
-    im = ax.imshow(np.ma.masked_invalid(spec_LxE), aspect="auto", cmap=cmap, vmin=0, vmax=top,
+    # The metric lives in [1/E, 1/K]: a token's favourite expert gets at least the mean share 1/E of its K*n
+    # assignments, and at most n of them (1/K) when it is in that token's top-k every time.
+    low, top = 1 / n_experts, 1 / int(result["top_k"])
+    im = ax.imshow(np.ma.masked_invalid(spec_LxE), aspect="auto", cmap=cmap, vmin=low, vmax=top,
                    interpolation="nearest")
     ax.set_yticks(np.arange(n_layers))
-    ax.set_yticklabels([f"{_layer_name(result, i)} (mean {result['vocab_spec_L'][i]:.2f})"
+    ax.set_yticklabels([f"{_layer_name(result, i)} (mean {result['vocab_spec_L'][i]:.3f})"
                         for i in range(n_layers)], fontsize=8)
     _expert_ticks(ax, n_experts)
-    ax.set_xlabel("expert (tokens grouped by their most frequent expert; grey = none)")
+    ax.set_xlabel("expert (tokens grouped by their most frequent expert; grey = none)", fontsize=8)
     ax.set_title(f"Vocabulary specialization ({int(result['vocab_n_eligible'])} token ids seen >= "
-                 f"{int(result.get('vocab_min_count', 10))} times)\nuniform 1/E = {1 / n_experts:.3f}, "
-                 f"always the same expert 1/K = {top:.3f}", fontsize=9)
-    fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02, label="share to top expert")
+                 f"{int(result.get('vocab_min_count', 10))} times)", fontsize=9)
+    cb = fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02)
+    cb.set_label("share of a token's assignments\nto its most frequent expert", fontsize=8)
+    ticks = np.linspace(low, top, 5)
+    cb.set_ticks(ticks)
+    cb.set_ticklabels([f"uniform 1/E {low:.3g}"] + [f"{t:.3f}" for t in ticks[1:-1]]
+                      + [f"always 1/K {top:.3g}"], fontsize=7)
     return save(fig, path)
 
 
 def plot_coactivation(result, path, layers=None):
-    """Expert co-activation N(e_i, e_j) / N(e_i) per selected layer (row i = the conditioning expert)."""
-    coact_LxExE = result["coact_LxExE"]
-    layers = range(coact_LxExE.shape[0]) if layers is None else layers
+    """Expert co-activation N(e_i, e_j) / N(e_i) per selected layer (row i = the conditioning expert), on one
+    colour scale: white = a random router's (K-1)/(E-1), grey = the diagonal (0 by definition)."""
+    coact_LxExE = np.array(result["coact_LxExE"], np.float64)
+    layers = list(range(coact_LxExE.shape[0]) if layers is None else layers)
     n_experts = coact_LxExE.shape[-1]
-    side = max(3.6, 0.09 * n_experts + 2.8)
-    fig, axes = grid(len(layers), 1 if n_experts > 32 else 2, side + 0.8, side)
+    coact_LxExE[:, np.arange(n_experts), np.arange(n_experts)] = np.nan
+    chance = (int(result["top_k"]) - 1) / max(n_experts - 1, 1)
+    shown = coact_LxExE[layers]
+    norm = chance_norm(np.nanmax(shown) if np.isfinite(shown).any() else 1.0, chance)
+    side = max(3.4, 0.09 * n_experts + 2.4)
+    fig, axes = grid(len(layers), 1 if n_experts > 32 else 2, side, side, layout="constrained")
     for ax, layer in zip(axes, layers):
-        im = ax.imshow(coact_LxExE[layer], cmap="magma", vmin=0, interpolation="nearest")
+        im = ax.imshow(np.ma.masked_invalid(coact_LxExE[layer]), cmap=CHANCE_CMAP, norm=norm,
+                       interpolation="nearest")
         _expert_ticks(ax, n_experts, "x")
         _expert_ticks(ax, n_experts, "y")
         ax.set_xlabel("co-activated expert j", fontsize=8)
         ax.set_ylabel("expert i", fontsize=8)
-        ax.set_title(f"{_layer_name(result, layer)} - co-activation N(i,j) / N(i)", fontsize=9)
-        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.03).ax.tick_params(labelsize=7)
+        ax.set_title(_layer_name(result, layer), fontsize=9)
+    fig.suptitle("co-activation N(i,j) / N(i): of the tokens that chose expert i, the share that also chose j\n"
+                 "(one colour scale for all layers; white = random router (K-1)/(E-1))", fontsize=10)
+    shared_colorbar(fig, im, axes, chance, "N(i,j) / N(i)", "random")
     return save(fig, path)
 
 
 def plot_maxvio_series(series, path, log=True):
-    """MaxVio over training, one line per layer; series is `read_maxvio_series` output {layer: (steps, vals)}."""
-    fig, ax = plt.subplots(figsize=(7, 4))
-    cmap = plt.get_cmap("viridis")
-    for i, (layer, (steps, values)) in enumerate(series.items()):
-        ax.plot(steps, values, color=cmap(i / max(len(series) - 1, 1)), linewidth=1.2, label=f"layer {layer}")
-    if log and all((np.asarray(v) > 0).all() for _, v in series.values()) and series:
+    """MaxVio over training, one colour per layer: the per-batch values faint, smoothed strong
+    (`figures.smooth`: two-sided exponential, no lag).
+    series is `read_maxvio_series` output {model layer: (steps, values)}. The y axis is logarithmic (MaxVio
+    falls by orders of magnitude as the bias balances the load) when log=True, every value is positive and
+    they span more than a factor of 5, with plain-number ticks (0.1, 0.2, 0.5, 1, 2 ...)."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    finite = [np.asarray(v, np.float64)[np.isfinite(v)] for _, v in series.values()]
+    finite = np.concatenate(finite) if finite else np.array([])
+    for color, (layer, (steps, values)) in zip(line_colors(len(series)), series.items()):
+        steps, values = np.asarray(steps, np.float64), np.asarray(values, np.float64)
+        keep = np.isfinite(values)
+        ax.plot(steps[keep], values[keep], color=color, alpha=0.35, linewidth=0.9)
+        ax.plot(steps[keep], smooth(values[keep]), color=color, linewidth=2.0, label=f"layer {layer}")
+    if log and finite.size and finite.min() > 0 and finite.max() / finite.min() > 5:
         ax.set_yscale("log")
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("training step")
-    ax.set_ylabel("MaxVio (batch)")
-    ax.set_title("Load imbalance over training")
+    ax.set_ylabel("MaxVio of the batch")
+    ax.set_title("Load imbalance over training (faint: every logged batch; strong: smoothed)", fontsize=10)
     if series:
-        ax.legend(fontsize=7, ncol=max(1, math.ceil(len(series) / 8)))
-    ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, ncol=max(1, math.ceil(len(series) / 8)))
+    else:
+        ax.text(0.5, 0.5, "no moe/layer_L/maxvio in metrics.jsonl", ha="center", va="center",
+                transform=ax.transAxes, color="0.4")
+    ax.grid(alpha=0.3, which="major")
     return save(fig, path)
 
 
@@ -191,10 +242,10 @@ def plot_maxvio_global(result, path):
     """MaxVio_global per layer on the analysed tokens ((max load - mean) / mean; 0 = balanced)."""
     maxvio_L = result["maxvio_L"]
     fig, ax = plt.subplots(figsize=(max(5.0, 0.4 * len(maxvio_L) + 2.5), 3.4))
-    ax.bar(np.arange(len(maxvio_L)), maxvio_L, color="tab:purple")
+    ax.bar(np.arange(len(maxvio_L)), maxvio_L, color="tab:purple", width=0.6)
+    ax.set_xlim(-0.5 - 0.5 * (len(maxvio_L) < 3), len(maxvio_L) - 0.5 + 0.5 * (len(maxvio_L) < 3))  # one layer: no slab
     ax.set_xticks(np.arange(len(maxvio_L)))
-    ax.set_xticklabels([_layer_name(result, i) for i in range(len(maxvio_L))], fontsize=8,
-                       rotation=45 if len(maxvio_L) > 12 else 0)
+    ax.set_xticklabels(layer_labels(result), fontsize=8, rotation=45 if len(maxvio_L) > 12 else 0)
     ax.set_ylabel("MaxVio_global")
     ax.set_title(f"Load imbalance on {int(result['n_tokens'])} analysed tokens")
     ax.grid(axis="y", alpha=0.3)
@@ -204,7 +255,9 @@ def plot_maxvio_global(result, path):
 def plot_saturation(sat_by_step, path, final_step=None, random_baseline=None, layer_names=None):
     """Router saturation per layer: {checkpoint step: saturation_L}. One line per layer over steps, or bars
     per layer when a single earlier checkpoint is given. random_baseline (K/E: two independent random top-k
-    sets) is drawn dashed when given. layer_names: a label per layer (default "layer i")."""
+    sets) is drawn dashed when given. layer_names: a label per layer; pass `layer_labels(result)` so the
+    layers read "layer L" with the model-layer index as in every other plot (default "layer i", i the
+    MoE-layer index)."""
     steps = sorted(sat_by_step)
     sat_CxL = np.stack([np.asarray(sat_by_step[s]) for s in steps])
     n_layers = sat_CxL.shape[1]
@@ -212,19 +265,19 @@ def plot_saturation(sat_by_step, path, final_step=None, random_baseline=None, la
     fig, ax = plt.subplots(figsize=(max(6.0, 0.4 * n_layers + 3), 3.8))
     suffix = f" vs final step {final_step}" if final_step is not None else " vs final checkpoint"
     if len(steps) == 1:
-        ax.bar(np.arange(n_layers), sat_CxL[0], color="tab:cyan")
+        ax.bar(np.arange(n_layers), sat_CxL[0], color="tab:cyan", width=0.6)
+        ax.set_xlim(-0.5 - 0.5 * (n_layers < 3), n_layers - 0.5 + 0.5 * (n_layers < 3))  # one layer: no slab
         ax.set_xticks(np.arange(n_layers))
         ax.set_xticklabels(names, fontsize=8, rotation=45 if n_layers > 12 else 0)
         ax.set_title(f"Router saturation at step {steps[0]}{suffix}")
     else:
-        cmap = plt.get_cmap("viridis")
-        for layer in range(n_layers):
-            ax.plot(steps, sat_CxL[:, layer], marker="o", markersize=3, color=cmap(layer / max(n_layers - 1, 1)),
+        for layer, color in enumerate(line_colors(n_layers)):
+            ax.plot(steps, sat_CxL[:, layer], marker="o", markersize=4, linewidth=1.8, color=color,
                     label=names[layer])
         ax.set_xlabel("checkpoint step")
         ax.set_title(f"Router saturation{suffix}")
     if random_baseline is not None:
-        ax.axhline(random_baseline, **UNIFORM_STYLE, label=f"random {random_baseline:.3f}")
+        ax.axhline(random_baseline, **UNIFORM_STYLE, label=f"random K/E = {random_baseline:.3f}")
     n_labels = len(ax.get_legend_handles_labels()[1])
     if n_labels:
         ax.legend(fontsize=7, ncol=max(1, math.ceil(n_labels / 8)))

@@ -2,6 +2,7 @@
 
 `python -m tests.test_routing_plots OUT_DIR` writes every sample plot and tokens.html for a visual check."""
 
+import pathlib
 import sys
 
 import numpy as np
@@ -110,11 +111,100 @@ def test_plot_edge_cases(data, tmp_path):
     assert (tmp_path / "empty.png").stat().st_size > 0
     colors = routing_html.expert_colors(64)
     assert len(set(c for c, _ in colors)) == 64
+    assert [c for c, _ in colors[:20]] == list(routing_html.DISTINCT_20)  # the hand-picked palette first
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    """The figures the plot functions draw, captured before they are saved and closed."""
+    captured, real_save = [], routing_plots.save
+    monkeypatch.setattr(routing_plots, "save", lambda fig, path, **kw: (captured.append(fig), real_save(fig, path))[1])
+    return captured
+
+
+def _panels(fig):
+    """(image axes, colourbar axes) of a heatmap figure."""
+    images = [ax for ax in fig.axes if ax.images]
+    return images, [ax for ax in fig.axes if not ax.images and ax.get_visible()]
+
+
+@pytest.mark.parametrize("plot, chance", [
+    (lambda r, p: routing_plots.plot_domain_heatmaps(r, p, DOMAINS, layers=[0, 3]), K / E),
+    (lambda r, p: routing_plots.plot_domain_heatmaps(r, p, DOMAINS, layers=[0, 3], key="share_top1_LxDxE"), 1 / E),
+    (lambda r, p: routing_plots.plot_coactivation(r, p, layers=[0, 3]), (K - 1) / (E - 1)),
+])
+def test_heatmaps_share_one_colour_scale_centred_on_chance(data, tmp_path, figures, plot, chance):
+    plot(data[0], tmp_path / "h.png")
+    images, colorbars = _panels(figures[0])
+    assert len(images) == 2 and len(colorbars) == 1  # one colourbar for every layer
+    (norm, *others) = [ax.images[0].norm for ax in images]
+    assert all(o.vmin == norm.vmin and o.vmax == norm.vmax for o in others)
+    # White (the colour map's middle) at chance: equal log-distance to both ends of the scale.
+    np.testing.assert_allclose(np.sqrt(norm.vmin * norm.vmax), chance, rtol=1e-9)
+    labels = [t.get_text() for t in colorbars[0].get_yticklabels()]
+    assert any(label.startswith(("uniform", "random")) and f"{chance:.3g}" in label for label in labels), labels
+    assert [ax.get_title() for ax in images] == ["layer 0", "layer 3"]
+
+
+def test_coactivation_diagonal_is_masked(data, tmp_path, figures):
+    routing_plots.plot_coactivation(data[0], tmp_path / "c.png", layers=[1])
+    shown = figures[0].axes[0].images[0].get_array()
+    assert shown.mask.diagonal().all() and not shown.mask[0, 1]
+
+
+def test_domain_bars_share_the_y_axis_across_layers(data, tmp_path, figures):
+    two = dict(data[0], share_LxDxE=data[0]["share_LxDxE"][:, :2], n_tokens_D=data[0]["n_tokens_D"][:2])
+    for layer in (0, 3):
+        routing_plots.plot_domain_bars(two, layer, tmp_path / f"bars{layer}.png", DOMAINS[:2])
+    ylims = {ax.get_ylim() for fig in figures for ax in fig.axes if ax.get_visible()}
+    assert len(ylims) == 1 and ylims.pop()[1] >= np.nanmax(two["share_LxDxE"])
+    line = figures[0].axes[0].get_lines()[0]
+    assert line.get_ydata()[0] == K / E and "uniform K/E" in line.get_label()
+    assert figures[1].axes[0].get_title().startswith("layer 3 - religion")
+
+
+def test_maxvio_series_plain_ticks_and_smoothing(data, tmp_path, figures):
+    noisy = {layer: (s, v * np.exp(np.random.default_rng(layer).normal(0, 0.3, len(v))))
+             for layer, (s, v) in data[1].items()}
+    routing_plots.plot_maxvio_series(noisy, tmp_path / "m.png")
+    ax = figures[0].axes[0]
+    figures[0].canvas.draw()
+    assert ax.get_yscale() == "log"
+    labels = [t.get_text() for t in ax.get_yticklabels() if t.get_text()]
+    assert labels and all("10^" not in t and "$" not in t for t in labels), labels
+    raw, smooth = ax.get_lines()[:2]  # layer 0: every batch faint, smoothed strong, same colour
+    assert raw.get_alpha() < 0.5 and smooth.get_linewidth() > raw.get_linewidth() and raw.get_color() == smooth.get_color()
+    assert np.std(np.diff(smooth.get_ydata())) < np.std(np.diff(raw.get_ydata()))
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [f"layer {i}" for i in range(L)]
+
+
+def test_layer_labels_use_model_layer_ids(data):
+    result = dict(data[0], layer_ids_L=np.array([1, 2, 3, 5]))
+    assert routing_plots.layer_labels(result) == ["layer 1", "layer 2", "layer 3", "layer 5"]
+    assert routing_plots.layer_labels(data[0]) == [f"layer {i}" for i in range(L)]
+
+
+def test_write_plots_draws_domain_bars_for_every_moe_layer(data, tmp_path, monkeypatch):
+    """analysis.routing.write_plots: one domain_experts_layerL.png per MoE layer, model-layer labels on the
+    saturation plot (the drawing itself is stubbed: the tests above cover it)."""
+    from analysis import routing, routing_run
+
+    calls = []
+    for name in dir(routing_plots):
+        if name.startswith("plot_"):
+            monkeypatch.setattr(routing_plots, name, lambda *a, _n=name, **kw: calls.append((_n, a, kw))
+                                or next(x for x in a if isinstance(x, pathlib.Path)))
+    result = dict(data[0], layer_ids_L=np.array([1, 2, 3, 5]))
+    a = routing_run.Analysis(result, DOMAINS, TOKEN_TEXT, [], [], {"saturation_L": np.full(L, 0.5)}, 1, 1.0)
+    paths = routing.write_plots(a, tmp_path, 0, data[1], final_step=20, compare_step=10)
+    bars = [c for c in calls if c[0] == "plot_domain_bars"]
+    assert [c[1][1] for c in bars] == [0, 1, 2, 3]
+    assert [p.name for p in paths[:4]] == [f"domain_experts_layer{i}.png" for i in (1, 2, 3, 5)]
+    (sat,) = [c for c in calls if c[0] == "plot_saturation"]
+    assert sat[2]["layer_names"] == ["layer 1", "layer 2", "layer 3", "layer 5"]
 
 
 if __name__ == "__main__":
-    import pathlib
-
     out = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/routing_plots")
     out.mkdir(parents=True, exist_ok=True)
     d = make_data()
