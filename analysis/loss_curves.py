@@ -9,8 +9,6 @@ at every evaluation. Odd rows never raise: a missing, None, NaN or non-numeric v
 logged twice (a resumed run repeats the steps after its last checkpoint) keeps its last value.
 """
 
-import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -18,24 +16,12 @@ from pathlib import Path
 import numpy as np
 
 from analysis.figures import plt, save, smooth
-from train.errors import UserError, exit_with
+from rundir import RunDir
+from rundir.metrics import read_rows
+from train.cli import ArgParser
+from train.errors import UserError, exit_with, os_error
 
 VAL_PREFIX = "val/loss/"
-
-
-def read_rows(path):
-    """The JSON objects of a metrics.jsonl, one per line; blank, torn or non-object lines are skipped (a run
-    that is still writing may leave half a line at the end)."""
-    rows = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(row, dict):
-                rows.append(row)
-    return rows
 
 
 def _number(x):
@@ -143,27 +129,26 @@ def plot_loss_curves(rows, path, title=None):
     return save(fig, path)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse prints usage over several lines; ours is one line, exit 2
-        exit_with(UserError(f"{message} (see python -m analysis.loss_curves --help)"))
-
-
 def main(argv=None):
-    p = _Parser(prog="python -m analysis.loss_curves", description=__doc__.split("\n")[0])
+    p = ArgParser(prog="python -m analysis.loss_curves", description=__doc__.split("\n")[0])
     p.add_argument("--workdir", required=True, help="run directory with metrics.jsonl")
     p.add_argument("--out", default=None, help="PNG to write (default: WORKDIR/loss_curves.png)")
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        metrics = Path(args.workdir) / "metrics.jsonl"
+        args = p.parse_args(sys.argv[1:] if argv is None else argv)
+        metrics = RunDir(Path(args.workdir)).metrics
         if not metrics.is_file():
             raise UserError(f"no metrics.jsonl in {args.workdir}; pass the --workdir of a run "
                             "(python -m train writes it every log.every steps)")
         rows = read_rows(metrics)
         out = Path(args.out) if args.out else Path(args.workdir) / "loss_curves.png"
+        if out.is_dir():
+            raise UserError(f"--out {out} is a directory; pass the path of the PNG to write")
         out.parent.mkdir(parents=True, exist_ok=True)
         plot_loss_curves(rows, out, title=str(args.workdir))
     except UserError as e:
         exit_with(e)
+    except OSError as e:
+        exit_with(os_error(e))
     n_eval = len(series(rows, "val/loss")[0])
     print(f"wrote {out} ({len(series(rows, 'loss')[0])} training rows, {n_eval} evaluations)")
     return out

@@ -219,6 +219,8 @@ def _train(config, mcfg, mesh, run_dir, log) -> dict:
                     writer.write(step, ev)
                     last.update(ev)
                     progress.line(eval_line(step, ev))
+                    if pi == 0:
+                        draw_loss_curves(run_dir, say)
                 if step % config.checkpoint.every == 0 or boundary:
                     if pending is not None:
                         pull(*pending)  # never save a state whose step went NaN
@@ -247,6 +249,20 @@ def _train(config, mcfg, mesh, run_dir, log) -> dict:
         return {**last, "stopped_by": stopped_by}
     say(summary(run_dir, step, t.steps, seconds, (step - start) * tokens_per_step, last))
     return last
+
+
+def draw_loss_curves(run_dir, say) -> None:
+    """WORKDIR/loss_curves.png from metrics.jsonl, redrawn at every evaluation (written beside, then renamed);
+    a plotting problem is a warning, never the end of a run."""
+    from analysis.loss_curves import plot_loss_curves  # matplotlib only once there is something to draw
+
+    tmp = run_dir.loss_curves.with_name(f".{run_dir.loss_curves.stem}.tmp.png")
+    try:
+        plot_loss_curves(metrics_file.read_rows(run_dir.metrics), tmp, title=str(run_dir.root))
+        os.replace(tmp, run_dir.loss_curves)
+    except Exception as e:  # noqa: BLE001
+        tmp.unlink(missing_ok=True)
+        say(f"warning: could not draw {run_dir.loss_curves} ({type(e).__name__}: {str(e)[:100]})")
 
 
 def summary(run_dir, step: int, steps: int, seconds: float, tokens: int, last: dict) -> str:
