@@ -7,7 +7,8 @@ SIGTERM or Ctrl-C saves a checkpoint at the next step and exits (0 for SIGTERM, 
 
 from train import signals
 
-signals.install()  # before the heavy imports below: a signal during start-up stops cleanly, never a traceback
+if __name__ == "__main__":
+    signals.install()  # before the heavy imports below: a signal during start-up stops cleanly, not a traceback
 
 import argparse  # noqa: E402
 import sys  # noqa: E402
