@@ -25,9 +25,13 @@ from train.state import abstract_model, merge_model, split_model
 
 
 def manager(ckpt_dir, keep: int = 3, async_save: bool = True, read_only: bool = False) -> ocp.CheckpointManager:
-    opts = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                        create=not read_only, read_only=read_only,
-                                        cleanup_tmp_directories=not read_only)
+    """The trainer's manager (keeps `keep`, cleans up tmp dirs of killed saves), or a reader's (creates,
+    deletes and cleans nothing; orbax's own read_only flag logs warnings on every use, so it is not used)."""
+    if read_only:
+        opts = ocp.CheckpointManagerOptions(create=False, enable_async_checkpointing=False)
+    else:
+        opts = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
+                                            cleanup_tmp_directories=True)
     return ocp.CheckpointManager(Path(ckpt_dir).absolute(), options=opts)
 
 

@@ -1,0 +1,68 @@
+"""The README's commands, run as written on a tiny run (in-process, through each CLI's main): the train
+command for configs/tiny.py, then every analysis / export / generation command on `runs/default` (here a
+copy of that tiny run: the real default trains for 12 minutes), and the Python API block."""
+
+import re
+import shlex
+import shutil
+from pathlib import Path
+
+import pytest
+
+from analysis import experiments, loss_curves, rank, routing
+from train import __main__ as train_cli
+from train import export, generate
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+MAINS = {"train": lambda a: train_cli.main(["train", *a]), "analysis.routing": routing.main,
+         "analysis.rank": rank.main, "analysis.loss_curves": loss_curves.main, "train.export": export.main,
+         "train.generate": generate.main}
+# Not run: the install lines (CI runs them), the template line and the 12-minute default run (only the tiny
+# train command is run), and the hour-long mask study (parsed here; tests/test_experiments.py runs it).
+
+
+def commands() -> list[str]:
+    blocks = re.findall(r"```bash\n(.*?)```", README, re.S)
+    lines = [line.split("  #")[0].strip() for b in blocks for line in b.splitlines()]
+    return [line for line in lines if line.startswith("python -m ")]
+
+
+def test_readme_lists_the_commands():
+    mods = {shlex.split(c)[2] for c in commands()}
+    assert {"train", "analysis.routing", "analysis.rank", "analysis.loss_curves", "analysis.experiments",
+            "train.export", "train.generate"} <= mods
+
+
+@pytest.mark.slow
+def test_readme_commands_run_as_written(tmp_path, monkeypatch, capsys):
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    monkeypatch.chdir(tmp_path)
+    ran = []
+    train_lines = [c for c in commands() if shlex.split(c)[2] == "train" and "configs/tiny.py" in c]
+    assert train_lines, "the README shows how to train configs/tiny.py"
+    for line in train_lines:
+        train_cli.main(shlex.split(line)[2:] + ["--config.log.progress=False", "--config.log.peak_flops=1e12"])
+        ran.append(line)
+    workdir = shlex.split(train_lines[0]).pop(shlex.split(train_lines[0]).index("--workdir") + 1)
+    shutil.copytree(tmp_path / workdir, tmp_path / "runs" / "default")
+    for line in commands():
+        argv = shlex.split(line)
+        mod, args = argv[2], argv[3:]
+        if mod == "analysis.experiments":
+            experiments.parse_flags(["python", *args])  # parsed, not run (an hour of training)
+            continue
+        if mod not in MAINS or mod == "train":
+            continue
+        MAINS[mod](args + (["--no_progress"] if mod == "analysis.routing" else []))
+        ran.append(line)
+    out = capsys.readouterr().out
+    assert len(ran) >= 6, ran
+    assert (tmp_path / "runs/default/analysis/routing.json").is_file()
+    assert (tmp_path / "runs/default/rank/rank.json").is_file()
+    assert (tmp_path / "runs/default/loss_curves.png").is_file()
+    assert (tmp_path / "exports/default/config.json").is_file()
+    assert "In the beginning" in out
+
+    api = re.search(r"```python\n(.*?)```", README, re.S).group(1)
+    exec(compile(api, "README.md", "exec"), {})
