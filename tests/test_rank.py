@@ -154,6 +154,33 @@ def test_prefix_block_is_dense_and_not_triangular():
     assert np.all(np.isnan(r["attention"]["full"]["logdet_per_token"]))
 
 
+def test_packed_row_is_analysed_per_document(causal_model):
+    """A validation row packing two documents gives the same statistics as the two documents in rows of their
+    own: each document's attention is its own block (segment mask, positions restarting at 0)."""
+    from analysis.rank import analyse, documents
+
+    rng = np.random.default_rng(1)
+    L, n1, n2 = 24, 14, 10
+    a, b = rng.integers(3, 500, n1), rng.integers(3, 500, n2)
+    packed = {"tokens": np.concatenate([a, b])[None].astype(np.int32),
+              "segment_ids": np.repeat([[1, 2]], [n1, n2], axis=1).astype(np.int32),
+              "positions": np.concatenate([np.arange(n1), np.arange(n2)])[None].astype(np.int32)}
+    alone = {"tokens": np.zeros((2, L), np.int32), "segment_ids": np.zeros((2, L), np.int32),
+             "positions": np.zeros((2, L), np.int32)}
+    for row, doc in enumerate((a, b)):
+        alone["tokens"][row, :len(doc)] = doc
+        alone["segment_ids"][row, :len(doc)] = 1
+        alone["positions"][row, :len(doc)] = np.arange(len(doc))
+    assert documents(packed["segment_ids"]) == [(0, 0, n1, 0), (0, n1, n2, 0)]
+    p, s = analyse(causal_model, packed), analyse(causal_model, alone)
+    assert p["documents"] == s["documents"] == 2 and p["sequences"] == 1
+    for key in ("rank_frac", "erank_frac", "logdet_per_token", "mean_n"):
+        np.testing.assert_allclose(p["attention"]["full"][key], s["attention"]["full"][key], rtol=1e-4, atol=1e-5)
+    for path in p["collapse"]:
+        np.testing.assert_allclose(p["collapse"][path]["l1linf"], s["collapse"][path]["l1linf"], rtol=1e-4)
+    np.testing.assert_allclose(p["spectrum"], s["spectrum"], rtol=1e-4, atol=1e-5)
+
+
 def test_cli_on_trained_run(tmp_path, tiny_run):
     import json
 
@@ -173,4 +200,4 @@ def test_cli_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--workdir", str(tmp_path / "nothing")])
     assert e.value.code == 2
-    assert "no checkpoints" in capsys.readouterr().err
+    assert "does not exist" in capsys.readouterr().err

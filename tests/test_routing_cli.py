@@ -88,6 +88,7 @@ def test_bad_input_one_line_exit_2(tiny_run, tmp_path, capsys, extra, expected):
 def test_no_checkpoint_subprocess(tmp_path):
     """The real entry point: one line on stderr and exit code 2 for a workdir without checkpoints."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
+    (tmp_path / "nothing").mkdir()
     proc = subprocess.run([sys.executable, "-m", "analysis.routing", "--workdir", str(tmp_path / "nothing")],
                           capture_output=True, text=True, env=env, cwd=Path(__file__).parents[1], timeout=300)
     assert proc.returncode == 2, proc.stderr

@@ -145,6 +145,25 @@ def test_full_disk_keeps_the_last_checkpoint_and_resumes_bitwise(tmp_path, refer
         for step, ref in reference.items():
             for key in KEYS:
                 assert rows[step][key] == ref[key], (step, key)
+        assert not list((work / "checkpoints").glob("*tmp*")), "the failed save's temporary directory is left"
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])
+
+
+def test_read_only_file_system_is_one_line(tmp_path, capsys):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a read-only tmpfs needs root")
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mnt)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        from train.__main__ import main
+
+        with pytest.raises(SystemExit) as e:
+            main(["train", f"--config={TINY}", f"--workdir={mnt / 'run'}", "--config.log.peak_flops=1e12"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and "read-only" in err and str(mnt) in err, err
     finally:
         subprocess.run(["umount", "-l", str(mnt)])
 

@@ -145,7 +145,8 @@ def format_keys(config: ml_collections.ConfigDict) -> str:
     return "\n".join(lines)
 
 
-def print_help(parser: argparse.ArgumentParser, config=None, file=sys.stdout) -> None:
+def print_help(parser: argparse.ArgumentParser, config=None, file=None) -> None:
+    file = file or sys.stdout
     parser.print_help(file)
     if config is not None:
         print("\nconfig keys (override any with --config.KEY=VALUE):", file=file)

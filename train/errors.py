@@ -54,14 +54,17 @@ class _DropOrbaxErrors(logging.Filter):
     reports it in one line (a full disk, a damaged checkpoint); drop orbax's copy."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+        if record.levelno < logging.ERROR:
+            return True
+        # absl records from orbax's modules; asyncio's "Task exception was never retrieved" for orbax's writers
+        return "orbax" not in record.pathname and "orbax" not in record.getMessage()
 
 
 def hide_orbax_tracebacks() -> None:
     """For CLI processes: orbax errors are reported by the CLI's own one-line message."""
-    logger = logging.getLogger("absl")
-    if not any(isinstance(f, _DropOrbaxErrors) for f in logger.filters):
-        logger.addFilter(_DropOrbaxErrors())
+    for logger in (logging.getLogger("absl"), logging.getLogger("asyncio")):
+        if not any(isinstance(f, _DropOrbaxErrors) for f in logger.filters):
+            logger.addFilter(_DropOrbaxErrors())
     if sys.unraisablehook is sys.__unraisablehook__:
         sys.unraisablehook = _unraisable
 

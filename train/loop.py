@@ -7,6 +7,7 @@ import math
 import os
 import threading
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -76,7 +77,8 @@ def run(config, workdir, log=print) -> dict:
         raise UserError(f"train.batch_size ({t.batch_size}) must be divisible by the data-parallel size "
                         f"(mesh.data x mesh.fsdp = {dp}) times train.grad_accum ({t.grad_accum})")
     check_memory(config, mcfg, dp, jax.devices()[0])
-    run_dir = layout.check_workdir(workdir)
+    # Only process 0 writes into the run directory; the others would race with its creation.
+    run_dir = layout.check_workdir(workdir) if jax.process_index() == 0 else layout.RunDir(Path(workdir))
     own_signals = not signals.installed() and threading.current_thread() is threading.main_thread()
     if own_signals:
         signals.install()

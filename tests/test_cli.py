@@ -1,0 +1,44 @@
+"""Every CLI answers --help (exit 0, usage on stdout); `python -m train --help` lists the config keys of the
+chosen --config; overrides are parsed by the key's type."""
+
+import pytest
+
+from analysis import experiments, loss_curves, rank, routing
+from train import __main__ as train_cli
+from train import export, generate
+from train.cli import apply_override, load_config_file
+from train.errors import UserError
+
+CLIS = {"train": lambda a: train_cli.main(["train", *a]), "analysis.experiments": lambda a: experiments.main(["x", *a]),
+        "analysis.routing": routing.main, "analysis.rank": rank.main, "analysis.loss_curves": loss_curves.main,
+        "train.export": export.main, "train.generate": generate.main}
+
+
+@pytest.mark.parametrize("name", sorted(CLIS))
+def test_help_exits_0_with_usage(name, capsys):
+    with pytest.raises(SystemExit) as e:
+        CLIS[name](["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith("usage: python -m"), out[:200]
+
+
+def test_train_help_lists_the_keys_of_the_chosen_config(capsys):
+    with pytest.raises(SystemExit):
+        train_cli.main(["train", "--config=configs/tiny.py", "--config.train.steps=7", "--help"])
+    out = capsys.readouterr().out
+    assert "train.steps = 7" in out and "model.d_model = 64" in out and "--workdir" in out
+
+
+def test_overrides_are_parsed_by_type():
+    c = load_config_file("configs/tiny.py")
+    for key, text, value in [("train.steps", "12", 12), ("train.lr", "1e-3", 1e-3), ("train.lr", "2", 2.0),
+                             ("model.rope", "False", False), ("model.rope", "yes", True),
+                             ("data.name", "lm1b", "lm1b")]:
+        apply_override(c, key, text)
+        node = c
+        for part in key.split("."):
+            node = node[part]
+        assert node == value and type(node) is type(value), (key, text, node)
+    for key, text in [("train.steps", "12.5"), ("model.rope", "2"), ("model.n_shared_experts", "True")]:
+        with pytest.raises(UserError, match=key):
+            apply_override(c, key, text)
