@@ -25,7 +25,7 @@ def parser() -> ArgParser:
                   description="Train (or resume) a decoder-only MoE language model. Re-running the same command "
                               "resumes from the newest checkpoint; SIGTERM / Ctrl-C save one and exit.",
                   epilog="examples:\n  python -m train\n  python -m train --config configs/tiny.py --workdir "
-                         "runs/tiny --config.train.steps=50",
+                         "runs/tiny --config.train.steps=20",
                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", metavar="FILE", default=DEFAULT_CONFIG,
                    help="config file with get_config() (default: configs/default.py)")
