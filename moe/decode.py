@@ -25,9 +25,18 @@ def _prefix_len(model, prompt_BxP):
     return jnp.full((B,), P, jnp.int32) if model.cfg.mask in ("prefix", "mixed") else None
 
 
-def prefill(model: Transformer, prompt_BxP, cache):
-    """Run the prompt through the model, filling cache slots [0, P). Returns (logits [B,P,V], cache)."""
-    logits, aux = model(prompt_BxP, cache=cache, cache_index=0, prefix_len_B=_prefix_len(model, prompt_BxP))
+def prefill(model: Transformer, prompt_BxP, cache, start: int = 0):
+    """Run P tokens through the model at cache slots [start, start + P) (positions too), attending to the slots
+    already written before `start`: a causal model continues a conversation without recomputing earlier turns.
+    Returns (logits [B,P,V], cache).
+
+    Prefix and mixed masks make the whole prompt a bidirectional prefix, so a longer prompt changes the keys and
+    values of every earlier slot: they must prefill from slot 0 again (the recomputation a causal decoder saves).
+    """
+    if start and model.cfg.mask != "causal":
+        raise ValueError(f"mask {model.cfg.mask!r} cannot extend a cached prompt (its prefix attends both ways, so "
+                         "earlier slots change); prefill the whole prompt from start=0")
+    logits, aux = model(prompt_BxP, cache=cache, cache_index=start, prefix_len_B=_prefix_len(model, prompt_BxP))
     return logits, aux["cache"]
 
 

@@ -31,6 +31,31 @@ def test_cached_logits_equal_full_forward(mode):
     np.testing.assert_allclose(run(model, tokens), full, rtol=1e-5, atol=1e-5)
 
 
+def test_prefill_continues_from_any_slot():
+    """A second turn prefilled at slot P1 on top of the first turn's cache gives the full forward's logits
+    (KV-cache reuse across turns); prefix masks refuse to extend a cached prompt."""
+    model = tiny_model()
+    B, P1, P2, L = 2, 4, 3, 9
+    tokens = jax.random.randint(jax.random.key(5), (B, L), 0, 61)
+    full = forward_fn()(tokens)
+
+    @nnx.jit
+    def turns(model, tokens):
+        cache = decode.init_cache(model.cfg, B, L)
+        first, cache = decode.prefill(model, tokens[:, :P1], cache)
+        second, cache = decode.prefill(model, tokens[:, P1:P1 + P2], cache, start=P1)
+        last, _ = decode.step(model, tokens[:, P1 + P2:P1 + P2 + 1], P1 + P2, cache)
+        return first, second, last
+
+    first, second, last = turns(model, tokens)
+    np.testing.assert_allclose(first, full[:, :P1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(second, full[:, P1:P1 + P2], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(last, full[:, P1 + P2], rtol=1e-5, atol=1e-5)
+    prefix_model = tiny_model(mask="prefix")
+    with pytest.raises(ValueError, match="start=0"):
+        decode.prefill(prefix_model, tokens[:, :2], decode.init_cache(prefix_model.cfg, B, L), start=2)
+
+
 def test_greedy_generate_follows_argmax_of_full_forward():
     model = tiny_model()
     prompt = jax.random.randint(jax.random.key(4), (2, 4), 0, 61)
