@@ -26,11 +26,12 @@ def base_config() -> ml_collections.ConfigDict:
         text_field="text",
         corpus_dir="",  # moe_corpus only; "" = the bundled corpus (train/data/corpus)
         tfds_data_dir="",  # "" = ~/.cache/moe-lm/tfds
-        tokenizer="",  # "" = the bundled train/data/tokenizer.json
+        tokenizer="",  # "" = the bundled train/data/tokenizer.json (8,192); "tokenizer_1k.json": bundled 1,024
         token_cache_dir="",  # "" = ~/.cache/moe-lm/tokens
         seq_len=256,
         task="lm",  # lm: packed rows | prefix: one document per row, input prefix + output (loss on output)
         prefix_frac=0.5,
+        windows=False,  # prefix task: cut every document into seq_len windows (all text used), not its start
     ))
 
     c.train = ml_collections.ConfigDict(dict(

@@ -156,3 +156,30 @@ def test_token_cache_with_bundled_tokenizer(tmp_path):
     assert c.domain_names == ("x", "y") and c.tokens.dtype == np.uint16
     again = token_cache(_ListSource(["ignored: loaded from cache"]), cache_dir=tmp_path)
     assert again.n_docs == 5
+
+
+def test_window_documents_train_on_every_target_once():
+    """Windowed prefix rows: every (token -> next token) pair of every document, the EOS included, is a target
+    in exactly one row; mid-document windows carry no EOS."""
+    from train.data.packing import window_documents
+
+    lengths = [10, 3, 1, 9]  # 9 = 2 * L + 1: the last full window ends the document
+    toks = np.arange(2, 2 + sum(lengths), dtype=np.uint16)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    cache = TokenCache(toks, offsets, np.array([0, 1, 0, 1], np.int32), ("a", "b"))
+    L = 4
+    win = window_documents(cache, L)
+    assert win.lengths.tolist() == [5, 5, 2, 3, 1, 5, 5]
+    assert win.domains.tolist() == [0, 0, 0, 1, 0, 1, 1]
+    rows = prefix_rows(win, L, seed=0, start=0, count=win.n_docs, prefix_frac=0.5)
+    pairs = []
+    for b in range(win.n_docs):
+        real = (rows["segment_ids"][b] > 0) & (rows["targets"][b] != PAD_ID)  # the last real token's target is PAD
+        pairs += [(int(t), int(u)) for t, u in zip(rows["tokens"][b][real], rows["targets"][b][real])]
+    want = []
+    for lo, hi in zip(offsets[:-1], offsets[1:]):
+        doc = toks[lo:hi].tolist()
+        want += list(zip(doc, doc[1:])) + ([(doc[-1], EOS_ID)] if (hi - lo - 1) % L or hi - lo == 1 else [])
+    assert sorted(pairs) == sorted(want)
+    eos_rows = [b for b in range(win.n_docs) if EOS_ID in rows["targets"][b]]
+    assert len(eos_rows) == 3  # only true document ends (the 9-token document's EOS has no window of its own)

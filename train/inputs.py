@@ -32,6 +32,8 @@ class PrefixSampler:
 
 def tokenizer_path(data_cfg) -> Path:
     path = Path(data_cfg.tokenizer) if data_cfg.tokenizer else DEFAULT_TOKENIZER
+    if not path.exists() and (DEFAULT_TOKENIZER.parent / path).is_file():
+        path = DEFAULT_TOKENIZER.parent / path  # a bundled tokenizer by name, e.g. "tokenizer_1k.json"
     load_tokenizer(path)  # fails early, with a one-line message, on a missing or broken file
     return path
 
@@ -45,9 +47,17 @@ def token_cache_for(data_cfg, split: str):
     return cache
 
 
+def task_cache(data_cfg, split: str):
+    """The split's token cache as the task reads it: windowed documents for the prefix task with data.windows."""
+    cache = token_cache_for(data_cfg, split)
+    if data_cfg.task == "prefix" and data_cfg.get("windows", False):
+        cache = packing.window_documents(cache, data_cfg.seq_len)
+    return cache
+
+
 def sampler(config):
     d, t = config.data, config.train
-    cache = token_cache_for(d, d.split)
+    cache = task_cache(d, d.split)
     if d.task == "prefix":
         return PrefixSampler(cache, d.seq_len, t.seed, d.prefix_frac, t.prefix_loss), cache.domain_names
     return packing.PackedSampler(cache, d.seq_len, t.seed), cache.domain_names
@@ -69,7 +79,7 @@ def eval_rows(config) -> dict:
     LM task: rows packed from that domain's validation documents alone. Prefix task: one document per row.
     """
     d, e = config.data, config.eval
-    cache = token_cache_for(d, d.eval_split)
+    cache = task_cache(d, d.eval_split)
     parts = []
     for dom in np.unique(cache.domains):
         sub = domain_subset(cache, int(dom))

@@ -206,6 +206,32 @@ def iterate(sampler: PackedSampler, start_step: int, batch_size: int, process_in
     yield from ds.to_iter_dataset(grain.ReadOptions(num_threads=threads, prefetch_buffer_size=prefetch))
 
 
+def window_documents(cache: TokenCache, seq_len: int) -> TokenCache:
+    """Every document cut into consecutive windows, each a document of its own, so that one-document-per-row
+    tasks (prefix_rows) train on all of the text rather than each document's first seq_len tokens.
+
+    A window holds seq_len + 1 tokens and the next one starts at its last token (rows overlap by one token, as
+    packed rows do, so no target is lost); prefix_rows cuts a full window to exactly its seq_len + 1 tokens, so
+    only the document's true last window gets the EOS. A final window of a single token (no target) is dropped,
+    so a document of k * seq_len + 1 tokens loses its EOS target (one target in seq_len + 1).
+    """
+    L1 = seq_len + 1
+    starts, ends, doms = [], [], []
+    for d, (lo, hi) in enumerate(zip(cache.offsets[:-1], cache.offsets[1:])):
+        s = np.arange(lo, max(hi - 1, lo + 1), seq_len)
+        e = np.minimum(s + L1, hi)
+        keep = e - s >= 2 if len(s) > 1 else np.ones(len(s), bool)
+        starts.append(s[keep])
+        ends.append(e[keep])
+        doms.append(np.full(int(keep.sum()), cache.domains[d], np.int32))
+    starts, ends = np.concatenate(starts), np.concatenate(ends)
+    pieces = [np.asarray(cache.tokens[a:b]) for a, b in zip(starts, ends)]
+    offsets = np.zeros(len(pieces) + 1, np.int64)
+    np.cumsum([len(p) for p in pieces], out=offsets[1:])
+    tokens = np.concatenate(pieces) if pieces else np.zeros(0, cache.tokens.dtype)
+    return TokenCache(tokens, offsets, np.concatenate(doms), cache.domain_names, cache.eos_id, cache.pad_id)
+
+
 def prefix_rows(cache: TokenCache, seq_len: int, seed: int, start: int, count: int,
                 prefix_frac: float = 0.5) -> dict:
     """One document per row for prefix-LM vs causal-LM experiments; row r is document perm_e[r % N], e = r // N.
