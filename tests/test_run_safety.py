@@ -2,6 +2,7 @@
 bitwise resume after SIGKILL during a save and after a full disk, signals from process start, and readers
 that fall back past a damaged newest checkpoint."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -23,6 +24,20 @@ TINY = str(ROOT / "configs" / "tiny.py")
 KEYS = ("loss", "grad_norm", "param_norm", "moe/layer_1/bias_range")
 # Bitwise comparisons need the same device count in the subprocess as in this process (conftest: 8).
 ENV = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, options: str):
+    """A small tmpfs mounted at `path` for the test (root only; skipped with the reason otherwise)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    path.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)])
 
 
 def _train_rows(workdir) -> dict:
@@ -120,13 +135,7 @@ def test_sigkill_during_saves_then_bitwise_resume_without_duplicate_rows(tmp_pat
 
 @pytest.mark.slow
 def test_full_disk_keeps_the_last_checkpoint_and_resumes_bitwise(tmp_path, reference):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    mnt = tmp_path / "small_disk"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)]).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with tmpfs(tmp_path / "small_disk", "size=24m") as mnt:
         work = mnt / "run"
         # ~10 MB per tiny checkpoint: step 3 fits, step 6 does not.
         r = subprocess.run(_cli(work, "--config.train.steps=12", "--config.log.every=1", "--config.eval.every=6",
@@ -146,26 +155,16 @@ def test_full_disk_keeps_the_last_checkpoint_and_resumes_bitwise(tmp_path, refer
             for key in KEYS:
                 assert rows[step][key] == ref[key], (step, key)
         assert not list((work / "checkpoints").glob("*tmp*")), "the failed save's temporary directory is left"
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)])
 
 
 def test_read_only_file_system_is_one_line(tmp_path, capsys):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a read-only tmpfs needs root")
-    mnt = tmp_path / "ro"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mnt)]).returncode != 0:
-        pytest.skip("cannot mount a tmpfs here")
-    try:
+    with tmpfs(tmp_path / "ro", "ro,size=1m") as mnt:
         from train.__main__ import main
 
         with pytest.raises(SystemExit) as e:
             main(["train", f"--config={TINY}", f"--workdir={mnt / 'run'}", "--config.log.peak_flops=1e12"])
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.count("\n") == 1 and "read-only" in err and str(mnt) in err, err
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)])
 
 
 # ---------------------------------------------------------------- signals
