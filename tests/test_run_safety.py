@@ -97,15 +97,10 @@ def test_second_process_is_refused_naming_the_holder(tiny_run, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """An uninterrupted 12-step run, every step logged: what every interrupted run must reproduce bitwise."""
-    work = tmp_path_factory.mktemp("reference")
-    run(_config(), work, log=lambda *a: None)
-    return _train_rows(work)
-
-
-def _config():
-    return tiny_config(**{"train.steps": 12, "log.every": 1, "eval.every": 6, "checkpoint.every": 3})
+def reference(tiny_run):
+    """The shared uninterrupted tiny run (configs/tiny.py, 20 steps, logged every 5): every interrupted run of
+    the same config must reproduce its rows bitwise."""
+    return _train_rows(tiny_run)
 
 
 @pytest.mark.slow
@@ -113,18 +108,17 @@ def test_sigkill_during_saves_then_bitwise_resume_without_duplicate_rows(tmp_pat
     work = tmp_path / "run"
     # A checkpoint every step, saved synchronously: most of the run's time is spent saving, so the kill lands
     # in (or right next to) a save.
-    p = subprocess.Popen(_cli(work, "--config.train.steps=12", "--config.log.every=1", "--config.eval.every=6",
-                              "--config.checkpoint.every=1", "--config.checkpoint.async_save=False"),
+    p = subprocess.Popen(_cli(work, "--config.checkpoint.every=1", "--config.checkpoint.async_save=False"),
                          cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 300
-    while time.time() < deadline and metrics.last_step(work / "metrics.jsonl") < 7:
+    while time.time() < deadline and metrics.last_step(work / "metrics.jsonl") < 10:
         time.sleep(0.05)
     p.send_signal(signal.SIGKILL)
     p.wait(timeout=60)
     with open(work / "metrics.jsonl", "a") as f:
         f.write('{"step": 99, "loss": 1.')  # and a torn last line, as a kill mid-write leaves
     logs = []
-    run(_config(), work, log=logs.append)
+    run(tiny_config(), work, log=logs.append)
     assert any("resuming" in line for line in logs), logs
     rows = _train_rows(work)
     assert sorted(rows) == sorted(reference)
@@ -137,18 +131,17 @@ def test_sigkill_during_saves_then_bitwise_resume_without_duplicate_rows(tmp_pat
 def test_full_disk_keeps_the_last_checkpoint_and_resumes_bitwise(tmp_path, reference):
     with tmpfs(tmp_path / "small_disk", "size=24m") as mnt:
         work = mnt / "run"
-        # ~10 MB per tiny checkpoint: step 3 fits, step 6 does not.
-        r = subprocess.run(_cli(work, "--config.train.steps=12", "--config.log.every=1", "--config.eval.every=6",
-                                "--config.checkpoint.every=3", "--config.checkpoint.keep=100"),
+        # ~10 MB per tiny checkpoint: steps 5 and 10 fit, 15 does not.
+        r = subprocess.run(_cli(work, "--config.checkpoint.every=5", "--config.checkpoint.keep=100"),
                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and "disk is full" in r.stderr, r.stderr
         from rundir.checkpoints import steps_in
 
         saved = steps_in(RunDir(work).checkpoints)
-        assert saved and saved[-1] < 12, saved
+        assert saved and saved[-1] < 20, saved
         subprocess.run(["mount", "-o", "remount,size=200m", str(mnt)], check=True)  # space freed
         logs = []
-        run(_config(), work, log=logs.append)
+        run(tiny_config(**{"checkpoint.every": 5}), work, log=logs.append)
         assert any(f"from step {saved[-1]}" in line for line in logs), logs
         rows = _train_rows(work)
         for step, ref in reference.items():
@@ -183,9 +176,11 @@ def test_sigterm_during_startup_exits_0_without_traceback(tmp_path):
 
 @pytest.mark.slow
 def test_sigint_saves_a_checkpoint_and_says_where_it_resumes(tmp_path):
+    """Also the CLI smoke run: the real entry point logs every metric, TensorBoard events and a checkpoint."""
     work = tmp_path / "run"
     p = subprocess.Popen(_cli(work, "--config.train.steps=100000", "--config.log.every=1",
-                              "--config.checkpoint.every=100000", "--config.eval.every=100000"),
+                              "--config.checkpoint.every=100000", "--config.eval.every=100000",
+                              "--config.log.tensorboard=True"),
                          cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while time.time() < deadline and metrics.last_step(work / "metrics.jsonl") < 3:
@@ -197,6 +192,10 @@ def test_sigint_saves_a_checkpoint_and_says_where_it_resumes(tmp_path):
 
     saved = steps_in(RunDir(work).checkpoints)
     assert saved and f"resume from step {saved[-1]}" in out, out
+    rows = _train_rows(work)
+    assert {"tokens_per_sec", "mfu", "peak_flops", "lr", "balance_loss", "moe/layer_1/maxvio",
+            "moe/layer_1/dead_experts"} <= set(rows[3])
+    assert rows[3]["peak_flops"] == 1e12 and list((work / "tensorboard").iterdir())
 
 
 # ---------------------------------------------------------------- readers fall back past a damaged checkpoint
