@@ -88,9 +88,9 @@ def plot_loss_curves(rows, path, title=None):
     fig, (ax, ax_dom) = plt.subplots(1, 2, figsize=(12.5, 4.4), gridspec_kw={"width_ratios": [1, 1.25]})
 
     if len(train_N):
-        ax.plot(train_S, train_N, color="tab:blue", alpha=0.35, linewidth=0.9, label="train (raw)")
-        smooth_N = smooth(train_N)
-        ax.plot(train_S, smooth_N, color="tab:blue", linewidth=2.0, label=f"train (smoothed), last {smooth_N[-1]:.3f}")
+        ax.plot(train_S, train_N, color="tab:blue", alpha=0.35, linewidth=0.9,
+                label=f"train (raw), last {train_N[-1]:.3f}")
+        ax.plot(train_S, smooth(train_N), color="tab:blue", linewidth=2.0, label="train (smoothed)")
     if len(val_N):
         ax.plot(val_S, val_N, color="tab:orange", marker="o", markersize=_marker(val_S, 4), linewidth=1.6,
                 label=f"validation, last {val_N[-1]:.3f}")
@@ -143,6 +143,8 @@ def main(argv=None):
         out = Path(args.out) if args.out else Path(args.workdir) / "loss_curves.png"
         if out.is_dir():
             raise UserError(f"--out {out} is a directory; pass the path of the PNG to write")
+        if out.suffix.lower() not in (".png", ".pdf", ".svg"):
+            raise UserError(f"--out {out} must end in .png, .pdf or .svg (the figure's format)")
         out.parent.mkdir(parents=True, exist_ok=True)
         plot_loss_curves(rows, out, title=str(args.workdir))
     except UserError as e:

@@ -201,8 +201,12 @@ def plot_coactivation(result, path, layers=None):
         ax.set_xlabel("co-activated expert j", fontsize=8)
         ax.set_ylabel("expert i", fontsize=8)
         ax.set_title(_layer_name(result, layer), fontsize=9)
-    fig.suptitle("co-activation N(i,j) / N(i): of the tokens that chose expert i, the share that also chose j\n"
-                 "(one colour scale for all layers; white = random router (K-1)/(E-1))", fontsize=10)
+    if len(layers) > 1:
+        fig.suptitle("co-activation N(i,j) / N(i): of the tokens that chose expert i, the share that also chose j\n"
+                     "(one colour scale for all layers; white = random router (K-1)/(E-1))", fontsize=10)
+    else:  # one narrow panel: a title that fits its width
+        fig.suptitle("co-activation N(i,j) / N(i):\nof the tokens that chose i,\nthe share that also chose j\n"
+                     "(white = random router)", fontsize=9)
     shared_colorbar(fig, im, axes, chance, "N(i,j) / N(i)", "random")
     return save(fig, path)
 

@@ -1,5 +1,6 @@
 """Bad input and faults through the real CLIs, in-process: each case exits 2 with one line on stderr, no
-traceback, and every file that existed before (the shared tiny run, the case's own files) is unchanged.
+traceback, every file that existed before (the shared tiny run, the case's own files) is unchanged, and no file
+was created.
 
 Each case is (id, cli, expected text, setup); setup(ctx) builds what the case needs in its own directory and
 returns the argv. ctx.run is the shared trained tiny run (read-only), ctx.tmp the case's directory.
@@ -127,7 +128,11 @@ CASES = [
     ("float_as_int", train_cli.main, "takes an integer", train("--config.train.steps=1e3")),
     ("bad_bool", train_cli.main, "takes true or false", train("--config.model.rope=maybe")),
     ("eval_batch_0", train_cli.main, "eval.batch_size must be > 0", train("--config.eval.batch_size=0")),
-    ("seq_len_huge", train_cli.main, "GiB of activations", train("--config.data.seq_len=100000")),
+    ("seq_len_huge", train_cli.main, "activations 602", train("--config.data.seq_len=100000")),
+    ("state_too_big", train_cli.main, "train state", train("--config.model.moe_d_ff=100000000")),
+    ("tokenizer_missing", train_cli.main, "tokenizer file", train("--config.data.tokenizer=/nope.json")),
+    ("vocab_too_small", train_cli.main, "model.vocab_size", train("--config.model.vocab_size=100")),
+    ("corpus_missing", train_cli.main, "/nope", train("--config.data.corpus_dir=/nope")),
     ("seq_len_1", train_cli.main, "data.seq_len must be > 1", train("--config.data.seq_len=1")),
     ("schedule", train_cli.main, "train.schedule must be one of", train("--config.train.schedule=linear")),
     ("task", train_cli.main, "data.task must be one of", train("--config.data.task=foo")),
@@ -153,6 +158,9 @@ CASES = [
     ("export_no_overwrite", export.main, "pass --overwrite", _export(an_export("orbax"), extra=[])),
     ("export_damaged_step", export.main, "checkpoint 20", _export(lambda ctx: ctx.tmp / "o", workdir=damaged_newest,
                                                                   extra=["--step", "20"])),
+    ("export_inside_run", export.main, "inside the training run",
+     _export(lambda ctx: ctx.copy_run() / "checkpoints" / "30", extra=[])),
+    ("export_out_empty", export.main, "--out is empty", _export(lambda ctx: "", extra=[])),
     ("export_format", export.main, "--format 'onnx'", _export(lambda ctx: ctx.tmp / "o", extra=["--format", "onnx"])),
     ("export_no_checkpoints", export.main, "no checkpoints",
      _export(lambda ctx: ctx.tmp / "o", workdir=no_checkpoints, extra=[])),
@@ -164,6 +172,9 @@ CASES = [
     ("gen_bidirectional", generate.main, "bidirectional", edited_export(_bidirectional)),
     ("gen_truncated", generate.main, "unreadable", edited_export(_truncate)),
     ("gen_missing_export", generate.main, "does not exist", lambda ctx: ["--export", str(ctx.tmp / "x"), "--prompt", "a"]),
+    ("gen_export_is_run", generate.main, "is a training run", lambda ctx: ["--export", str(ctx.run), "--prompt", "a"]),
+    ("gen_kv_cache_too_big", generate.main, "KV cache",
+     lambda ctx: ["--workdir", str(ctx.run), "--prompt", "a", "--max_new_tokens", "100000000000"]),
     ("gen_top_p", generate.main, "--top_p", lambda ctx: ["--workdir", str(ctx.run), "--prompt", "a", "--top_p", "0"]),
     # analysis CLIs
     ("routing_out_file", routing.main, "is a file", lambda ctx: ["--workdir", str(ctx.run), "--out", str(ctx.file())]),
@@ -174,6 +185,8 @@ CASES = [
     ("rank_sequences", rank.main, "--sequences", lambda ctx: ["--workdir", str(ctx.run), "--sequences", "0"]),
     ("rank_workdir_file", rank.main, "is a file", lambda ctx: ["--workdir", str(ctx.file()), "--out", str(ctx.tmp)]),
     ("curves_no_metrics", loss_curves.main, "no metrics.jsonl", lambda ctx: ["--workdir", str(ctx.tmp)]),
+    ("curves_out_suffix", loss_curves.main, "must end in .png",
+     lambda ctx: ["--workdir", str(ctx.run), "--out", str(ctx.tmp / "metrics.jsonl")]),
     ("curves_out_dir", loss_curves.main, "is a directory",
      lambda ctx: ["--workdir", str(ctx.run), "--out", str(ctx.tmp)]),
     ("exp_unknown_key", experiments.main, "did you mean",
@@ -221,3 +234,5 @@ def test_bad_input_exits_2_with_one_line_and_changes_nothing(case, tiny_run, exp
     after = {**_digest(tiny_run), **_digest(tmp_path), **_digest(exports["hf"].parent)}
     changed = [str(p) for p in before if after.get(p) != before[p] and not p.name == ".lock"]
     assert not changed, changed
+    created = sorted(str(p) for p in set(after) - set(before))
+    assert not created, created  # nothing half-made: a refused run or export leaves no directory behind

@@ -15,7 +15,15 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from train.cli import ArgParser, config_from_argv, print_help  # noqa: E402
-from train.errors import UserError, disk_full, exit_with, hide_orbax_tracebacks, os_error  # noqa: E402
+from train.errors import (  # noqa: E402
+    OOM_HINT,
+    UserError,
+    disk_full,
+    exit_with,
+    hide_orbax_tracebacks,
+    os_error,
+    out_of_memory,
+)
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "default.py")
 
@@ -63,6 +71,7 @@ def main(argv=None):
 
     hide_orbax_tracebacks()
 
+    workdir = None
     try:
         config, workdir = parse_flags(argv)
         from train.loop import run
@@ -73,12 +82,17 @@ def main(argv=None):
     except KeyboardInterrupt:
         exit_with(UserError("interrupted before a checkpoint could be saved; re-run the same command to resume "
                             "from the last checkpoint"), 130)
+    except BrokenPipeError:
+        raise SystemExit(1) from None  # the reader of our output went away (`| head`): nothing to report
     except OSError as e:
         exit_with(os_error(e))
     except Exception as e:
         if disk_full(e):
-            exit_with(UserError(f"the disk is full ({type(e).__name__} while saving); free space and re-run the "
-                                "same command to resume from the last complete checkpoint"))
+            exit_with(UserError(f"the disk is full while writing a checkpoint into {workdir}/checkpoints "
+                                f"({type(e).__name__}); free space and re-run the same command to resume from the "
+                                "last complete checkpoint"))
+        if out_of_memory(e):
+            exit_with(UserError(f"out of memory ({type(e).__name__}); {OOM_HINT}"))
         raise
     if result.get("stopped_by") == "SIGINT":
         raise SystemExit(130)

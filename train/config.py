@@ -12,7 +12,7 @@ import os
 import ml_collections
 
 from configs.base import base_config
-from moe import ConfigError, ModelConfig
+from moe import ConfigError, ModelConfig, param_counts
 from train.cli import all_keys, unknown_key_error
 from train.errors import UserError
 
@@ -124,10 +124,16 @@ def check(c: ml_collections.ConfigDict) -> ModelConfig:
     return mcfg
 
 
+def state_bytes(mcfg: ModelConfig, model_parallel: int) -> int:
+    """One device's share of the fp32 params, their gradients and Adam's two moments (16 bytes per parameter),
+    assuming every parameter splits over all model-parallel devices (fsdp x expert x tensor): a lower bound."""
+    return 16 * param_counts(mcfg)["total"] // max(model_parallel, 1)
+
+
 def activation_bytes(c: ml_collections.ConfigDict, mcfg: ModelConfig, data_parallel: int) -> int:
     """A lower bound on one device's activation memory for a train step: the fp32 logits (and their
     gradient) and, with einsum attention, the [H, L, L] scores and probabilities of every layer kept for the
-    backward pass (one layer with remat). Used only to refuse shapes that cannot possibly fit."""
+    backward pass (one layer with remat)."""
     rows = max(c.train.batch_size // c.train.grad_accum // max(data_parallel, 1), 1)
     L = c.data.seq_len
     logits = rows * L * mcfg.vocab_size * 4 * 2
@@ -151,12 +157,18 @@ def device_memory_bytes(device) -> int | None:
         return None
 
 
-def check_memory(c: ml_collections.ConfigDict, mcfg: ModelConfig, data_parallel: int, device) -> None:
-    need, have = activation_bytes(c, mcfg, data_parallel), device_memory_bytes(device)
-    if have is not None and need > have:
-        raise UserError(f"this shape needs at least {need / 2**30:.1f} GiB of activations per device but the "
-                        f"device has {have / 2**30:.1f} GiB; lower data.seq_len ({c.data.seq_len}) or "
-                        f"train.batch_size ({c.train.batch_size}), raise train.grad_accum, or set model.remat=true")
+def check_memory(c: ml_collections.ConfigDict, mcfg: ModelConfig, mesh, device) -> None:
+    """Refuse, before anything is written, a shape whose train state and activations cannot fit on a device.
+    Both terms are lower bounds, so nothing that fits is refused; what passes can still run out of memory."""
+    shape = dict(mesh.shape)
+    dp, mp = shape["data"] * shape["fsdp"], shape["fsdp"] * shape["expert"] * shape["tensor"]
+    state, act, have = state_bytes(mcfg, mp), activation_bytes(c, mcfg, dp), device_memory_bytes(device)
+    if have is not None and state + act > have:
+        raise UserError(f"this shape needs at least {(state + act) / 2**30:.1f} GiB per device (train state "
+                        f"{state / 2**30:.1f} GiB, activations {act / 2**30:.1f} GiB) but the device has "
+                        f"{have / 2**30:.1f} GiB; shrink the model (model.*), lower data.seq_len ({c.data.seq_len}) "
+                        f"or train.batch_size ({c.train.batch_size}), raise train.grad_accum or mesh.fsdp, or set "
+                        "model.remat=true")
 
 
 def to_json(c: ml_collections.ConfigDict) -> str:

@@ -31,22 +31,34 @@ _HINTS = {
 
 def os_error(e: OSError) -> UserError:
     """An OSError as one line naming the path and what to do."""
-    where = e.filename or "a file"
     hint = _HINTS.get(e.errno, "check the path and try again")
-    return UserError(f"cannot access {where}: {e.strerror or e}; {hint}")
+    if e.filename:
+        return UserError(f"cannot access {e.filename}: {e.strerror or e}; {hint}")
+    return UserError(f"input/output error: {e.strerror or e}; {hint}")
+
+
+def _chain(e: BaseException):
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether an exception is an accelerator or host allocation failure (XLA reports RESOURCE_EXHAUSTED)."""
+    return any(isinstance(x, MemoryError) or "Out of memory" in str(x) or "RESOURCE_EXHAUSTED: Out of memory"
+               in str(x) for x in _chain(e))
+
+
+OOM_HINT = ("lower data.seq_len or train.batch_size, raise train.grad_accum, set model.remat=true or shrink the "
+            "model")
 
 
 def disk_full(e: BaseException) -> bool:
     """Whether an exception (orbax and tensorstore wrap OSErrors in their own types) is a full disk."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if "No space left on device" in str(e) or "RESOURCE_EXHAUSTED: Quota" in str(e):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
+    return any((isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT))
+               or "No space left on device" in str(x) or "RESOURCE_EXHAUSTED: Quota" in str(x) for x in _chain(e))
 
 
 class _DropOrbaxErrors(logging.Filter):

@@ -51,13 +51,14 @@ def parse_args(argv):
 def check_out(out: Path, workdir, overwrite: bool) -> None:
     """Refuse (nothing written) an --out that would replace anything but a previous export of ours: a run, a
     directory holding the run being exported, or a directory with other content."""
-    if str(out).strip() == "":
-        raise UserError("--out is empty; pass an export directory, e.g. --out exports/my_run")
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out} exists and is not a directory; choose another --out")
     o, w = out.resolve(), Path(workdir).resolve()
     if o == w or o in w.parents:
         raise UserError(f"--out {out} is or contains the run being exported ({workdir}); choose another --out")
+    inside = next((p for p in o.parents if is_run_dir(p)), None)
+    if inside is not None:
+        raise UserError(f"--out {out} is inside the training run {inside}; choose a directory outside any run")
     if not out.is_dir() or not any(out.iterdir()):
         return
     if is_run_dir(out):
@@ -177,12 +178,32 @@ def _umask_permissions(root: Path) -> None:
             os.chmod(os.path.join(dirpath, f), 0o666 & ~mask)
 
 
+def _swap_in(new: Path, out: Path) -> None:
+    """Replace directory `out` by `new`: `out` goes aside first and comes back if the second rename fails; the
+    previous export is deleted only once the new one is in place."""
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    try:
+        os.replace(out, old / "x")
+    except BaseException:
+        old.rmdir()
+        raise
+    try:
+        os.replace(new, out)
+    except BaseException:
+        os.replace(old / "x", out)
+        old.rmdir()
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def export(workdir, out, step=None, dtype="float32", fmt="hf", overwrite=False) -> Path:
     """Export checkpoint `step` (default newest) of `workdir` to `out`; returns `out`. Raises UserError."""
     from moe import ModelConfig
     from train.hf_export import ExportError, check_exportable
 
-    out = Path(out)
+    if not str(out).strip():
+        raise UserError("--out is empty; pass an export directory, e.g. --out exports/my_run")
+    out = Path(out).resolve()  # "." and "x/.." name a real directory (with a name and a parent)
     if not Path(workdir).is_dir():
         raise UserError(f"--workdir {workdir} does not exist; pass a run directory written by `python -m train`")
     check_out(out, workdir, overwrite)
@@ -200,14 +221,7 @@ def export(workdir, out, step=None, dtype="float32", fmt="hf", overwrite=False) 
         write_export_marker(tmp, fmt, workdir, meta["step"])
         _umask_permissions(tmp)
         if out.exists():  # empty, or --overwrite: move it aside first so a failed rename can restore it
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, old / "x")
-            try:
-                os.replace(tmp, out)
-            except OSError:
-                os.replace(old / "x", out)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
+            _swap_in(tmp, out)
         else:
             os.replace(tmp, out)
     finally:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rundir import open_run
 from train.cli import ArgParser
-from train.errors import UserError, exit_with, os_error
+from train.errors import UserError, exit_with, os_error, out_of_memory
 
 
 def parse_args(argv):
@@ -66,6 +66,8 @@ def load_export(path):
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"--export {path} does not exist; write it with `python -m train.export`")
+    if (path / "moe-run.json").is_file() or (path / "checkpoints").is_dir():
+        raise UserError(f"--export {path} is a training run, not an export; pass it as --workdir {path}")
     fmt = export_format(path)
     try:
         if fmt == "hf":
@@ -102,6 +104,20 @@ def export_trained_len(path) -> int | None:
         return int(json.loads((Path(path) / "config.json").read_text())["max_position_embeddings"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def check_cache_fits(model, total_tokens: int) -> None:
+    """The KV cache holds keys and values of every layer for every slot: refuse one that cannot fit."""
+    import jax
+
+    from train.config import device_memory_bytes
+
+    cfg = model.cfg
+    need = 2 * cfg.n_layers * total_tokens * cfg.n_kv_heads * cfg.head_dim * jax.numpy.dtype(cfg.dtype).itemsize
+    have = device_memory_bytes(jax.devices()[0])
+    if have is not None and need > have:
+        raise UserError(f"a KV cache for {total_tokens:,} tokens needs {need / 2**30:.1f} GiB but the device has "
+                        f"{have / 2**30:.1f} GiB; lower --max_new_tokens")
 
 
 def check_decodable(model) -> None:
@@ -154,6 +170,7 @@ def main(argv=None) -> list[int]:
         if not prompt_ids:
             raise UserError("--prompt is empty after tokenization; give at least one character")
         total = len(prompt_ids) + args.max_new_tokens
+        check_cache_fits(model, total)
         if trained_len and total > trained_len:
             print(f"warning: {total} tokens is past the {trained_len} this model was trained on; quality drops "
                   "beyond that", file=sys.stderr)
@@ -163,6 +180,10 @@ def main(argv=None) -> list[int]:
         exit_with(e)
     except OSError as e:
         exit_with(os_error(e))
+    except Exception as e:
+        if out_of_memory(e):
+            exit_with(UserError(f"out of memory while generating ({type(e).__name__}); lower --max_new_tokens"))
+        raise
     print(tok.decode(prompt_ids + new, skip_special_tokens=False))
     return new
 

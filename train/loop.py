@@ -76,7 +76,11 @@ def run(config, workdir, log=print) -> dict:
     if t.batch_size % (dp * t.grad_accum):
         raise UserError(f"train.batch_size ({t.batch_size}) must be divisible by the data-parallel size "
                         f"(mesh.data x mesh.fsdp = {dp}) times train.grad_accum ({t.grad_accum})")
-    check_memory(config, mcfg, dp, jax.devices()[0])
+    check_memory(config, mcfg, mesh, jax.devices()[0])
+    # Tokenizer, data set and vocabulary are checked before anything is written into the run directory.
+    pi, pc = jax.process_index(), jax.process_count()
+    inputs.check_vocab(config.data, mcfg.vocab_size)
+    data = inputs.sampler(config), inputs.eval_batches(config, pi, pc)
     # Only process 0 writes into the run directory; the others would race with its creation.
     run_dir = layout.check_workdir(workdir) if jax.process_index() == 0 else layout.RunDir(Path(workdir))
     own_signals = not signals.installed() and threading.current_thread() is threading.main_thread()
@@ -91,7 +95,7 @@ def run(config, workdir, log=print) -> dict:
                 log(f"took over the lock left by a stopped process ({lock.previous})")
             if not run_dir.is_run():
                 layout.create(run_dir, to_json(config))
-        return _train(config, mcfg, mesh, run_dir, log)
+        return _train(config, mcfg, mesh, run_dir, data, log)
     finally:
         if lock is not None:
             lock.release()
@@ -119,14 +123,12 @@ def _last_rows(run_dir) -> dict:
     return last
 
 
-def _train(config, mcfg, mesh, run_dir, log) -> dict:
+def _train(config, mcfg, mesh, run_dir, data, log) -> dict:
     t, workdir = config.train, run_dir.root
     pi, pc = jax.process_index(), jax.process_count()
     say = log if pi == 0 else (lambda *a: None)
     _check_history(run_dir)
-    inputs.check_vocab(config.data, mcfg.vocab_size)
-    sampler, domain_names = inputs.sampler(config)
-    val_batches = inputs.eval_batches(config, pi, pc)
+    (sampler, domain_names), val_batches = data
 
     lr_schedule = optim.schedule(t)
     tx = optim.optimizer(t)
@@ -169,13 +171,19 @@ def _train(config, mcfg, mesh, run_dir, log) -> dict:
     say(f"mfu is relative to {peak / 1e12:.3g} TFLOP/s per device ("
         + ("from log.peak_flops)" if config.log.peak_flops else "measured now; fix it with --config.log.peak_flops)"))
 
-    writer = MetricsWriter(workdir, config.log.tensorboard)
+    writer = MetricsWriter(workdir, config.log.tensorboard, purge_step=start + 1 if start else None)
     progress = Progress(t.steps, start, pi == 0, config.log.progress, say)
     last, pending = {}, None
     last_saved = start if restored is not None else None
     checkpointed = restored is not None
     timer = (time.perf_counter(), start)
     t_begin, stopped_by = time.perf_counter(), signals.requested()
+
+    def restart_clock(step):
+        """tokens/s and the ETA measure training only: not the first step's compile, evaluations or saves."""
+        nonlocal timer
+        timer = (time.perf_counter(), step)
+        progress.unpause()
 
     def pull(step, metrics):
         """Host side of step `step`: NaN check every step; log every log.every steps."""
@@ -196,6 +204,18 @@ def _train(config, mcfg, mesh, run_dir, log) -> dict:
                         mfu=tps / tokens_per_step * flops_per_step / (peak * jax.device_count()))
             writer.write(step, last)
         progress.step(step, float(host["loss"]), tps, config.log.every)
+        if step == start + 1:
+            restart_clock(step)
+
+    saving = []  # steps whose (asynchronous) save has not been reported complete yet
+
+    def report_saved(wait=False):
+        if saving and (wait or not mngr.is_saving_in_progress()):
+            if wait:
+                mngr.wait_until_finished()
+            for s in saving:
+                progress.line(f"step {s}: saved checkpoint {run_dir.checkpoints / str(s)}")
+            saving.clear()
 
     if stopped_by:
         say(f"{stopped_by} before the first step: nothing trained, nothing to save")
@@ -223,22 +243,27 @@ def _train(config, mcfg, mesh, run_dir, log) -> dict:
                     progress.line(eval_line(step, ev))
                     if pi == 0:
                         draw_loss_curves(run_dir, say)
+                    restart_clock(step)
                 if step % config.checkpoint.every == 0 or boundary:
                     if pending is not None:
                         pull(*pending)  # never save a state whose step went NaN
                         pending = None
+                    report_saved()  # the previous save, if it has finished meanwhile
                     checkpoint.save(mngr, step, state, config, mcfg, tok_path)
                     last_saved = step
+                    saving.append(step)
                     if not checkpointed:  # the first completed checkpoint: from now on the run can resume
                         mngr.wait_until_finished()
                         if pi == 0:
                             run_dir.write_marker(checkpointed=True)
                         checkpointed = True
-                    progress.line(f"step {step}: saved checkpoint {run_dir.checkpoints / str(step)}")
+                    report_saved()
+                    restart_clock(step)
                 if stopped_by:
                     break
             if pending is not None:
                 pull(*pending)
+            report_saved(wait=True)
     finally:
         mngr.wait_until_finished()
         mngr.close()

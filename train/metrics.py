@@ -27,7 +27,7 @@ def flatten(metrics: dict, moe_layer_ids: list[int]) -> dict:
 
 
 class MetricsWriter:
-    def __init__(self, workdir, tensorboard: bool = True):
+    def __init__(self, workdir, tensorboard: bool = True, purge_step: int | None = None):
         self.active = jax.process_index() == 0
         self.file = self.tb = None
         if not self.active:
@@ -37,7 +37,8 @@ class MetricsWriter:
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self.tb = SummaryWriter(str(Path(workdir) / "tensorboard"))
+            # purge_step: on resume, TensorBoard drops the events the stopped run logged after its checkpoint.
+            self.tb = SummaryWriter(str(Path(workdir) / "tensorboard"), purge_step=purge_step)
 
     def write(self, step: int, scalars: dict) -> None:
         if not self.active:

@@ -16,6 +16,8 @@ class Progress:
         self.bar = None
         self.t0 = None  # wall time after the first step (its compile would make every rate and ETA wrong)
         self.n0 = start
+        self.tps = None  # the last measured tokens/s, shown until the next measurement
+        self._last = start
         if active and bar:
             from tqdm import tqdm
 
@@ -30,19 +32,20 @@ class Progress:
             self.log(msg)
 
     def step(self, step: int, loss: float, tokens_per_sec: float | None, every: int) -> None:
+        self._last = step
         if not self.active:
             return
         if self.t0 is None:
             self.t0, self.n0 = time.perf_counter(), step
-            if self.bar is not None:  # restart tqdm's clock after the compile so its rate and ETA are honest
-                self.bar.start_t = self.bar._time()
-                self.bar.initial = self.bar.n + 1
+            if self.bar is not None:
+                self.bar.unpause()  # the time so far was compilation, not a step
+        self.tps = tokens_per_sec or self.tps
         if self.bar is not None:
-            self.bar.update(1)
             post = {"loss": f"{loss:.3f}"}
-            if tokens_per_sec:
-                post["tok/s"] = f"{tokens_per_sec:,.0f}"
-            self.bar.set_postfix(post, refresh=False)
+            if self.tps:
+                post["tok/s"] = f"{self.tps:,.0f}"
+            self.bar.set_postfix(post, refresh=False)  # before update(), which draws: the bar shows this step
+            self.bar.update(1)
         elif step % every == 0 or step == self.total:
             eta = ""
             if step > self.n0:
@@ -50,6 +53,13 @@ class Progress:
                 eta = f" | eta {duration(per_step * (self.total - step))}"
             tps = f" | {tokens_per_sec:,.0f} tok/s" if tokens_per_sec else ""
             self.log(f"step {step}/{self.total} | loss {loss:.4f}{tps}{eta}")
+
+    def unpause(self) -> None:
+        """Leave the time just spent (compile, evaluation, checkpoint) out of the bar's rate and ETA."""
+        if self.bar is not None:
+            self.bar.unpause()
+        if self.t0 is not None:
+            self.t0, self.n0 = time.perf_counter(), self._last
 
     def close(self) -> None:
         if self.bar is not None:
