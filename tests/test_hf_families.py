@@ -12,6 +12,8 @@ from flax import nnx
 torch = pytest.importorskip("torch", reason="torch builds the reference models")
 transformers = pytest.importorskip("transformers", reason="transformers builds the reference models")
 
+transformers.utils.logging.disable_progress_bar()  # save_pretrained's bar on stderr
+
 from moe_import import HFImportError, load_hf_moe, model_config  # noqa: E402
 from moe_import.weights import our_tensors  # noqa: E402
 
@@ -213,3 +215,91 @@ def test_missing_tensor_is_one_line(built, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(_config_dict("olmoe")))
     with pytest.raises(HFImportError, match="q_norm.weight' missing"):
         load_hf_moe(str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def analysable(built, tmp_path_factory):
+    """The Qwen2-MoE directory plus a tokenizer.json (byte-level BPE, < V tokens) and two text files."""
+    import shutil
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    _, path, _, _ = built("qwen2_moe")
+    root = tmp_path_factory.mktemp("analysable")
+    hf_dir = root / "hf"
+    shutil.copytree(path, hf_dir)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|pad|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog. def f(x): return x + 1"] * 20, trainer)
+    tok.save(str(hf_dir / "tokenizer.json"))
+    (root / "prose.txt").write_text("The quick brown fox jumps over the lazy dog, again and again.\n" * 30)
+    (root / "code.txt").write_text("def f(x):\n    return x + 1\n\nprint(f(2), f(3))\n" * 30)
+    return hf_dir, root
+
+
+def test_routing_analysis_of_an_imported_model(analysable, tmp_path):
+    from analysis import routing
+
+    hf_dir, root = analysable
+    out = tmp_path / "out"
+    a, written = routing.run(routing.parse_args([
+        "--hf", str(hf_dir), "--text", str(root / "prose.txt"), "--text", str(root / "code.txt"), "--out", str(out),
+        "--seq_len", "32", "--batch_size", "4", "--no_progress", "--token", " the", "--token", "return"]),
+        log=lambda *_: None)
+    assert written == out and not (hf_dir / "analysis").exists()  # the model directory is left untouched
+    doc = json.loads((out / "routing.json").read_text())
+    assert doc["domains"] == ["prose", "code"] and doc["model_type"] == "qwen2_moe" and doc["split"] == "text"
+    assert doc["layer_ids"] == [0, 2] and doc["n_experts"] == 8 and doc["top_k"] == 2  # layer 1 is dense
+    assert a.n_tokens == int(a.result["n_tokens_D"].sum()) > 0
+    np.testing.assert_allclose(a.result["share_LxDxE"].sum(-1), 2.0, atol=1e-5)  # every token picks K = 2
+    assert (out / "tokens.html").is_file() and (out / "domain_heatmap.png").is_file()
+
+
+@pytest.mark.parametrize("extra,expected", [
+    (["--step", "3"], "--step needs --workdir"),
+    (["--text", "a.txt", "--split", "validation"], "exclude each other"),
+    (["--text", "missing.txt"], "--text missing.txt: no such file"),
+    (["--workdir", "x"], "not allowed with argument"),
+])
+def test_hf_flags_bad_input_one_line(analysable, tmp_path, capsys, extra, expected):
+    from analysis import routing
+
+    hf_dir, _ = analysable
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        routing.main(["--hf", str(hf_dir), "--out", str(tmp_path), "--no_progress", *extra])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and expected in err and "\n" not in err, err
+
+
+def test_hf_without_tokenizer_or_out_is_refused(built, tmp_path, capsys):
+    from analysis import routing
+
+    _, path, _, _ = built("mixtral")
+    for argv, expected in ((["--hf", path, "--out", str(tmp_path)], "no tokenizer.json"),
+                           (["--hf", path], "--out is required with --hf")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            routing.main([*argv, "--no_progress"])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and expected in err and "\n" not in err, err
+
+
+def test_bundled_corpus_is_retokenized_with_the_models_tokenizer(analysable):
+    """Without --text the corpus's split is tokenized with the model's tokenizer.json (its own token cache), and
+    documents are separated by the model's EOS (config.json has none here: the tokenizer's <|endoftext|>)."""
+    from tokenizers import Tokenizer
+
+    from analysis import hf_source
+
+    hf_dir, _ = analysable
+    src = hf_source.open_source(hf_dir, split="validation", seq_len=32)
+    tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    assert len(src.cache.domain_names) == 9 and "code" in src.cache.domain_names and src.split == "validation"
+    assert src.cache.eos_id == tok.token_to_id("<|endoftext|>") and src.run.moe_layer_ids == [0, 2]
+    first = np.asarray(src.cache.tokens[src.cache.offsets[0]:src.cache.offsets[1]])
+    text = tok.decode(first.tolist())
+    assert tok.encode(text, add_special_tokens=False).ids == first.tolist()
