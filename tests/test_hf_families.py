@@ -4,6 +4,7 @@ refused naming the field; the routing analysis runs on an imported model over a 
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ transformers = pytest.importorskip("transformers", reason="transformers builds t
 
 transformers.utils.logging.disable_progress_bar()  # save_pretrained's bar on stderr
 
+from moe import param_counts  # noqa: E402
 from moe_import import HFImportError, load_hf_moe, model_config  # noqa: E402
 from moe_import.weights import our_tensors  # noqa: E402
 
@@ -118,6 +120,11 @@ def test_logits_and_expert_ids_match(family):
           f"{[float(a) for a in agree]}")
     assert err <= 1e-4, (name, err)
     assert all(a == 1.0 for a in agree), (name, agree)
+    # Parameter accounting covers the new options (biases, q/k norms, shared width and gate, dense layers).
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path)
+    n_hf = sum(p.numel() for p in hf.parameters())
+    assert param_counts(model.cfg)["total"] == sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert param_counts(model.cfg)["total"] == n_hf  # torch counts a tied head once, as we do
 
 
 def _config_dict(name, **changes):
