@@ -3,6 +3,11 @@
     python -m analysis.routing --workdir runs/default
     python -m analysis.routing --workdir runs/default --step 400 --compare_step 200 --layer 2 \\
         --token " the" --token "what" --max_tokens 50000 --out /tmp/routing
+    python -m analysis.routing --hf path/to/hf_moe_dir --text a.txt --text b.txt --out /tmp/routing
+
+--hf analyses a HuggingFace MoE directory instead of a run (GLM-4.5, Qwen2/3-MoE, OLMoE, Mixtral; see
+docs/hf_import.md and analysis/hf_source.py): each --text file is a domain, or the bundled corpus is re-tokenized
+with the model's tokenizer.
 
 Routes every domain of --split (default: the run's validation split) through the checkpoint, batched and
 jitted, and writes into --out (default WORKDIR/analysis):
@@ -20,14 +25,21 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis import routing_html, routing_plots, routing_run, routing_stats
+from analysis import hf_source, routing_html, routing_plots, routing_run, routing_stats
 from train.cli import ArgParser, check_out_dir
 from train.errors import UserError, exit_with, os_error
 
 
 def parse_args(argv):
     p = ArgParser(prog="python -m analysis.routing", description=__doc__.split("\n")[0])
-    p.add_argument("--workdir", required=True, help="run directory with checkpoints/ (and metrics.jsonl)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--workdir", help="run directory with checkpoints/ (and metrics.jsonl)")
+    src.add_argument("--hf", metavar="DIR", help="HuggingFace MoE directory (config.json, safetensors, "
+                                                 "tokenizer.json) instead of a run; needs --out")
+    p.add_argument("--text", action="append", default=None, metavar="FILE",
+                   help="with --hf: a UTF-8 text file, one domain named after it (repeatable; default: the "
+                        "bundled corpus)")
+    p.add_argument("--seq_len", type=int, default=None, help="with --hf: tokens per row (default 256)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the latest)")
     p.add_argument("--out", default=None, help="output directory (default: WORKDIR/analysis)")
     p.add_argument("--split", default=None, help="data split (default: the run's data.eval_split)")
@@ -46,6 +58,7 @@ def parse_args(argv):
     for name in ("max_tokens", "batch_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    hf_source.check_args(args)
     return args
 
 
@@ -147,6 +160,8 @@ def summary(a: routing_run.Analysis, layer, step, compare_step=None):
 
 def run(args, log=print):
     """Everything the CLI does; returns (Analysis, output directory)."""
+    if args.hf is not None:
+        return run_hf(args, log)
     check_out_dir(args.out, Path(args.workdir) / "analysis", create=False)
     run_ = routing_run.load_run(args.workdir, args.step)
     layer = routing_run.check_layer(run_, args.layer)
@@ -171,6 +186,31 @@ def run(args, log=print):
     write_plots(a, out, layer, series, final_step=run_.step, compare_step=args.compare_step)
     write_html(a, out / "tokens.html")
     log(summary(a, layer, run_.step, args.compare_step))
+    log(f"wrote routing.json, routing.npz, plots and tokens.html to {out}")
+    return a, out
+
+
+def run_hf(args, log=print):
+    """`run` for --hf: the same outputs, over --text files or the bundled corpus (no steps, no training series)."""
+    check_out_dir(args.out, None, create=False)
+    src = hf_source.open_source(args.hf, args.text, args.split, args.seq_len or 256, args.batch_size or 16)
+    layer = routing_run.check_layer(src.run, args.layer)
+    a = routing_run.analyse(src.run, split=src.split, max_tokens=args.max_tokens,
+                            tokens=args.token or routing_run.DEFAULT_TOKENS, n_samples=args.samples,
+                            n_frequent=args.n_frequent, progress=not args.no_progress, cache=src.cache)
+    for note in a.token_notes:
+        log(note)
+    if a.n_tokens == 0:
+        raise UserError("no tokens to analyse; check --text / --split and --max_tokens")
+    out = check_out_dir(args.out, None)
+    meta = {"hf": str(args.hf), "model_type": src.model_type, "text": args.text, "split": src.split,
+            "seq_len": src.run.config.data.seq_len, "max_tokens": args.max_tokens,
+            "layer": int(a.result["layer_ids_L"][layer])}
+    write_json(a, out / "routing.json", meta, {})
+    np.savez_compressed(out / "routing.npz", **a.result)
+    write_plots(a, out, layer, {})
+    write_html(a, out / "tokens.html")
+    log(summary(a, layer, None))
     log(f"wrote routing.json, routing.npz, plots and tokens.html to {out}")
     return a, out
 

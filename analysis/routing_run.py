@@ -89,11 +89,12 @@ def make_route_fn(graphdef, prefix: bool):
     return route
 
 
-def domain_rows(config, split, max_tokens):
-    """Yields (domain id, sampler rows function, n_rows) per domain of `split`, plus the domain names."""
+def domain_rows(config, split, max_tokens, cache=None):
+    """Yields (domain id, sampler rows function, n_rows) per domain of `split` (or of `cache`, a ready TokenCache,
+    e.g. analysis.hf_source's), plus the domain names."""
     d = config.data
     try:
-        cache = inputs.token_cache_for(d, split)
+        cache = inputs.token_cache_for(d, split) if cache is None else cache
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 - a bad split name surfaces as a TFDS / file error
@@ -138,13 +139,14 @@ def _batches(plans, batch_size, seq_len, max_tokens, n_samples):
 
 
 def analyse(run: Run, split=None, max_tokens=None, tokens=DEFAULT_TOKENS, compare_run: Run | None = None,
-            batch_size=None, n_samples=2, sample_len=160, n_frequent=20, progress=True) -> Analysis:
-    """Streams every domain of `split` (default the run's eval split) through the model; see module docstring."""
+            batch_size=None, n_samples=2, sample_len=160, n_frequent=20, progress=True, cache=None) -> Analysis:
+    """Streams every domain of `split` (default the run's eval split) through the model; see module docstring.
+    `cache`: route this TokenCache's domains instead of the run's data (analysis.hf_source)."""
     config, mcfg = run.config, run.model.cfg
     split = split or config.data.eval_split
     batch_size = batch_size or config.eval.batch_size
     track_ids, notes = resolve_tokens(run.tokenizer, tokens)
-    plans, domain_names = domain_rows(config, split, max_tokens)
+    plans, domain_names = domain_rows(config, split, max_tokens, cache)
     n_moe = len(run.moe_layer_ids)
     acc = RoutingAccumulator(n_moe, mcfg.n_routed_experts, mcfg.top_k, len(domain_names), mcfg.vocab_size,
                              track_tokens=track_ids, n_frequent=n_frequent)

@@ -17,6 +17,9 @@ def base_config() -> ml_collections.ConfigDict:
         routed_scaling_factor=1.0, norm_topk_prob=True, balance_loss_weight=1e-4, dispatch="dropless",
         capacity_factor=1.25, grouped_matmul="auto", attention_impl="einsum", dtype="float32", remat=False,
         init_std=0.02,
+        # Off by default; set by the HF importer (moe_import/) to reproduce other MoE families exactly.
+        moe_layer_step=1, dense_layers="", rope_fraction=1.0, qkv_bias=False, attn_out_bias=False, qk_norm="none",
+        router_score="sigmoid", shared_d_ff=0, shared_expert_gate=False,
     ))
 
     c.data = ml_collections.ConfigDict(dict(

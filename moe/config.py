@@ -13,6 +13,8 @@ DISPATCH_MODES = ("dropless", "capacity", "expert_parallel", "reference")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
 GROUPED_MATMULS = ("auto", "ragged_dot", "blocked")
+ROUTER_SCORES = ("sigmoid", "softmax")
+QK_NORMS = ("none", "head", "full")
 
 
 class ConfigError(ValueError):
@@ -30,12 +32,22 @@ class ModelConfig:
     head_dim: int = 64
     d_ff: int = 1024  # width of the dense SwiGLU in the first `first_k_dense` layers
     first_k_dense: int = 1
+    # Layer i >= first_k_dense is MoE iff (i + 1) % moe_layer_step == 0 and i is not in `dense_layers`
+    # (comma-separated indices, e.g. "0,5"): Qwen-MoE's decoder_sparse_step / mlp_only_layers.
+    moe_layer_step: int = 1
+    dense_layers: str = ""
     tie_embeddings: bool = False
     norm_eps: float = 1e-6
     # Attention.
     mask: str = "causal"  # causal | prefix | bidirectional | mixed (see moe/masks.py)
     rope: bool = True  # False: no position encoding (NoPE)
     rope_theta: float = 10000.0
+    rope_fraction: float = 1.0  # rotate the leading fraction of head_dim, rotate-half within it (GLM-4.5: 0.5)
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2-MoE, GLM-4.5 attention_bias)
+    attn_out_bias: bool = False  # bias on the output projection (OLMoE / Qwen3-MoE attention_bias)
+    # RMSNorm of q and k before RoPE: none | head (over each head's Dh: Qwen3-MoE, GLM use_qk_norm) |
+    # full (over the whole H*Dh projection: OLMoE).
+    qk_norm: str = "none"
     # einsum: explicit einsums + fp32 softmax (the reference; always used with a KV cache or for attention maps).
     # xla / cudnn: jax.nn.dot_product_attention(implementation=...); cudnn is fused flash attention on NVIDIA
     # GPUs (bf16/fp16, head_dim a multiple of 8 and <= 128 before Hopper / 256 from Hopper on).
@@ -49,6 +61,11 @@ class ModelConfig:
     topk_group: int = 1  # ... and only the best topk_group groups are eligible
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = True
+    # sigmoid: DeepSeek-V3 affinities. softmax: over all routed experts, then top-k (Mixtral, Qwen-MoE, OLMoE; they
+    # have no selection bias: keep the routing bias at 0 and bias_update_rate 0).
+    router_score: str = "sigmoid"
+    shared_d_ff: int = 0  # width of the shared-expert SwiGLU; 0: moe_d_ff * n_shared_experts
+    shared_expert_gate: bool = False  # Qwen2-MoE: shared output scaled by sigmoid(u . w_gate), per token
     balance_loss_weight: float = 1e-4  # alpha of the sequence-wise balance loss; 0 turns it off
     # dropless: sort + grouped matmul (grouped_matmul below), never drops; on a mesh with expert > 1 it runs expert-parallel (all_to_all)
     # with a no-drop bound. capacity: GShard einsums, at most C = ceil(capacity_factor * L * K / E) tokens per
@@ -69,13 +86,34 @@ class ModelConfig:
 
     @property
     def n_moe_layers(self) -> int:
-        return self.n_layers - self.first_k_dense
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
+
+    @property
+    def dense_layer_ids(self) -> tuple[int, ...]:
+        return _layer_ids(self.dense_layers)
 
     def is_moe_layer(self, i: int) -> bool:
-        return i >= self.first_k_dense
+        return (i >= self.first_k_dense and (i + 1) % self.moe_layer_step == 0
+                and i not in self.dense_layer_ids)
+
+    @property
+    def shared_width(self) -> int:
+        """Width of the one SwiGLU that holds the shared experts (0: none)."""
+        if not self.n_shared_experts:
+            return 0
+        return self.shared_d_ff or self.moe_d_ff * self.n_shared_experts
+
+    @property
+    def rope_dim(self) -> int:
+        """Leading head dims that RoPE rotates (HF: int(head_dim * partial_rotary_factor))."""
+        return int(self.head_dim * self.rope_fraction)
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
+
+
+def _layer_ids(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in text.split(",") if p.strip()) if text.strip() else ()
 
 
 def validate(c: ModelConfig) -> None:
@@ -85,19 +123,20 @@ def validate(c: ModelConfig) -> None:
         raise ConfigError(f"model.{field}: {msg}")
 
     for field in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
-                  "n_routed_experts", "top_k", "moe_d_ff", "n_group", "topk_group"):
+                  "n_routed_experts", "top_k", "moe_d_ff", "n_group", "topk_group", "moe_layer_step"):
         v = getattr(c, field)
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             fail(field, f"must be a positive integer, got {v!r}")
-    for field in ("n_shared_experts", "first_k_dense"):
+    for field in ("n_shared_experts", "first_k_dense", "shared_d_ff"):
         v = getattr(c, field)
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             fail(field, f"must be a non-negative integer, got {v!r}")
-    for field in ("tie_embeddings", "rope", "norm_topk_prob", "remat"):
+    for field in ("tie_embeddings", "rope", "norm_topk_prob", "remat", "qkv_bias", "attn_out_bias",
+                  "shared_expert_gate"):
         if not isinstance(getattr(c, field), bool):
             fail(field, f"must be true or false, got {getattr(c, field)!r}")
     for field in ("norm_eps", "rope_theta", "routed_scaling_factor", "balance_loss_weight", "capacity_factor",
-                  "init_std"):
+                  "init_std", "rope_fraction"):
         v = getattr(c, field)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             fail(field, f"must be a finite number, got {v!r}")
@@ -107,6 +146,24 @@ def validate(c: ModelConfig) -> None:
         fail("n_kv_heads", f"n_heads ({c.n_heads}) must be divisible by n_kv_heads ({c.n_kv_heads})")
     if c.head_dim % 2 and c.rope:
         fail("head_dim", f"must be even for RoPE, got {c.head_dim}")
+    if not 0 < c.rope_fraction <= 1:
+        fail("rope_fraction", f"must be in (0, 1], got {c.rope_fraction}")
+    if c.rope and (c.rope_dim < 2 or c.rope_dim % 2):
+        fail("rope_fraction", f"int(head_dim * rope_fraction) = {c.rope_dim} rotated dims must be even and >= 2")
+    if c.qk_norm not in QK_NORMS:
+        fail("qk_norm", f"unknown q/k norm {c.qk_norm!r}; allowed: {', '.join(QK_NORMS)}")
+    if c.router_score not in ROUTER_SCORES:
+        fail("router_score", f"unknown router score {c.router_score!r}; allowed: {', '.join(ROUTER_SCORES)}")
+    if c.shared_expert_gate and not c.n_shared_experts:
+        fail("shared_expert_gate", "needs a shared expert (n_shared_experts >= 1)")
+    if not isinstance(c.dense_layers, str):
+        fail("dense_layers", f"must be a string of comma-separated layer indices, got {c.dense_layers!r}")
+    try:
+        ids = _layer_ids(c.dense_layers)
+    except ValueError:
+        fail("dense_layers", f"must be comma-separated layer indices like '0,3', got {c.dense_layers!r}")
+    if any(not 0 <= i < c.n_layers for i in ids):
+        fail("dense_layers", f"indices must lie in [0, n_layers) = [0, {c.n_layers}), got {c.dense_layers!r}")
     if c.mask not in MASK_MODES:
         fail("mask", f"unknown mask mode {c.mask!r}; allowed: {', '.join(MASK_MODES)}")
     if c.mask == "mixed" and c.n_heads % 2:

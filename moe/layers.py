@@ -28,16 +28,24 @@ class RMSNorm(nnx.Module):
         return self.scale.value.astype(x.dtype) * x32.astype(x.dtype)
 
 
-def rope(x_BxLxHxDh, positions_BxL, theta: float):
-    """Rotate-half (GPT-NeoX) rotary embedding, computed in fp32."""
+def rope(x_BxLxHxDh, positions_BxL, theta: float, rot_dim: int | None = None):
+    """Rotate-half (GPT-NeoX) rotary embedding, computed in fp32.
+
+    rot_dim < Dh (partial rotary, GLM-4.5): only the leading rot_dim dims rotate, with frequencies
+    theta^(-2i/rot_dim) and rotate-half within them (as HF's Glm4Moe); the rest pass through unchanged.
+    """
     Dh = x_BxLxHxDh.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, Dh, 2, dtype=jnp.float32) / Dh))
+    R = Dh if rot_dim is None else rot_dim
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, R, 2, dtype=jnp.float32) / R))
     angles_BxLxF = positions_BxL[..., None].astype(jnp.float32) * inv_freq
-    angles_BxLx1xDh = jnp.concatenate([angles_BxLxF, angles_BxLxF], -1)[:, :, None, :]
+    angles_BxLx1xR = jnp.concatenate([angles_BxLxF, angles_BxLxF], -1)[:, :, None, :]
     x = x_BxLxHxDh.astype(jnp.float32)
-    x1, x2 = jnp.split(x, 2, axis=-1)
+    x_rot, x_pass = x[..., :R], x[..., R:]
+    x1, x2 = jnp.split(x_rot, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], -1)
-    out = x * jnp.cos(angles_BxLx1xDh) + rotated * jnp.sin(angles_BxLx1xDh)
+    out = x_rot * jnp.cos(angles_BxLx1xR) + rotated * jnp.sin(angles_BxLx1xR)
+    if R < Dh:
+        out = jnp.concatenate([out, x_pass], -1)
     return out.astype(x_BxLxHxDh.dtype)
 
 
@@ -61,7 +69,24 @@ class Attention(nnx.Module):
         self.wk = param(rngs, (D, N, Dh), ("embed", "kv_heads", "head_dim"), cfg.init_std)
         self.wv = param(rngs, (D, N, Dh), ("embed", "kv_heads", "head_dim"), cfg.init_std)
         self.wo = param(rngs, (H, Dh, D), ("heads", "head_dim", "embed"), out_std)
+        # Options of other MoE families (off by default; see moe/config.py).
+        if cfg.qkv_bias:
+            self.bq = nnx.Param(jnp.zeros((H, Dh), jnp.float32), out_sharding=("heads", "head_dim"))
+            self.bk = nnx.Param(jnp.zeros((N, Dh), jnp.float32), out_sharding=("kv_heads", "head_dim"))
+            self.bv = nnx.Param(jnp.zeros((N, Dh), jnp.float32), out_sharding=("kv_heads", "head_dim"))
+        if cfg.attn_out_bias:
+            self.bo = nnx.Param(jnp.zeros((D,), jnp.float32), out_sharding=("embed",))
+        if cfg.qk_norm != "none":
+            q_dim, k_dim = (Dh, Dh) if cfg.qk_norm == "head" else (H * Dh, N * Dh)
+            self.q_norm = RMSNorm(q_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(k_dim, cfg.norm_eps)
         self.cfg = cfg
+
+    def _qk_norm(self, norm, x_BxLxHxDh):
+        if self.cfg.qk_norm == "head":
+            return norm(x_BxLxHxDh)
+        B, L, H, Dh = x_BxLxHxDh.shape  # "full": one RMSNorm over all heads together (OLMoE)
+        return norm(x_BxLxHxDh.reshape(B, L, H * Dh)).reshape(B, L, H, Dh)
 
     def __call__(self, x_BxLxD, positions_BxL, mask_BxHxLxS, cache=None, cache_index=None,
                  return_probs=False):
@@ -82,9 +107,16 @@ class Attention(nnx.Module):
         q_BxLxHxDh = jnp.einsum("bld,dhk->blhk", x_BxLxD, self.wq.value.astype(dt))
         k_BxLxNxDh = jnp.einsum("bld,dnk->blnk", x_BxLxD, self.wk.value.astype(dt))
         v_BxLxNxDh = jnp.einsum("bld,dnk->blnk", x_BxLxD, self.wv.value.astype(dt))
+        if cfg.qkv_bias:
+            q_BxLxHxDh = q_BxLxHxDh + self.bq.value.astype(dt)
+            k_BxLxNxDh = k_BxLxNxDh + self.bk.value.astype(dt)
+            v_BxLxNxDh = v_BxLxNxDh + self.bv.value.astype(dt)
+        if cfg.qk_norm != "none":
+            q_BxLxHxDh = self._qk_norm(self.q_norm, q_BxLxHxDh)
+            k_BxLxNxDh = self._qk_norm(self.k_norm, k_BxLxNxDh)
         if cfg.rope:
-            q_BxLxHxDh = rope(q_BxLxHxDh, positions_BxL, cfg.rope_theta)
-            k_BxLxNxDh = rope(k_BxLxNxDh, positions_BxL, cfg.rope_theta)
+            q_BxLxHxDh = rope(q_BxLxHxDh, positions_BxL, cfg.rope_theta, cfg.rope_dim)
+            k_BxLxNxDh = rope(k_BxLxNxDh, positions_BxL, cfg.rope_theta, cfg.rope_dim)
         # q, k and v sharded alike (heads over tensor): cuDNN's partitioner requires identical shardings.
         q_BxLxHxDh = constrain(q_BxLxHxDh, ("batch", "length", "act_heads", None))
         k_BxLxNxDh = constrain(k_BxLxNxDh, ("batch", "length", "act_heads", None))
@@ -104,7 +136,7 @@ class Attention(nnx.Module):
                 q_BxLxHxDh, k_BxSxNxDh, v_BxSxNxDh, mask=mask_BxHxLxS, is_causal=cfg.mask == "causal",
                 implementation=fused_attention_impl(cfg.attention_impl))
             out_BxLxD = jnp.einsum("blhk,hkd->bld", out_BxLxHxDh, self.wo.value.astype(dt))
-            return out_BxLxD, None, None
+            return self._out_bias(out_BxLxD), None, None
 
         B, L, H, Dh = q_BxLxHxDh.shape
         N = cfg.n_kv_heads
@@ -122,7 +154,10 @@ class Attention(nnx.Module):
         out_BxLxNxGxDh = jnp.einsum("bngls,bsnk->blngk", probs.astype(dt), v_BxSxNxDh)
         out_BxLxD = jnp.einsum("blhk,hkd->bld", out_BxLxNxGxDh.reshape(B, L, H, Dh), self.wo.value.astype(dt))
         probs_BxHxLxS = probs.reshape(B, H, L, S) if return_probs else None
-        return out_BxLxD, new_cache, probs_BxHxLxS
+        return self._out_bias(out_BxLxD), new_cache, probs_BxHxLxS
+
+    def _out_bias(self, out_BxLxD):
+        return out_BxLxD + self.bo.value.astype(out_BxLxD.dtype) if self.cfg.attn_out_bias else out_BxLxD
 
 
 class MLP(nnx.Module):

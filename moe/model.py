@@ -1,7 +1,8 @@
 """The decoder-only Transformer: embed -> n_layers x [pre-norm attention, pre-norm FFN] -> norm -> LM head.
 
 Key: B batch, L length, S key slots, D model, V vocab, E routed experts, K top-k, M MoE layers.
-The first `first_k_dense` blocks use a dense SwiGLU, the rest the DeepSeek-V3 MoE.
+The first `first_k_dense` blocks use a dense SwiGLU, the rest the DeepSeek-V3 MoE (cfg.is_moe_layer: other
+families may interleave dense layers, see moe_layer_step / dense_layers).
 """
 
 import jax

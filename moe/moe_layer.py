@@ -2,6 +2,8 @@
 
   FFN(u) = sum_i Shared_i(u) + sum_{i chosen} g_i Routed_i(u)      (the residual add is in the block)
 
+(Qwen2-MoE's shared_expert_gate scales the shared term by sigmoid(u . w) when cfg.shared_expert_gate.)
+
 The routing bias is a `RoutingBias` variable, not an `nnx.Param`: the optimizer never sees it; the training loop
 updates it from the expert load that every forward call returns (aux-loss-free balancing).
 
@@ -19,6 +21,7 @@ to the auto-sharded dropless path. Router statistics (load, balance loss) always
 dropped copies included; `dropped_frac` is the fraction of valid token copies that got no expert.
 """
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -61,8 +64,11 @@ class MoE(nnx.Module):
         self.w_gate = param(rngs, (E, D, F), ("expert", "embed", "mlp"), cfg.init_std)
         self.w_up = param(rngs, (E, D, F), ("expert", "embed", "mlp"), cfg.init_std)
         self.w_down = param(rngs, (E, F, D), ("expert", "mlp", "embed"), out_std)
-        # N shared experts are one SwiGLU of width N * F (mathematically the same sum; HF stores it this way).
-        self.shared = MLP(D, F * cfg.n_shared_experts, cfg, rngs) if cfg.n_shared_experts else None
+        # N shared experts are one SwiGLU of width N * F (mathematically the same sum; HF stores it this way),
+        # or of width shared_d_ff when given (Qwen2-MoE's shared_expert_intermediate_size).
+        self.shared = MLP(D, cfg.shared_width, cfg, rngs) if cfg.n_shared_experts else None
+        if cfg.shared_expert_gate:  # Qwen2-MoE: one scalar gate per token on the shared output
+            self.shared_gate = param(rngs, (D,), ("embed",), cfg.init_std)
         self.cfg = cfg
 
     def __call__(self, u_BxLxD, valid_BxL):
@@ -75,13 +81,18 @@ class MoE(nnx.Module):
         scores_TxE, ids_TxK, gates_TxK = router.route(
             u_TxD, self.router.value, self.bias.value, top_k=cfg.top_k, n_group=cfg.n_group,
             topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor,
-            normalize=cfg.norm_topk_prob)
+            normalize=cfg.norm_topk_prob, score=cfg.router_score)
         dt = u_BxLxD.dtype
         w = [self.w_gate.value.astype(dt), self.w_up.value.astype(dt), self.w_down.value.astype(dt)]
         routed_TxD, keep_TxK = routed_experts(cfg, u_TxD, ids_TxK, gates_TxK, *w, group_size=L)
         out_BxLxD = routed_TxD.reshape(B, L, D)
         if self.shared is not None:
-            out_BxLxD = out_BxLxD + self.shared(u_BxLxD)
+            shared_BxLxD = self.shared(u_BxLxD)
+            if cfg.shared_expert_gate:
+                g_BxL = jax.nn.sigmoid(jnp.einsum("bld,d->bl", u_BxLxD.astype(jnp.float32),
+                                                  self.shared_gate.value, precision=jax.lax.Precision.HIGHEST))
+                shared_BxLxD = shared_BxLxD * g_BxL[..., None].astype(dt)
+            out_BxLxD = out_BxLxD + shared_BxLxD
         out_BxLxD = constrain(out_BxLxD, ("batch", "length", "act_embed"))
 
         K, E = cfg.top_k, cfg.n_routed_experts

@@ -5,16 +5,21 @@ Shapes: T tokens, E routed experts, K experts per token, G expert groups, B sequ
   s_{t,i} = sigmoid(u_t . e_i)                          affinity scores
   chosen  = top-K of (s + b), among the best `topk_group` groups when G > 1
   g_{t,i} = s_{t,i} / sum_{j chosen} s_{t,j} * routed_scaling_factor   (the bias b never enters g)
+
+`score="softmax"` (Mixtral, Qwen-MoE, OLMoE) replaces the sigmoid by a softmax over all E experts; the rest is the
+same function (their routers have no bias, so b = 0; norm_topk_prob picks whether the chosen K are renormalized).
 """
 
 import jax
 import jax.numpy as jnp
 
 
-def affinity_scores(u_TxD: jax.Array, router_DxE: jax.Array) -> jax.Array:
-    """Sigmoid affinities s_{t,i}, computed in fp32 whatever the compute dtype."""
+def affinity_scores(u_TxD: jax.Array, router_DxE: jax.Array, score: str = "sigmoid") -> jax.Array:
+    """Affinities s_{t,i} (sigmoid, or softmax over the E experts), computed in fp32 whatever the compute dtype."""
     logits_TxE = jnp.dot(u_TxD.astype(jnp.float32), router_DxE.astype(jnp.float32),
                          precision=jax.lax.Precision.HIGHEST)
+    if score == "softmax":
+        return jax.nn.softmax(logits_TxE, axis=-1)
     return jax.nn.sigmoid(logits_TxE)
 
 
@@ -84,9 +89,9 @@ def max_violation(load_E):
 
 
 def route(u_TxD, router_DxE, bias_E, *, top_k, n_group=1, topk_group=1, routed_scaling_factor=1.0,
-          normalize=True):
+          normalize=True, score="sigmoid"):
     """scores [T,E], chosen ids [T,K], gates [T,K] for a flat batch of tokens."""
-    scores_TxE = affinity_scores(u_TxD, router_DxE)
+    scores_TxE = affinity_scores(u_TxD, router_DxE, score)
     ids_TxK = select_experts(scores_TxE, jax.lax.stop_gradient(bias_E), top_k, n_group, topk_group)
     gates_TxK = gate_weights(scores_TxE, ids_TxK, routed_scaling_factor, normalize)
     return scores_TxE, ids_TxK, gates_TxK

@@ -74,6 +74,10 @@ def check_compatible(saved_model: dict, mcfg: ModelConfig, where: str) -> None:
     # written before they existed).
     free = {"dtype", "dispatch", "capacity_factor", "grouped_matmul", "attention_impl", "remat",
             "balance_loss_weight"}
+    # A field missing from a checkpoint written before it existed had its default value then (every field added
+    # since is off by default), so such checkpoints still resume.
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
+    saved_model = {**defaults, **saved_model}
     for key in sorted(set(ours) | set(saved_model)):
         if key not in free and saved_model.get(key) != ours.get(key):
             raise UserError(f"checkpoint in {where} was written with model.{key}={saved_model.get(key)!r} but the "

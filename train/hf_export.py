@@ -42,6 +42,12 @@ def unsupported_features(cfg: ModelConfig) -> list[str]:
         out.append("no position encoding (NoPE)")
     if cfg.n_moe_layers and cfg.n_routed_experts < 2:
         out.append("fewer than 2 routed experts (HF scores a group by its two best experts)")
+    # Options for imported families (moe_import/); the Glm4Moe config this export writes has none of them.
+    defaults = ModelConfig()
+    for field in ("moe_layer_step", "dense_layers", "rope_fraction", "qkv_bias", "attn_out_bias", "qk_norm",
+                  "router_score", "shared_d_ff", "shared_expert_gate"):
+        if getattr(cfg, field) != getattr(defaults, field):
+            out.append(f"model.{field}={getattr(cfg, field)!r}")
     return out
 
 

@@ -66,14 +66,20 @@ def token_cache(source, tokenizer_path=None, cache_dir=None, encode_batch_size=2
     Keyed by (source.key, which names data set, corpus fingerprint and split; tokenizer file hash).
     """
     tokenizer_path = Path(tokenizer_path or DEFAULT_TOKENIZER)
-    tok = load_tokenizer(tokenizer_path)
+    return token_cache_with(source, load_tokenizer(tokenizer_path), tokenizer_path, cache_dir, encode_batch_size)
+
+
+def token_cache_with(source, tok, tokenizer_path, cache_dir=None, encode_batch_size=256, eos_id: int = EOS_ID,
+                     pad_id: int = PAD_ID) -> TokenCache:
+    """`token_cache` with an already loaded tokenizer whose EOS / PAD ids may differ from the bundled 0 / 1 (an
+    imported HF model's). Keyed by the tokenizer file's hash: one tokenizer.json shares one cache wherever it is."""
     key = f"{source.key}-{_file_hash(tokenizer_path)}"
     path = Path(cache_dir or DEFAULT_CACHE_DIR) / key
     if not (path / "meta.json").exists():
         _write_cache(source, tok, path, encode_batch_size)
     meta = json.loads((path / "meta.json").read_text())
     return TokenCache(np.load(path / "tokens.npy", mmap_mode="r"), np.load(path / "offsets.npy"),
-                      np.load(path / "domains.npy"), tuple(meta["domain_names"]))
+                      np.load(path / "domains.npy"), tuple(meta["domain_names"]), eos_id, pad_id)
 
 
 def _write_cache(source, tok, path: Path, encode_batch_size: int):

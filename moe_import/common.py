@@ -1,0 +1,96 @@
+"""What every family shares: the one-line error, config.json fields, RoPE settings, reading safetensors.
+
+Each family module (glm4_moe.py, qwen_moe.py, olmoe.py, mixtral.py) turns its config.json into a ModelConfig that
+reproduces HF's forward exactly, refusing (HFImportError naming the field) whatever our model cannot reproduce.
+"""
+
+import json
+import os
+
+import numpy as np
+
+
+class HFImportError(ValueError):
+    """A HuggingFace directory our model cannot reproduce exactly; the one-line message names the field or file."""
+
+
+def refuse(where: str, field: str, got, why: str):
+    raise HFImportError(f"{where}: {field}={got!r} is not supported ({why})")
+
+
+def field(c: dict, *names, default=None):
+    """The first of `names` present (and not None) in config.json: transformers 5.x writes some fields under its
+    attribute_map alias (num_local_experts for Qwen3's num_experts, num_mtp_layers ...)."""
+    for name in names:
+        if c.get(name) is not None:
+            return c[name]
+    if default is None:
+        raise KeyError(names[0])
+    return default
+
+
+def n_experts(c: dict) -> int:
+    return field(c, "num_experts", "num_local_experts", "n_routed_experts", default=0)
+
+
+def read_config(path_dir: str) -> tuple[dict, str]:
+    path = os.path.join(path_dir, "config.json")
+    if not os.path.isfile(path):
+        raise HFImportError(f"{path}: missing; expected a HuggingFace model directory (config.json + safetensors)")
+    with open(path) as f:
+        return json.load(f), path
+
+
+def rope_settings(c: dict, where: str, default_partial: float = 1.0) -> tuple[float, float]:
+    """(rope_theta, partial_rotary_factor) from transformers 5.x `rope_parameters` or 4.x top-level fields;
+    any rope scaling (yarn, linear, dynamic, llama3 ...) is refused: it changes the frequencies."""
+    rp = c.get("rope_parameters") or {}
+    scaling = c.get("rope_scaling") or {}
+    kind = rp.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        refuse(where, "rope_type", kind, "only default RoPE; scaled RoPE changes the frequencies")
+    theta = rp.get("rope_theta", c.get("rope_theta", 10000.0))
+    partial = rp.get("partial_rotary_factor", c.get("partial_rotary_factor", default_partial))
+    return float(theta), float(partial)
+
+
+def check_activation(c: dict, where: str) -> None:
+    if c.get("hidden_act", "silu") != "silu":
+        refuse(where, "hidden_act", c["hidden_act"], "our SwiGLU uses silu")
+
+
+def stack_fields(c: dict, where: str) -> dict:
+    """ModelConfig fields every family spells the same way (Llama-style config.json)."""
+    check_activation(c, where)
+    H = c["num_attention_heads"]
+    return dict(vocab_size=c["vocab_size"], d_model=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=H,
+                n_kv_heads=c.get("num_key_value_heads") or H, head_dim=c.get("head_dim") or c["hidden_size"] // H,
+                tie_embeddings=bool(c.get("tie_word_embeddings", False)), norm_eps=float(c["rms_norm_eps"]),
+                init_std=float(c.get("initializer_range", 0.02)))
+
+
+def dense_layer_text(layers) -> str:
+    """Qwen's mlp_only_layers list -> our `dense_layers` string."""
+    return ",".join(str(int(i)) for i in sorted(set(layers or [])))
+
+
+def read_tensors(path_dir: str) -> dict[str, np.ndarray]:
+    """All tensors of model.safetensors or of the shards in model.safetensors.index.json, as fp32 NumPy."""
+    from safetensors import safe_open
+
+    index = os.path.join(path_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(path_dir, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise HFImportError(f"{path_dir}: no model.safetensors or model.safetensors.index.json "
+                            "(.bin checkpoints are not read; convert them to safetensors)")
+    out = {}
+    for name in files:
+        # framework="flax": NumPy has no bfloat16, jax arrays do; everything becomes fp32 host arrays here.
+        with safe_open(os.path.join(path_dir, name), framework="flax") as f:
+            for k in f.keys():
+                out[k] = np.asarray(f.get_tensor(k).astype("float32"))
+    return out

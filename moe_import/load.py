@@ -1,0 +1,63 @@
+"""`load_hf_moe(DIR)`: a HuggingFace MoE directory -> (our moe.Transformer, tokenizers.Tokenizer or None).
+
+Dispatches on config.json `model_type`; each family module maps config.json to a ModelConfig that reproduces
+HF's forward exactly and says where its tensors live. Params are fp32 (the checkpoint's dtype is upcast).
+"""
+
+import os
+
+from moe.config import ConfigError
+from moe.model import Transformer
+from moe.safetensors_io import model_from_flat
+from moe_import import glm4_moe, mixtral, olmoe, qwen_moe
+from moe_import.common import HFImportError, read_config, read_tensors
+from moe_import.weights import our_tensors
+
+FAMILIES = {t: m for m in (glm4_moe, qwen_moe, olmoe, mixtral) for t in m.MODEL_TYPES}
+# Known MoE families we cannot reproduce exactly: model_type -> (field, why).
+REFUSED = {
+    "deepseek_v3": ("kv_lora_rank", "DeepSeek-V3 uses multi-head latent attention (MLA), which our model does not "
+                                    "implement; its routing is glm4_moe's, which is supported"),
+    "deepseek_v2": ("kv_lora_rank", "DeepSeek-V2 uses multi-head latent attention (MLA)"),
+}
+
+
+def model_config(c: dict, where: str = "config.json"):
+    """Our ModelConfig for a config.json dict (HFImportError naming the field if it cannot be exact)."""
+    kind = c.get("model_type")
+    if kind in REFUSED:
+        field, why = REFUSED[kind]
+        raise HFImportError(f"{where}: model_type {kind!r} ({field}={c.get(field)!r}) is not supported: {why}")
+    if kind not in FAMILIES:
+        raise HFImportError(f"{where}: model_type {kind!r} is not supported; supported: {', '.join(FAMILIES)}")
+    try:
+        return FAMILIES[kind].model_config(c, where)
+    except KeyError as e:
+        raise HFImportError(f"{where}: field {e.args[0]!r} missing for model_type {kind!r}") from None
+    except ConfigError as e:  # a value our ModelConfig refuses, e.g. heads not divisible by kv heads
+        raise HFImportError(f"{where}: {e}") from None
+
+
+def load_model(path_dir: str) -> Transformer:
+    c, where = read_config(path_dir)
+    cfg = model_config(c, where)
+    tensors = our_tensors(cfg, FAMILIES[c["model_type"]].layout(c), read_tensors(path_dir), path_dir)
+    return model_from_flat(cfg, tensors, path_dir, "config.json")
+
+
+def load_tokenizer(path_dir: str):
+    """DIR/tokenizer.json through the `tokenizers` library, or None when the directory has none."""
+    path = os.path.join(path_dir, "tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    import tokenizers
+
+    try:
+        return tokenizers.Tokenizer.from_file(path)
+    except Exception as e:  # tokenizers raises a bare Exception on a malformed file
+        raise HFImportError(f"{path}: unreadable tokenizer ({str(e)[:100]})") from e
+
+
+def load_hf_moe(path_dir: str):
+    """(model, tokenizer or None) for a glm4_moe / qwen2_moe / qwen3_moe / olmoe / mixtral directory."""
+    return load_model(path_dir), load_tokenizer(path_dir)

@@ -1,0 +1,101 @@
+"""HF tensor names ([out, in] Linear layouts) -> our flat variable names (moe.safetensors_io layouts).
+
+Shared by every family; a `Layout` says where a family keeps its MoE pieces. Routed experts are read in either
+layout found in the wild: per expert (`experts.E.gate_proj.weight`, what the Hub stores and save_pretrained
+writes) or fused (`experts.gate_up_proj` [E, 2F, D] + `experts.down_proj` [E, D, F], transformers 5.x in memory).
+"""
+
+import dataclasses
+import re
+
+import numpy as np
+
+from moe.config import ModelConfig
+from moe_import.common import HFImportError
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    moe: tuple[str, ...] = ("mlp",)  # module name(s) of the MoE block, first match wins (Mixtral: block_sparse_moe)
+    experts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # per-expert gate / up / down names
+    shared: str | None = None  # shared SwiGLU under the MoE block: "shared_experts" (GLM), "shared_expert" (Qwen2)
+    shared_gate: str | None = None  # "shared_expert_gate" (Qwen2-MoE)
+    routing_bias: str | None = None  # "gate.e_score_correction_bias" (GLM / DeepSeek-V3)
+    drop_layers_from: int | None = None  # GLM MTP layers (index >= num_hidden_layers): HF's forward skips them
+
+
+def our_tensors(cfg: ModelConfig, layout: Layout, sd: dict[str, np.ndarray], where: str) -> dict[str, np.ndarray]:
+    sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq") and not _dropped(layout, k)}
+
+    def take(name):
+        if name not in sd:
+            raise HFImportError(f"{where}: tensor {name!r} missing for the config in config.json")
+        return sd.pop(name)
+
+    H, N, Dh, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
+    out = {"embed": take("model.embed_tokens.weight"), "final_norm.scale": take("model.norm.weight")}
+    if not cfg.tie_embeddings:
+        out["lm_head"] = take("lm_head.weight").T
+    else:
+        sd.pop("lm_head.weight", None)  # some tied checkpoints store the (identical) head too; HF ignores it
+    for i in range(cfg.n_layers):
+        p, q = f"model.layers.{i}.", f"blocks.{i}."
+        out[q + "attn_norm.scale"] = take(p + "input_layernorm.weight")
+        out[q + "ffn_norm.scale"] = take(p + "post_attention_layernorm.weight")
+        a = p + "self_attn."
+        out[q + "attn.wq"] = take(a + "q_proj.weight").T.reshape(D, H, Dh)
+        out[q + "attn.wk"] = take(a + "k_proj.weight").T.reshape(D, N, Dh)
+        out[q + "attn.wv"] = take(a + "v_proj.weight").T.reshape(D, N, Dh)
+        out[q + "attn.wo"] = take(a + "o_proj.weight").T.reshape(H, Dh, D)
+        if cfg.qkv_bias:
+            out[q + "attn.bq"] = take(a + "q_proj.bias").reshape(H, Dh)
+            out[q + "attn.bk"] = take(a + "k_proj.bias").reshape(N, Dh)
+            out[q + "attn.bv"] = take(a + "v_proj.bias").reshape(N, Dh)
+        if cfg.attn_out_bias:
+            out[q + "attn.bo"] = take(a + "o_proj.bias")
+        if cfg.qk_norm != "none":
+            out[q + "attn.q_norm.scale"] = take(a + "q_norm.weight")
+            out[q + "attn.k_norm.scale"] = take(a + "k_norm.weight")
+        if not cfg.is_moe_layer(i):
+            for w in ("gate", "up", "down"):
+                out[f"{q}ffn.w_{w}"] = take(f"{p}mlp.{w}_proj.weight").T
+            continue
+        m = p + next((name for name in layout.moe if p + name + ".gate.weight" in sd), layout.moe[0]) + "."
+        out[q + "ffn.router"] = take(m + "gate.weight").T
+        bias = take(m + layout.routing_bias) if layout.routing_bias else np.zeros(cfg.n_routed_experts)
+        out[q + "ffn.bias"] = bias
+        out.update(_experts(cfg, layout, m, q, sd, take, where))
+        if layout.shared:
+            shared = {w: take(f"{m}{layout.shared}.{w}_proj.weight").T for w in ("gate", "up", "down")}
+            if cfg.n_shared_experts:  # else HF's zero-width shared MLP (GLM with n_shared_experts 0): dropped
+                out.update({f"{q}ffn.shared.w_{w}": v for w, v in shared.items()})
+        if cfg.shared_expert_gate:
+            out[q + "ffn.shared_gate"] = take(f"{m}{layout.shared_gate}.weight").reshape(D)
+    if sd:
+        raise HFImportError(f"{where}: unexpected tensor(s) {', '.join(sorted(sd)[:4])} for the config in "
+                            "config.json (a feature this importer does not know)")
+    return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
+
+
+def _dropped(layout: Layout, name: str) -> bool:
+    if layout.drop_layers_from is None:
+        return False
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    return m is not None and int(m.group(1)) >= layout.drop_layers_from
+
+
+def _experts(cfg, layout, m, q, sd, take, where):
+    """Routed experts [E, D, F] / [E, F, D] from the per-expert or the fused layout."""
+    E, F, D = cfg.n_routed_experts, cfg.moe_d_ff, cfg.d_model
+    gate, up, down = layout.experts
+    if m + f"experts.0.{gate}.weight" in sd:
+        return {f"{q}ffn.w_gate": np.stack([take(f"{m}experts.{e}.{gate}.weight").T for e in range(E)]),
+                f"{q}ffn.w_up": np.stack([take(f"{m}experts.{e}.{up}.weight").T for e in range(E)]),
+                f"{q}ffn.w_down": np.stack([take(f"{m}experts.{e}.{down}.weight").T for e in range(E)])}
+    gate_up = take(m + "experts.gate_up_proj")
+    w_down = take(m + "experts.down_proj")
+    if gate_up.shape != (E, 2 * F, D) or w_down.shape != (E, D, F):
+        raise HFImportError(f"{where}: fused experts {m}experts.* are {list(gate_up.shape)} / {list(w_down.shape)}, "
+                            f"expected [{E}, {2 * F}, {D}] / [{E}, {D}, {F}]")
+    return {f"{q}ffn.w_gate": gate_up[:, :F].transpose(0, 2, 1), f"{q}ffn.w_up": gate_up[:, F:].transpose(0, 2, 1),
+            f"{q}ffn.w_down": w_down.transpose(0, 2, 1)}
