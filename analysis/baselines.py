@@ -14,7 +14,7 @@ sample produce alone: a domain's favourite expert gets at least the busiest expe
 ten times has a favourite expert by luck.
 
 Step 0: `init_model` rebuilds the model training started from (train/state.py initializes
-Transformer(cfg, nnx.Rngs(train.seed)) with zero routing biases), so no step-0 checkpoint is needed. It
+Transformer(cfg, nnx.Rngs(train.seed)) under jit, routing biases zero), so no step-0 checkpoint is needed. It
 answers a different question: how much of the structure (e.g. routing by token identity, which a random
 router embedding already gives) is there before any training.
 
@@ -54,8 +54,11 @@ class RoutingRecord:
 
 
 def init_model(run) -> Transformer:
-    """The model of `run` at step 0: the same initializer and seed as training (train.state.init_state)."""
-    return Transformer(run.model.cfg, nnx.Rngs(run.config.train.seed))
+    """The model of `run` at step 0: the same initializer and seed as training, under jit as in
+    train.state.init_state (eagerly, XLA would round a few initial values differently, by one ulp)."""
+    cfg, seed = run.model.cfg, run.config.train.seed
+    graphdef, state = jax.jit(lambda: nnx.split(Transformer(cfg, nnx.Rngs(seed))))()
+    return nnx.merge(graphdef, state)
 
 
 def route_record(model, config, split=None, max_tokens=None, batch_size=None) -> RoutingRecord:

@@ -20,7 +20,7 @@ def plot_specialization(doc, path):
         r = m["random"]
         low, high, mean = (np.asarray(r[k], float) for k in ("low", "high", "mean"))
         ax.bar(x_L - 0.22, high - low, 0.18, bottom=low, color=RANDOM, alpha=0.45,
-               label=f"random router, same load ({r['n']} perms, 95% band)")
+               label=f"random router, same load ({r['n']} perms of all runs, 95% band)")
         ax.hlines(mean, x_L - 0.31, x_L - 0.13, color=RANDOM, linewidth=1.5)
         for key, dx, color, label in (("step0", 0.0, STEP0, "step 0 (initialization)"),
                                       ("trained", 0.22, TRAINED, f"trained ({n_runs} run{'s' * (n_runs > 1)})")):
@@ -31,7 +31,8 @@ def plot_specialization(doc, path):
                         label=label if j == 0 else None)
             if n_runs > 1:
                 ax.plot(x_L + dx, m[key]["mean"], "D", color=color, markersize=6, markeredgecolor="black",
-                        markeredgewidth=0.6, label=f"{key.replace('0', ' 0')} mean")
+                        markeredgewidth=0.6,
+                        label=f"{key.replace('0', ' 0')} mean" + (" (bar: 95% t-interval)" if n_runs >= 3 else ""))
                 ci = np.asarray([m[key]["ci95_low"], m[key]["ci95_high"]], float)
                 if np.isfinite(ci).all():
                     ax.vlines(x_L + dx, ci[0], ci[1], color=color, linewidth=2)
