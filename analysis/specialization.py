@@ -121,18 +121,22 @@ def table(doc):
     return "\n".join(lines)
 
 
+def document(runs, per_run, split, max_tokens, n_shuffles):
+    """specialization.json as plain JSON types: the runs, the settings and `aggregate(per_run)`."""
+    ref = runs[0]
+    return _plain({"runs": [{"workdir": str(r.workdir), "step": r.step, "seed": r.config.train.seed} for r in runs],
+                   "split": split or ref.config.data.eval_split, "max_tokens": max_tokens,
+                   "n_tokens": per_run[0]["n_tokens"], "n_shuffles": n_shuffles, "layer_ids": ref.moe_layer_ids,
+                   "top_k": ref.model.cfg.top_k, "n_experts": ref.model.cfg.n_routed_experts,
+                   "metrics": aggregate(per_run)})
+
+
 def run(args, log=print):
     check_out_dir(args.out, Path(args.workdir[0]) / "analysis", create=False)
     runs = [open_run(w, args.step) for w in args.workdir]
     check_same_config(runs)
     per_run = [measure(r, args.split, args.max_tokens, args.shuffles, args.batch_size) for r in runs]
-    ref = runs[0]
-    doc = {"runs": [{"workdir": str(r.workdir), "step": r.step, "seed": r.config.train.seed} for r in runs],
-           "split": args.split or ref.config.data.eval_split, "max_tokens": args.max_tokens,
-           "n_tokens": per_run[0]["n_tokens"],
-           "n_shuffles": args.shuffles, "layer_ids": ref.moe_layer_ids, "top_k": ref.model.cfg.top_k,
-           "n_experts": ref.model.cfg.n_routed_experts, "metrics": aggregate(per_run)}
-    doc = _plain(doc)
+    doc = document(runs, per_run, args.split, args.max_tokens, args.shuffles)
     out = check_out_dir(args.out, Path(args.workdir[0]) / "analysis")
     (out / "specialization.json").write_text(json.dumps(doc, indent=1))
     specialization_plots.plot_specialization(doc, out / "specialization.png")
