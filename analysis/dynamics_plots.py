@@ -66,32 +66,30 @@ def plot_load(traj, series, path):
 
 
 def plot_bias(traj, bias_range, path):
-    """One panel per MoE layer: every expert's routing bias per checkpoint, coloured by its load at the final
-    checkpoint (the bias rises for under-loaded experts); the dotted envelope +-gamma*t is the most the
-    sign-update can move it. Last panel: the bias range (max - min) of every logged step."""
+    """One panel per MoE layer: every expert's routing bias minus the layer's mean bias, per checkpoint,
+    coloured by the expert's load at the final checkpoint. Only differences between biases change a top-k, and
+    the sign update moves all of them together whenever more experts are under- than over-loaded, so the
+    common drift (the mean, in the title) is taken out. Last panel: the bias range of every logged step."""
     steps, bias_SxLxE = np.asarray(traj["steps"]), np.asarray(traj["bias_SxLxE"], float)
     load_LxE = np.asarray(traj["load_SxLxE"], float)[-1]
     n_layers, n_experts = bias_SxLxE.shape[1:]
     fig, axes = grid(n_layers + 1, 2, 5.2, 3.6, layout="constrained")
-    gamma, cmap = traj["bias_update_rate"], plt.get_cmap("viridis")
+    cmap = plt.get_cmap("viridis")
     share_LxE = load_LxE / np.maximum(load_LxE.sum(-1, keepdims=True), 1) * traj["top_k"]
-    vmax = max(float(share_LxE.max()), 1e-9)
+    vmin, vmax = float(share_LxE.min()), max(float(share_LxE.max()), float(share_LxE.min()) + 1e-9)
+    mean_SxL = bias_SxLxE.mean(-1)
     for i, ax in enumerate(axes[:n_layers]):
         for e in range(n_experts):
-            ax.plot(steps, bias_SxLxE[:, i, e], "-", marker=".", color=cmap(share_LxE[i, e] / vmax), linewidth=1)
-        t = np.linspace(0, steps.max() if len(steps) else 1, 50)
-        ax.plot(t, gamma * t, ":", color="0.5", linewidth=1, label=f"+-gamma*t (gamma = {gamma:g})")
-        ax.plot(t, -gamma * t, ":", color="0.5", linewidth=1)
-        lo, hi = np.nanmin(bias_SxLxE[:, i]), np.nanmax(bias_SxLxE[:, i])
-        pad = 0.1 * max(hi - lo, 1e-3)
-        ax.set_ylim(lo - pad, hi + pad)  # the envelope may leave the axes: the biases are what matter
+            ax.plot(steps, bias_SxLxE[:, i, e] - mean_SxL[:, i], "-", marker=".", linewidth=1,
+                    color=cmap((share_LxE[i, e] - vmin) / (vmax - vmin)))
+        ax.axhline(0, color="black", linewidth=0.8)
         ax.set_xlabel("checkpoint step", fontsize=8)
-        ax.set_ylabel("routing bias", fontsize=8)
-        ax.set_title(f"layer {traj['layer_ids'][i]}: bias of each of the {n_experts} experts", fontsize=9)
+        ax.set_ylabel("bias - mean bias of the layer", fontsize=8)
+        ax.set_title(f"layer {traj['layer_ids'][i]}: {n_experts} experts (mean bias at step {int(steps[-1])}: "
+                     f"{mean_SxL[-1, i]:+.2f}, gamma = {traj['bias_update_rate']:g})", fontsize=9)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="upper left")
-    sm = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(0, vmax))
+    sm = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(vmin, vmax))
     cb = fig.colorbar(sm, ax=axes[:n_layers], fraction=0.03, pad=0.02)
     cb.set_label(f"share of tokens at step {traj['final_step']} (uniform K/E = {traj['top_k'] / n_experts:.3f})",
                  fontsize=7)
