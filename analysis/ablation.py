@@ -8,7 +8,8 @@ moe/router.py), so the expert leaves every token's top-k, the next choice takes 
 the unbiased scores renormalized over the new set: the model is unchanged otherwise, and the shared expert
 and the other layers still run. With group-limited routing (n_group > 1) a group's score is the sum of its
 two best (score + bias): the masked expert drops out of that sum (its group now scores by its next two
-experts), and a group of two experts containing it is never selected at all.
+experts), and a group of only two experts scores about MASK_BIAS, so it ranks last and is chosen only if
+topk_group covers every group: both its experts are then removed.
 
 Loss: the trainer's own evaluation (train.inputs.eval_batches: eval.rows_per_domain rows of every domain of
 the validation split; train.step.make_eval_step: masked next-token cross-entropy summed per segment). The
