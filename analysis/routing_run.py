@@ -138,6 +138,22 @@ def _batches(plans, batch_size, seq_len, max_tokens, n_samples):
         yield {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)]) for k, v in batch.items()}
 
 
+def batches(config, split=None, max_tokens=None, batch_size=None, n_samples=0):
+    """(iterator over the fixed-size batches `analyse` routes, domain names): every domain of `split` (default
+    the run's eval split), `max_tokens` per domain; each batch has tokens, positions, segment_ids, domains,
+    valid [B,L] (and prefix_len for the prefix task). The same config gives the same batches, so several
+    checkpoints or models see the same tokens."""
+    plans, domain_names = domain_rows(config, split or config.data.eval_split, max_tokens)
+    return (_batches(plans, batch_size or config.eval.batch_size, config.data.seq_len, max_tokens, n_samples),
+            domain_names)
+
+
+def route_args(batch, batch_size):
+    """The arguments of a `make_route_fn` function after the state, for one batch of `batches`."""
+    return (batch["tokens"], batch["positions"], batch["segment_ids"],
+            batch.get("prefix_len", np.zeros(batch_size, np.int32)))
+
+
 def analyse(run: Run, split=None, max_tokens=None, tokens=DEFAULT_TOKENS, compare_run: Run | None = None,
             batch_size=None, n_samples=2, sample_len=160, n_frequent=20, progress=True, cache=None) -> Analysis:
     """Streams every domain of `split` (default the run's eval split) through the model; see module docstring.

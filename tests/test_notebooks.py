@@ -40,7 +40,8 @@ def test_notebook_runs(path, tiny_run, tmp_path, caplog):
     import papermill
     from traitlets.config import Config
 
-    params = {"workdir": str(tiny_run), "max_tokens": 1000, "compare_step": 10, "out_dir": str(tmp_path / "out")}
+    params = {"workdir": str(tiny_run), "max_tokens": 1000, "compare_step": 10, "out_dir": str(tmp_path / "out"),
+              "baseline_tokens": 512, "shuffles": 3}
     with caplog.at_level(logging.WARNING, logger="papermill"):
         # IPC, not TCP, between papermill and its local kernel: the kernel warns about unencrypted TCP.
         papermill.execute_notebook(str(path), str(tmp_path / path.name), parameters=params, cwd=str(ROOT),
@@ -51,4 +52,6 @@ def test_notebook_runs(path, tiny_run, tmp_path, caplog):
     if path.name == "routing.ipynb":
         out = tmp_path / "out"
         assert (out / "tokens.html").is_file() and (out / "loss_curves.png").is_file()
-        assert len(list(out.glob("*.png"))) >= 10
+        assert len(list(out.glob("*.png"))) >= 16
+        for name in ("specialization.png", "ablation_importance.png", "dynamics_saturation.png", "dynamics_bias.png"):
+            assert (out / name).is_file(), name

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from analysis import experiments, loss_curves, rank, routing
+from analysis import ablate, dynamics, experiments, loss_curves, rank, routing, specialization
 from train import __main__ as train_cli
 from train import export, generate
 
@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 MAINS = {"train": lambda a: train_cli.main(["train", *a]), "analysis.routing": routing.main,
          "analysis.rank": rank.main, "analysis.loss_curves": loss_curves.main, "train.export": export.main,
-         "train.generate": generate.main}
+         "train.generate": generate.main, "analysis.specialization": specialization.main,
+         "analysis.ablate": ablate.main, "analysis.dynamics": dynamics.main}
 # Not run: the install lines (CI runs them), the template line and the 12-minute default run (only the tiny
 # train command is run), and the hour-long mask study (parsed here; tests/test_experiments.py runs it).
 
@@ -31,7 +32,8 @@ def commands() -> list[str]:
 def test_readme_lists_the_commands():
     mods = {shlex.split(c)[2] for c in commands()}
     assert {"train", "analysis.routing", "analysis.rank", "analysis.loss_curves", "analysis.experiments",
-            "train.export", "train.generate"} <= mods
+            "analysis.specialization", "analysis.ablate", "analysis.dynamics", "train.export",
+            "train.generate"} <= mods
 
 
 @pytest.mark.slow
@@ -61,6 +63,8 @@ def test_readme_commands_run_as_written(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "runs/default/analysis/routing.json").is_file()
     assert (tmp_path / "runs/default/rank/rank.json").is_file()
     assert (tmp_path / "runs/default/loss_curves.png").is_file()
+    for name in ("specialization.json", "ablation.json", "dynamics.json"):
+        assert (tmp_path / "runs/default/analysis" / name).is_file(), name
     assert (tmp_path / "exports/default/config.json").is_file()
     assert "In the beginning" in out
 

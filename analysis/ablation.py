@@ -1,0 +1,171 @@
+"""Does an expert matter to the output? Mask it out of the selection and measure the validation loss change.
+
+    result = ablate(run.model, run.config, run.tokenizer, layers=[3], experts=None)
+    result["delta_AxD"]          # loss change per ablation (layer, expert) and domain, nats per token
+
+Masking: the expert's routing bias is set to MASK_BIAS. The bias steers the top-k selection only (DeepSeek-V3;
+moe/router.py), so the expert leaves every token's top-k, the next choice takes its place, and the gates are
+the unbiased scores renormalized over the new set: the model is unchanged otherwise, and the shared expert
+and the other layers still run. With group-limited routing (n_group > 1) a group's score is the sum of its
+two best (score + bias): the masked expert drops out of that sum (its group now scores by its next two
+experts), and a group of only two experts scores about MASK_BIAS, so it ranks last and is chosen only if
+topk_group covers every group: both its experts are then removed.
+
+Loss: the trainer's own evaluation (train.inputs.eval_batches: eval.rows_per_domain rows of every domain of
+the validation split; train.step.make_eval_step: masked next-token cross-entropy summed per segment). The
+segment ids passed as "domains" are row x token class, so one pass gives the loss per row and class: the
+per-domain and per-class changes, and a standard error over rows (the rows are the units that vary).
+A token's class is the class of its target token's text (TOKEN_CLASSES).
+
+Shape key: A ablations (layer, expert), D domains, C token classes, R rows, L MoE layers, E experts.
+"""
+
+import re
+
+import jax
+import numpy as np
+from flax import nnx
+
+from analysis import routing_run
+from analysis.routing_stats import RoutingAccumulator
+from moe import routing_biases, set_routing_biases
+from train import inputs
+from train.state import split_model
+from train.step import make_eval_step
+
+MASK_BIAS = -1e9  # far below any score + bias (scores are in (0, 1), trained biases are O(1))
+TOKEN_CLASSES = ("word start", "word piece", "number", "punctuation", "whitespace")
+
+
+def token_class(text: str) -> int:
+    """Index into TOKEN_CLASSES of a token's decoded text."""
+    if not text.strip():
+        return 4
+    if re.fullmatch(r"\s+[^\W\d_].*", text):
+        return 0
+    if re.fullmatch(r"[^\W\d_].*", text):
+        return 1
+    if any(ch.isdigit() for ch in text):
+        return 2
+    return 3
+
+
+def class_table(tokenizer, vocab_size):
+    """Class index per token id [V] (ids past the tokenizer's vocabulary: punctuation, never seen)."""
+    n = tokenizer.get_vocab_size()
+    return np.array([token_class(tokenizer.decode([i])) if i < n else 3 for i in range(vocab_size)], np.int32)
+
+
+def eval_batches(config, rows_per_domain=None):
+    """The trainer's validation batches (rows_per_domain overrides eval.rows_per_domain)."""
+    if rows_per_domain is not None:
+        config = config.copy_and_resolve_references()
+        config.eval.rows_per_domain = rows_per_domain
+    return inputs.eval_batches(config)
+
+
+def _segment_batches(batches, class_V, n_classes):
+    """Each batch with "domains" replaced by row * C + class of the target: the eval step's segments."""
+    out, row0 = [], 0
+    for b in batches:
+        n_rows = len(b["tokens"])
+        row_BxL = np.broadcast_to((row0 + np.arange(n_rows))[:, None], b["targets"].shape)
+        out.append(dict(b, domains=(row_BxL * n_classes + class_V[b["targets"]]).astype(np.int32)))
+        row0 += n_rows
+    return out, row0
+
+
+def ablate(model, config, tokenizer, layers=None, experts=None, rows_per_domain=None, log=None):
+    """Loss change of masking each expert of each MoE layer in `layers` (model layer ids; default all).
+
+    Returns a dict of numpy arrays and lists: layer_ids (every MoE layer), ablations [(layer, expert)],
+    domain_names, class_names, n_DxC (scored tokens), base_loss / _D / _C, delta_A / _AxD / _AxC (loss with
+    the expert masked - without), se_A / se_AxD (standard error over rows), share_LxDxE / share_LxE (top-k
+    routing share of the scored tokens without masking, sums to K) and top1_LxE (first choices)."""
+    cfg = model.cfg
+    moe_ids = [i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)]
+    layers = moe_ids if layers is None else list(layers)
+    experts = list(range(cfg.n_routed_experts)) if experts is None else list(experts)
+    batches = eval_batches(config, rows_per_domain)
+    names = list(inputs.token_cache_for(config.data, config.data.eval_split).domain_names)
+    domain_R = np.concatenate([b["domains"][:, 0] for b in batches]).astype(np.int64)
+    class_V = class_table(tokenizer, cfg.vocab_size)
+    C = len(TOKEN_CLASSES)
+    seg_batches, n_rows = _segment_batches(batches, class_V, C)
+    graphdef, params, bias = split_model(model)
+    step = jax.jit(make_eval_step(graphdef, n_rows * C))
+
+    def losses(bias_state):
+        ce, n = 0.0, 0.0
+        for b in seg_batches:
+            out = jax.device_get(step({"params": params, "bias": bias_state}, b))
+            ce, n = ce + out["ce_sum"], n + out["count"]
+        return np.asarray(ce, np.float64).reshape(n_rows, C), np.asarray(n, np.float64).reshape(n_rows, C)
+
+    base_ce_RxC, n_RxC = losses(bias)
+    share = _shares(model, config, batches, moe_ids, len(names))
+    original = [np.asarray(b) for b in routing_biases(model)]
+    ablations, delta_ce_ARxC = [], []
+    try:
+        for layer in layers:
+            for e in experts:
+                biases = [b.copy() for b in original]
+                biases[moe_ids.index(layer)][e] = MASK_BIAS
+                set_routing_biases(model, [jax.numpy.asarray(b) for b in biases])
+                ce_RxC, _ = losses(split_model(model)[2])
+                ablations.append((layer, e))
+                delta_ce_ARxC.append(ce_RxC - base_ce_RxC)
+                if log:
+                    log(f"layer {layer} expert {e}: loss change {(ce_RxC - base_ce_RxC).sum() / n_RxC.sum():+.5f}")
+    finally:
+        set_routing_biases(model, [jax.numpy.asarray(b) for b in original])
+    return dict(share, **_summaries(np.asarray(delta_ce_ARxC), base_ce_RxC, n_RxC, domain_R, len(names)),
+                layer_ids=moe_ids, ablations=ablations, domain_names=names, class_names=list(TOKEN_CLASSES))
+
+
+def _ratio_and_se(delta_AxR, n_R):
+    """Delta = sum_r delta_r / sum_r n_r and its standard error over rows (ratio estimator, linearized)."""
+    total = n_R.sum()
+    if total == 0:
+        nan = np.full(delta_AxR.shape[0], np.nan)
+        return nan, nan
+    ratio_A = delta_AxR.sum(-1) / total
+    keep = n_R > 0
+    m = int(keep.sum())
+    resid_AxR = (delta_AxR - ratio_A[:, None] * n_R[None])[:, keep]
+    se_A = np.sqrt(m / max(m - 1, 1) * (resid_AxR ** 2).sum(-1)) / total
+    return ratio_A, se_A
+
+
+def _summaries(delta_ARxC, base_RxC, n_RxC, domain_R, n_domains):
+    dom_DxR = domain_R[None, :] == np.arange(n_domains)[:, None]
+    n_DxC = dom_DxR.astype(np.float64) @ n_RxC
+    base_DxC = dom_DxR.astype(np.float64) @ base_RxC
+    n_R = n_RxC.sum(-1)
+    delta_AxR = delta_ARxC.sum(-1) if delta_ARxC.size else np.zeros((0, len(n_R)))
+    delta_A, se_A = _ratio_and_se(delta_AxR, n_R)
+    delta_AxD, se_AxD = np.zeros((len(delta_A), n_domains)), np.zeros((len(delta_A), n_domains))
+    for d in range(n_domains):
+        delta_AxD[:, d], se_AxD[:, d] = _ratio_and_se(delta_AxR[:, dom_DxR[d]], n_R[dom_DxR[d]])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        delta_AxC = (delta_ARxC.sum(1) / n_RxC.sum(0)) if delta_ARxC.size else np.zeros((0, n_RxC.shape[1]))
+        return dict(n_DxC=n_DxC, base_loss=base_DxC.sum() / n_DxC.sum(),
+                    base_loss_D=base_DxC.sum(1) / n_DxC.sum(1), base_loss_C=base_DxC.sum(0) / n_DxC.sum(0),
+                    delta_A=delta_A, se_A=se_A, delta_AxD=delta_AxD, se_AxD=se_AxD, delta_AxC=delta_AxC)
+
+
+def _shares(model, config, batches, moe_ids, n_domains):
+    """Top-k and first-choice routing shares of the scored tokens (loss_mask > 0), unmasked model."""
+    cfg = model.cfg
+    graphdef, state = nnx.split(model)
+    route = routing_run.make_route_fn(graphdef, config.data.task == "prefix")
+    acc = RoutingAccumulator(len(moe_ids), cfg.n_routed_experts, cfg.top_k, n_domains, cfg.vocab_size,
+                             track_vocab=False)
+    for b in batches:
+        layers = jax.device_get(route(state, *routing_run.route_args(b, len(b["tokens"]))))
+        acc.update([{"expert_ids": i, "gates": g} for i, g in layers], b["tokens"], b["domains"],
+                   b["loss_mask"] > 0, b["segment_ids"])
+    r = acc.finalize()
+    n = max(int(r["n_tokens"]), 1)
+    return {"share_LxDxE": r["share_LxDxE"], "share_LxE": r["load_LxE"] / n,
+            "top1_LxE": r["first_LxDxE"].sum(1) / n}

@@ -1,0 +1,98 @@
+"""The figures of `python -m analysis.ablate` (arrays of analysis.ablation.ablate, as numpy or lists)."""
+
+import numpy as np
+from matplotlib.colors import TwoSlopeNorm
+from scipy import stats
+
+from analysis.figures import grid, plt, save
+from analysis.routing_scales import CHANCE_CMAP, chance_norm, shared_colorbar
+
+
+def _per_layer(result, layer):
+    """Rows of `layer`'s ablations and the MoE-layer index of `layer`."""
+    rows = [a for a, (lay, _) in enumerate(result["ablations"]) if lay == layer]
+    return rows, list(result["layer_ids"]).index(layer)
+
+
+def _abs_max(z):
+    z = np.abs(np.asarray(z, float))
+    return max(float(np.nanmax(z)) if np.isfinite(z).any() else 0.0, 1e-6)
+
+
+def spearman(x, y):
+    """Rank correlation (NaN when either side is constant or has fewer than 3 points)."""
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    if len(x) < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
+        return float("nan")
+    return float(stats.spearmanr(x, y)[0])
+
+
+def plot_importance_vs_share(result, path):
+    """Per ablated layer: each expert's routing share (x) against the validation-loss change when it is
+    masked (y, +- one standard error over rows), with the rank correlation in the title."""
+    layers = sorted({lay for lay, _ in result["ablations"]})
+    fig, axes = grid(len(layers), 3, 5.2, 4.0)
+    k = float(np.sum(result["share_LxE"][0]))
+    for ax, layer in zip(axes, layers):
+        rows, li = _per_layer(result, layer)
+        experts = [result["ablations"][a][1] for a in rows]
+        x = np.asarray(result["share_LxE"][li], float)[experts]
+        y, se = np.asarray(result["delta_A"], float)[rows], np.asarray(result["se_A"], float)[rows]
+        ax.errorbar(x, y, yerr=se, fmt="o", color="tab:blue", ecolor="0.6", markersize=5, capsize=2)
+        at = {}  # experts at the same point (e.g. two never-chosen ones) share one label
+        for e, xi, yi in zip(experts, x, y):
+            at.setdefault((round(xi, 6), round(yi, 7)), []).append(str(e))
+        for (xi, yi), es in at.items():
+            ax.annotate(",".join(es), (xi, yi), textcoords="offset points", xytext=(4, 3), fontsize=7)
+        ax.axhline(0, color="black", linewidth=0.8)
+        ax.axvline(k / len(result["share_LxE"][li]), color="crimson", linestyle="--", linewidth=1,
+                   label="uniform share K/E")
+        ax.set_xlabel("routing share (tokens with the expert in their top-k)", fontsize=8)
+        ax.set_ylabel("validation loss change when masked (nats)", fontsize=8)
+        ax.set_title(f"layer {layer}: Spearman rho = {spearman(x, y):.2f} ({len(rows)} experts)", fontsize=9)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left")
+    fig.suptitle(f"Does an expert's routing share predict its importance?\n(masked: loss change from "
+                 f"{float(result['base_loss']):.3f}; bars: one standard error over rows)", fontsize=10)
+    return save(fig, path)
+
+
+def plot_domains(result, path):
+    """Per ablated layer a row of three heatmaps over experts: loss change per domain, routing share per domain
+    (white = uniform K/E), loss change per target-token class. Loss changes share one symmetric scale."""
+    layers = sorted({lay for lay, _ in result["ablations"]})
+    names, classes = result["domain_names"], result["class_names"]
+    delta_AxD, delta_AxC = np.asarray(result["delta_AxD"], float), np.asarray(result["delta_AxC"], float)
+    dnorm, cnorm = (TwoSlopeNorm(0.0, -lim, lim) for lim in (_abs_max(delta_AxD), _abs_max(delta_AxC)))
+    share_LxDxE = np.asarray(result["share_LxDxE"], float)
+    n_experts = share_LxDxE.shape[-1]
+    k = float(np.nansum(share_LxDxE[0, 0]))
+    snorm = chance_norm(np.nanmax(share_LxDxE), k / n_experts)
+    fig, axes = plt.subplots(len(layers), 3, figsize=(16, 0.32 * len(names) * len(layers) + 1.8 * len(layers) + 0.8),
+                             squeeze=False, layout="constrained")
+    for row, layer in zip(axes, layers):
+        rows, li = _per_layer(result, layer)
+        experts = [result["ablations"][a][1] for a in rows]
+        panels = ((delta_AxD[rows].T, names, dnorm, "coolwarm", "loss change per domain"),
+                  (share_LxDxE[li][:, experts], names, snorm, CHANCE_CMAP, "routing share per domain"),
+                  (delta_AxC[rows].T, classes, cnorm, "coolwarm",
+                   "loss change per target-token class"))
+        for ax, (z, ylabels, norm, cmap, title) in zip(row, panels):
+            im = ax.imshow(np.ma.masked_invalid(z), aspect="auto", cmap=cmap, norm=norm, interpolation="nearest")
+            ax.set_yticks(np.arange(len(ylabels)))
+            ax.set_yticklabels(ylabels, fontsize=7)
+            ax.set_xticks(np.arange(len(experts)))
+            ax.set_xticklabels([str(e) for e in experts], fontsize=6 if len(experts) > 16 else 7)
+            ax.set_xlabel("masked expert", fontsize=8)
+            ax.set_title(f"layer {layer}: {title}", fontsize=9)
+            if "share" in title:
+                shared_colorbar(fig, im, [ax], k / n_experts, "share", "uniform K/E")
+            else:
+                cb = fig.colorbar(im, ax=ax, fraction=0.05, pad=0.02)
+                cb.ax.tick_params(labelsize=6)
+                cb.set_label("nats / token", fontsize=7)
+    fig.suptitle("Which domains and tokens need each expert? Loss change when the expert is masked out of the "
+                 "selection (red = worse), beside its routing share\n(loss changes: one symmetric scale per column; "
+                 "share: ratio to uniform K/E, log scale)", fontsize=10)
+    return save(fig, path)

@@ -1,0 +1,151 @@
+"""What a specialization metric would read without specialization: the model at step 0, and a random router
+with the same load.
+
+    record = route_record(run.model, run.config, max_tokens=4096)   # every analysed token's top-k, per layer
+    trained = headline(accumulate(record))                         # {metric: value per MoE layer}
+    chance = headline(accumulate(record, rng=np.random.default_rng(0)))   # one random router
+    step0 = headline(accumulate(route_record(init_model(run), run.config, max_tokens=4096)))
+
+Random router with the same load: each layer's top-k sets (ids with their gates) permuted across every
+analysed token. Each expert keeps exactly its load (MaxVio and dead experts unchanged) and each set of
+experts its frequency (co-activation unchanged), but which token, domain or neighbour gets which set is
+now chance. What a metric still reads under the permutation is what the load imbalance and the finite
+sample produce alone: a domain's favourite expert gets at least the busiest expert's load, and a token seen
+ten times has a favourite expert by luck.
+
+Step 0: `init_model` rebuilds the model training started from (train/state.py initializes
+Transformer(cfg, nnx.Rngs(train.seed)) under jit, routing biases zero), so no step-0 checkpoint is needed. It
+answers a different question: how much of the structure (e.g. routing by token identity, which a random
+router embedding already gives) is there before any training.
+
+Shape key: L MoE layers, E experts, K top-k, D domains, N analysed tokens.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+from flax import nnx
+
+from analysis import routing_run
+from analysis.routing_stats import RoutingAccumulator
+from moe import Transformer
+
+# name -> what it measures (the plots' panel titles and the docs use these words).
+HEADLINE = {
+    "top1_max_share": "share of a domain's tokens whose first choice is its favourite expert (mean over domains)",
+    "domain_mi_bits": "mutual information I(domain; first-choice expert), bits",
+    "vocab_spec": "vocabulary specialization (OLMoE; tokens seen >= 10 times)",
+    "loc_first": "same first choice as the previous token (Mixtral locality)",
+    "maxvio": "MaxVio on the analysed tokens (load imbalance)",
+}
+
+
+@dataclasses.dataclass
+class RoutingRecord:
+    """Every batch of one routing pass, kept on the host: per batch tokens/domains/valid/segment_ids [B,L] and
+    per MoE layer ids [B,L,K] (int16) and gates [B,L,K] (float32)."""
+
+    batches: list
+    domain_names: list
+    n_experts: int
+    top_k: int
+    vocab_size: int
+
+
+def init_model(run) -> Transformer:
+    """The model of `run` at step 0: the same initializer and seed as training, under jit as in
+    train.state.init_state (eagerly, XLA would round a few initial values differently, by one ulp)."""
+    cfg, seed = run.model.cfg, run.config.train.seed
+    graphdef, state = jax.jit(lambda: nnx.split(Transformer(cfg, nnx.Rngs(seed))))()
+    return nnx.merge(graphdef, state)
+
+
+def route_record(model, config, split=None, max_tokens=None, batch_size=None) -> RoutingRecord:
+    """Routes every domain of `split` (routing_run.batches: the same tokens for any model of this config)."""
+    batch_size = batch_size or config.eval.batch_size
+    it, names = routing_run.batches(config, split, max_tokens, batch_size)
+    graphdef, state = nnx.split(model)
+    route = routing_run.make_route_fn(graphdef, config.data.task == "prefix")
+    kept = []
+    for batch in it:
+        layers = jax.device_get(route(state, *routing_run.route_args(batch, batch_size)))
+        kept.append({"tokens": batch["tokens"], "domains": batch["domains"], "valid": batch["valid"],
+                     "segment_ids": batch["segment_ids"],
+                     "ids": [np.asarray(ids, np.int16) for ids, _ in layers],
+                     "gates": [np.asarray(g, np.float32) for _, g in layers]})
+    cfg = model.cfg
+    return RoutingRecord(kept, names, cfg.n_routed_experts, cfg.top_k, cfg.vocab_size)
+
+
+def _permuted(record: RoutingRecord, rng):
+    """Per layer, the valid tokens' (ids, gates) rows in a random order, cut back into the batches' slots."""
+    n_layers = len(record.batches[0]["ids"]) if record.batches else 0
+    out = [{"ids": [], "gates": []} for _ in record.batches]
+    for layer in range(n_layers):
+        ids_NxK = np.concatenate([b["ids"][layer][b["valid"]] for b in record.batches])
+        gates_NxK = np.concatenate([b["gates"][layer][b["valid"]] for b in record.batches])
+        perm_N = rng.permutation(len(ids_NxK))
+        ids_NxK, gates_NxK, start = ids_NxK[perm_N], gates_NxK[perm_N], 0
+        for b, o in zip(record.batches, out):
+            n = int(b["valid"].sum())
+            ids, gates = b["ids"][layer].copy(), b["gates"][layer].copy()
+            ids[b["valid"]], gates[b["valid"]] = ids_NxK[start:start + n], gates_NxK[start:start + n]
+            o["ids"].append(ids)
+            o["gates"].append(gates)
+            start += n
+    return out
+
+
+def accumulate(record: RoutingRecord, rng=None, **acc_kwargs) -> dict:
+    """RoutingAccumulator.finalize() over the record; with `rng`, of the random router with the same load."""
+    routed = _permuted(record, rng) if rng is not None else record.batches
+    n_layers = len(record.batches[0]["ids"]) if record.batches else 0
+    acc = RoutingAccumulator(n_layers, record.n_experts, record.top_k, len(record.domain_names),
+                             record.vocab_size, **acc_kwargs)
+    for b, r in zip(record.batches, routed):
+        acc.update([{"expert_ids": i, "gates": g} for i, g in zip(r["ids"], r["gates"])],
+                   b["tokens"], b["domains"], b["valid"], b["segment_ids"])
+    return acc.finalize()
+
+
+def mutual_information_bits(counts_DxE):
+    """I(D; E) in bits of the joint count table (0: the expert distribution is the same in every domain)."""
+    p_DxE = np.asarray(counts_DxE, np.float64)
+    total = p_DxE.sum()
+    if total == 0:
+        return float("nan")
+    p_DxE = p_DxE / total
+    outer_DxE = p_DxE.sum(1, keepdims=True) * p_DxE.sum(0, keepdims=True)
+    nz = p_DxE > 0
+    return float((p_DxE[nz] * np.log2(p_DxE[nz] / outer_DxE[nz])).sum())
+
+
+def shuffled_locality_first(first_counts_E):
+    """P[two consecutive tokens share their first choice] under the permutation: two distinct tokens drawn
+    without replacement from first-choice counts c_e: sum_e c_e (c_e - 1) / (N (N - 1))."""
+    c_E = np.asarray(first_counts_E, np.float64)
+    n = c_E.sum()
+    return float((c_E * (c_E - 1)).sum() / (n * (n - 1))) if n > 1 else float("nan")
+
+
+def headline(result) -> dict:
+    """The HEADLINE metrics of one finalize() result, each an array over MoE layers."""
+    share_LxDxE = result["share_top1_LxDxE"]
+    has_tokens_D = np.asarray(result["n_tokens_D"]) > 0
+    out = {
+        "top1_max_share": np.nanmax(share_LxDxE[:, has_tokens_D], -1).mean(-1),
+        "domain_mi_bits": np.array([mutual_information_bits(c) for c in result["first_LxDxE"]]),
+        "loc_first": np.asarray(result["loc_first_L"], np.float64),
+        "maxvio": np.asarray(result["maxvio_L"], np.float64),
+    }
+    if "vocab_spec_L" in result:
+        out["vocab_spec"] = np.asarray(result["vocab_spec_L"], np.float64)
+    return {k: out[k] for k in HEADLINE if k in out}
+
+
+def random_router(record: RoutingRecord, n_shuffles=20, seed=0) -> dict:
+    """{metric: [n_shuffles, L]} of `headline` under n_shuffles independent permutations."""
+    rng = np.random.default_rng(seed)
+    runs = [headline(accumulate(record, rng=rng)) for _ in range(n_shuffles)]
+    return {k: np.stack([r[k] for r in runs]) for k in runs[0]} if runs else {}

@@ -1,0 +1,158 @@
+"""Is the routing specialization more than chance? Each headline metric of one or several runs of one config
+(seeds), beside the same metric for the model at step 0 and for a random router with the same load.
+
+    python -m analysis.specialization --workdir runs/default
+    python -m analysis.specialization --workdir runs/s0 --workdir runs/s1 --workdir runs/s2 --max_tokens 4096
+
+Several --workdir: runs of one config that differ only in train.seed (anything else is an error); each
+metric then gets its mean and range over the runs (and a 95% t-interval with 3 or more). Every run routes
+the same validation tokens (--max_tokens per domain) through its checkpoint (--step, default the latest),
+through its step-0 model (analysis.baselines.init_model), and --shuffles times through a random router
+with its load (analysis.baselines). Writes specialization.json and specialization.png into --out (default:
+the first WORKDIR/analysis) and prints a table. Bad input: one line on stderr, exit 2.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+from scipy import stats
+
+from analysis import baselines, specialization_plots
+from rundir import open_run
+from train.cli import ArgParser, all_keys, check_out_dir
+from train.errors import UserError, exit_with, os_error
+
+# Keys that may differ between runs of "one config": the seed, and where and how often the run wrote files.
+FREE_KEYS = ("train.seed", "checkpoint.", "log.")
+
+
+def parse_args(argv):
+    p = ArgParser(prog="python -m analysis.specialization", description=__doc__.split("\n")[0])
+    p.add_argument("--workdir", action="append", required=True,
+                   help="run directory; repeat it for several seeds of one config")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step of every run (default: each run's latest)")
+    p.add_argument("--out", default=None, help="output directory (default: the first WORKDIR/analysis)")
+    p.add_argument("--split", default=None, help="data split (default: the run's data.eval_split)")
+    p.add_argument("--max_tokens", type=int, default=4096, help="tokens per domain (4096)")
+    p.add_argument("--shuffles", type=int, default=20, help="random-router permutations per run (20)")
+    p.add_argument("--batch_size", type=int, default=None, help="rows per batch (default: eval.batch_size)")
+    args = p.parse_args(argv)
+    for name in ("max_tokens", "shuffles", "batch_size"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise UserError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if len(set(args.workdir)) < len(args.workdir):
+        raise UserError("a --workdir is given twice; pass each run once")
+    return args
+
+
+def check_same_config(runs):
+    """UserError naming the first key (other than FREE_KEYS) whose value differs between the runs."""
+    first = all_keys(runs[0].config)
+    for run in runs[1:]:
+        other = all_keys(run.config)
+        for key in sorted(set(first) | set(other)):
+            if key.startswith(FREE_KEYS) or first.get(key) == other.get(key):
+                continue
+            raise UserError(f"--workdir {run.workdir} is not a seed of {runs[0].workdir}: config key {key} is "
+                            f"{other.get(key)!r} there and {first.get(key)!r} in the first; pass runs of one config")
+
+
+def measure(run, split, max_tokens, n_shuffles, batch_size=None):
+    """{"n_tokens": N, "trained": {metric: [L]}, "step0": {metric: [L]}, "random": {metric: [n_shuffles, L]}} for one run."""
+    record = baselines.route_record(run.model, run.config, split, max_tokens, batch_size)
+    if not record.batches or not any(b["valid"].any() for b in record.batches):
+        raise UserError(f"no tokens to analyse in split {split or run.config.data.eval_split!r}; check --split")
+    init = baselines.route_record(baselines.init_model(run), run.config, split, max_tokens, batch_size)
+    trained = baselines.accumulate(record)
+    return {"n_tokens": int(trained["n_tokens"]), "trained": baselines.headline(trained),
+            "step0": baselines.headline(baselines.accumulate(init)),
+            "random": baselines.random_router(record, n_shuffles, seed=run.config.train.seed)}
+
+
+def interval(values_RxL):
+    """Mean, min, max over runs (axis 0) and, with 3 or more, the 95% t-interval of the mean (else NaN)."""
+    v = np.asarray(values_RxL, np.float64)
+    n, mean = v.shape[0], v.mean(0)
+    half = (stats.t.ppf(0.975, n - 1) * v.std(0, ddof=1) / np.sqrt(n)) if n >= 3 else np.full_like(mean, np.nan)
+    return {"mean": mean, "min": v.min(0), "max": v.max(0), "ci95_low": mean - half, "ci95_high": mean + half,
+            "n": n}
+
+
+def aggregate(per_run):
+    """Per metric: trained and step-0 intervals over runs, random router over runs x shuffles."""
+    out = {}
+    for name in per_run[0]["trained"]:
+        rand_NxL = np.concatenate([m["random"][name] for m in per_run])
+        out[name] = {"what": baselines.HEADLINE[name],
+                     "trained": dict(interval([m["trained"][name] for m in per_run]),
+                                     per_run=[m["trained"][name] for m in per_run]),
+                     "step0": dict(interval([m["step0"][name] for m in per_run]),
+                                   per_run=[m["step0"][name] for m in per_run]),
+                     # The band a random router spans: 2.5%..97.5% of every permutation of every run.
+                     "random": {"mean": rand_NxL.mean(0), "low": np.quantile(rand_NxL, 0.025, 0),
+                                "high": np.quantile(rand_NxL, 0.975, 0), "n": len(rand_NxL)}}
+    return out
+
+
+def _plain(x):
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_plain(v) for v in x]
+    if isinstance(x, np.ndarray | np.generic):
+        return _plain(x.tolist())
+    if isinstance(x, float) and not np.isfinite(x):
+        return None
+    return x
+
+
+def table(doc):
+    """One line per metric and layer: trained (range over runs), step 0, random router band."""
+    lines = [f"{len(doc['runs'])} run(s), {doc['n_tokens']} tokens each; random router: "
+             f"{doc['n_shuffles']} permutations per run (2.5-97.5% band)"]
+    for name, m in doc["metrics"].items():
+        for i, layer in enumerate(doc["layer_ids"]):
+            t, s, r = m["trained"], m["step0"], m["random"]
+            rng = f" [{t['min'][i]:.3f}, {t['max'][i]:.3f}]" if t["n"] > 1 else ""
+            lines.append(f"{name:>15} layer {layer}: trained {t['mean'][i]:.3f}{rng}  step 0 {s['mean'][i]:.3f}  "
+                         f"random {r['mean'][i]:.3f} [{r['low'][i]:.3f}, {r['high'][i]:.3f}]")
+    return "\n".join(lines)
+
+
+def document(runs, per_run, split, max_tokens, n_shuffles):
+    """specialization.json as plain JSON types: the runs, the settings and `aggregate(per_run)`."""
+    ref = runs[0]
+    return _plain({"runs": [{"workdir": str(r.workdir), "step": r.step, "seed": r.config.train.seed} for r in runs],
+                   "split": split or ref.config.data.eval_split, "max_tokens": max_tokens,
+                   "n_tokens": per_run[0]["n_tokens"], "n_shuffles": n_shuffles, "layer_ids": ref.moe_layer_ids,
+                   "top_k": ref.model.cfg.top_k, "n_experts": ref.model.cfg.n_routed_experts,
+                   "metrics": aggregate(per_run)})
+
+
+def run(args, log=print):
+    check_out_dir(args.out, Path(args.workdir[0]) / "analysis", create=False)
+    runs = [open_run(w, args.step) for w in args.workdir]
+    check_same_config(runs)
+    per_run = [measure(r, args.split, args.max_tokens, args.shuffles, args.batch_size) for r in runs]
+    doc = document(runs, per_run, args.split, args.max_tokens, args.shuffles)
+    out = check_out_dir(args.out, Path(args.workdir[0]) / "analysis")
+    (out / "specialization.json").write_text(json.dumps(doc, indent=1))
+    specialization_plots.plot_specialization(doc, out / "specialization.png")
+    log(table(doc))
+    log(f"wrote specialization.json and specialization.png to {out}")
+    return doc, out
+
+
+def main(argv=None):
+    try:
+        run(parse_args(sys.argv[1:] if argv is None else argv))
+    except UserError as e:
+        exit_with(e)
+    except OSError as e:
+        exit_with(os_error(e))
+
+
+if __name__ == "__main__":
+    main()
