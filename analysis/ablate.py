@@ -12,15 +12,14 @@ per ablation and the rank correlation of share and loss change per layer. Cost: 
 """
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 
 from analysis import ablation, ablation_plots
 from rundir import open_run
-from train.cli import ArgParser, check_out_dir
-from train.errors import UserError, exit_with, os_error
+from train.cli import ArgParser, check_out_dir, run_cli
+from train.errors import UserError
 
 
 def parse_args(argv):
@@ -98,12 +97,7 @@ def run(args, log=print):
 
 
 def main(argv=None):
-    try:
-        run(parse_args(sys.argv[1:] if argv is None else argv))
-    except UserError as e:
-        exit_with(e)
-    except OSError as e:
-        exit_with(os_error(e))
+    run_cli(run, parse_args, argv)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ A run keeps only checkpoint.keep checkpoints (3 by default); for the whole traje
 """
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +25,8 @@ from analysis.routing_stats import SaturationAccumulator
 from moe import routing_biases
 from rundir import RunDir, open_run
 from rundir.checkpoints import steps_in
-from train.cli import ArgParser, check_out_dir
-from train.errors import UserError, exit_with, os_error
+from train.cli import ArgParser, check_out_dir, run_cli
+from train.errors import UserError
 
 
 def parse_args(argv):
@@ -149,12 +148,7 @@ def run(args, log=print):
 
 
 def main(argv=None):
-    try:
-        run(parse_args(sys.argv[1:] if argv is None else argv))
-    except UserError as e:
-        exit_with(e)
-    except OSError as e:
-        exit_with(os_error(e))
+    run_cli(run, parse_args, argv)
 
 
 if __name__ == "__main__":

@@ -20,14 +20,13 @@ and prints a short summary. Bad input (no checkpoint, unknown step, a non-MoE la
 """
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 
 from analysis import hf_source, routing_html, routing_plots, routing_run, routing_stats
-from train.cli import ArgParser, check_out_dir
-from train.errors import UserError, exit_with, os_error
+from train.cli import ArgParser, check_out_dir, run_cli
+from train.errors import UserError
 
 
 def parse_args(argv):
@@ -216,12 +215,7 @@ def run_hf(args, log=print):
 
 
 def main(argv=None):
-    try:
-        run(parse_args(sys.argv[1:] if argv is None else argv))
-    except UserError as e:
-        exit_with(e)
-    except OSError as e:
-        exit_with(os_error(e))
+    run_cli(run, parse_args, argv)
 
 
 if __name__ == "__main__":

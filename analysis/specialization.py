@@ -13,7 +13,6 @@ the first WORKDIR/analysis) and prints a table. Bad input: one line on stderr, e
 """
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,8 +20,8 @@ from scipy import stats
 
 from analysis import baselines, specialization_plots
 from rundir import open_run
-from train.cli import ArgParser, all_keys, check_out_dir
-from train.errors import UserError, exit_with, os_error
+from train.cli import ArgParser, all_keys, check_out_dir, run_cli
+from train.errors import UserError
 
 # Keys that may differ between runs of "one config": the seed, and where and how often the run wrote files.
 FREE_KEYS = ("train.seed", "checkpoint.", "log.")
@@ -146,12 +145,7 @@ def run(args, log=print):
 
 
 def main(argv=None):
-    try:
-        run(parse_args(sys.argv[1:] if argv is None else argv))
-    except UserError as e:
-        exit_with(e)
-    except OSError as e:
-        exit_with(os_error(e))
+    run_cli(run, parse_args, argv)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import ml_collections
 
-from train.errors import UserError
+from train.errors import UserError, exit_with, os_error
 
 _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
@@ -161,3 +161,14 @@ def check_out_dir(out, default, create: bool = True) -> Path:
     if create:
         path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def run_cli(run, parse_args, argv=None):
+    """An analysis CLI's main: parse argv (default sys.argv[1:]) and run; bad input or an OS error is one line
+    on stderr and exit code 2. Returns what `run` returns."""
+    try:
+        return run(parse_args(sys.argv[1:] if argv is None else argv))
+    except UserError as e:
+        exit_with(e)
+    except OSError as e:
+        exit_with(os_error(e))
