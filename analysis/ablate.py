@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from analysis import ablation, ablation_plots
+from analysis.routing_stats import plain_json
 from rundir import open_run
 from train.cli import ArgParser, check_out_dir, run_cli
 from train.errors import UserError
@@ -47,18 +48,6 @@ def check_choice(run, layers, experts):
             raise UserError(f"--experts {e} is out of range; this model has experts 0..{n - 1}")
 
 
-def _plain(x):
-    if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_plain(v) for v in x]
-    if isinstance(x, np.ndarray | np.generic):
-        return _plain(x.tolist())
-    if isinstance(x, float) and not np.isfinite(x):
-        return None
-    return x
-
-
 def correlations(result):
     """Per ablated layer the Spearman correlation of routing share and loss change: over experts (overall
     share, overall change) and over (expert, domain) pairs."""
@@ -83,7 +72,7 @@ def run(args, log=print):
                              args.rows_per_domain, log=log)
     corr = correlations(result)
     out = check_out_dir(args.out, Path(args.workdir) / "analysis")
-    doc = _plain(dict(result, workdir=str(args.workdir), step=run_.step, mask_bias=ablation.MASK_BIAS,
+    doc = plain_json(dict(result, workdir=str(args.workdir), step=run_.step, mask_bias=ablation.MASK_BIAS,
                       spearman={f"layer {k}": v for k, v in corr.items()}))
     (out / "ablation.json").write_text(json.dumps(doc, indent=1))
     ablation_plots.plot_importance_vs_share(result, out / "ablation_importance.png")

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from analysis import baselines, dynamics_plots, routing_stats
-from analysis.routing_stats import SaturationAccumulator
+from analysis.routing_stats import SaturationAccumulator, plain_json
 from moe import routing_biases
 from rundir import RunDir, open_run
 from rundir.checkpoints import steps_in
@@ -115,25 +115,13 @@ def training_series(workdir):
             for name in ("maxvio", "bias_range")}
 
 
-def _plain(x):
-    if isinstance(x, dict):
-        return {str(k): _plain(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_plain(v) for v in x]
-    if isinstance(x, np.ndarray | np.generic):
-        return _plain(x.tolist())
-    if isinstance(x, float) and not np.isfinite(x):
-        return None
-    return x
-
-
 def run(args, log=print):
     check_out_dir(args.out, Path(args.workdir) / "analysis", create=False)
     traj = trajectory(args.workdir, args.final_step, args.split, args.max_tokens, args.batch_size,
                       step0=not args.no_step0, log=log)
     series = training_series(args.workdir)
     out = check_out_dir(args.out, Path(args.workdir) / "analysis")
-    doc = _plain(dict(traj, workdir=str(args.workdir), split=args.split, max_tokens=args.max_tokens,
+    doc = plain_json(dict(traj, workdir=str(args.workdir), split=args.split, max_tokens=args.max_tokens,
                       training={k: {layer: {"steps": s, "values": v} for layer, (s, v) in ser.items()}
                                 for k, ser in series.items()}))
     (out / "dynamics.json").write_text(json.dumps(doc, indent=1))

@@ -262,6 +262,19 @@ def read_maxvio_series(path, key_pattern=r"moe/layer_(\d+)/maxvio", step_key="st
     return {layer: tuple(np.asarray(v, np.float64) for v in zip(*series[layer])) for layer in sorted(series)}
 
 
+def plain_json(x):
+    """A result (dicts, lists, NumPy arrays and scalars) as plain JSON values; NaN / Inf -> null."""
+    if isinstance(x, dict):
+        return {str(k): plain_json(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [plain_json(v) for v in x]
+    if isinstance(x, np.ndarray | np.generic):
+        return plain_json(x.tolist())
+    if isinstance(x, float) and not np.isfinite(x):
+        return None
+    return x
+
+
 def to_jsonable(result, max_size=100_000):
     """Converts a `finalize` dict to plain JSON types (NaN -> None), dropping arrays larger than max_size."""
     out = {}

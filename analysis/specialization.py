@@ -19,6 +19,7 @@ import numpy as np
 from scipy import stats
 
 from analysis import baselines, specialization_plots
+from analysis.routing_stats import plain_json
 from rundir import open_run
 from train.cli import ArgParser, all_keys, check_out_dir, run_cli
 from train.errors import UserError
@@ -95,18 +96,6 @@ def aggregate(per_run):
     return out
 
 
-def _plain(x):
-    if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_plain(v) for v in x]
-    if isinstance(x, np.ndarray | np.generic):
-        return _plain(x.tolist())
-    if isinstance(x, float) and not np.isfinite(x):
-        return None
-    return x
-
-
 def table(doc):
     """One line per metric and layer: trained (range over runs), step 0, random router band."""
     lines = [f"{len(doc['runs'])} run(s), {doc['n_tokens']} tokens each; random router: "
@@ -123,7 +112,7 @@ def table(doc):
 def document(runs, per_run, split, max_tokens, n_shuffles):
     """specialization.json as plain JSON types: the runs, the settings and `aggregate(per_run)`."""
     ref = runs[0]
-    return _plain({"runs": [{"workdir": str(r.workdir), "step": r.step, "seed": r.config.train.seed} for r in runs],
+    return plain_json({"runs": [{"workdir": str(r.workdir), "step": r.step, "seed": r.config.train.seed} for r in runs],
                    "split": split or ref.config.data.eval_split, "max_tokens": max_tokens,
                    "n_tokens": per_run[0]["n_tokens"], "n_shuffles": n_shuffles, "layer_ids": ref.moe_layer_ids,
                    "top_k": ref.model.cfg.top_k, "n_experts": ref.model.cfg.n_routed_experts,
