@@ -28,7 +28,7 @@ from flax import nnx
 
 from analysis import routing_run
 from analysis.routing_stats import RoutingAccumulator
-from moe import routing_biases, set_routing_biases
+from moe import Execution, routing_biases, set_routing_biases
 from train import inputs
 from train.state import split_model
 from train.step import make_eval_step
@@ -83,7 +83,7 @@ def ablate(model, config, tokenizer, layers=None, experts=None, rows_per_domain=
     the expert masked - without), se_A / se_AxD (standard error over rows), share_LxDxE / share_LxE (top-k
     routing share of the scored tokens without masking, sums to K) and top1_LxE (first choices)."""
     cfg = model.cfg
-    moe_ids = [i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)]
+    moe_ids = list(cfg.moe_layer_ids)
     layers = moe_ids if layers is None else list(layers)
     experts = list(range(cfg.n_routed_experts)) if experts is None else list(experts)
     batches = eval_batches(config, rows_per_domain)
@@ -93,7 +93,7 @@ def ablate(model, config, tokenizer, layers=None, experts=None, rows_per_domain=
     C = len(TOKEN_CLASSES)
     seg_batches, n_rows = _segment_batches(batches, class_V, C)
     graphdef, params, bias = split_model(model)
-    step = jax.jit(make_eval_step(graphdef, n_rows * C))
+    step = jax.jit(make_eval_step(graphdef, n_rows * C, Execution()))  # fp32, dropless: nothing dropped
 
     def losses(bias_state):
         ce, n = 0.0, 0.0

@@ -22,7 +22,7 @@ import numpy as np
 
 from analysis import baselines, dynamics_plots, routing_stats
 from analysis.routing_stats import SaturationAccumulator, plain_json
-from moe import routing_biases
+from moe import router, routing_biases
 from rundir import RunDir, open_run
 from rundir.checkpoints import steps_in
 from train.cli import ArgParser, check_out_dir, run_cli
@@ -99,7 +99,7 @@ def trajectory(workdir, final_step=None, split=None, max_tokens=2048, batch_size
     load_SxLxE = np.asarray(out["load_SxLxE"])
     return dict(
         {k: np.asarray(v) for k, v in out.items()},
-        maxvio_SxL=routing_stats.maxvio(load_SxLxE.reshape(-1, load_SxLxE.shape[-1])).reshape(load_SxLxE.shape[:2]),
+        maxvio_SxL=np.asarray(router.max_violation(load_SxLxE), np.float64),
         dead_SxL=(load_SxLxE == 0).sum(-1), final_step=final.step, layer_ids=final.moe_layer_ids,
         top_k=final.model.cfg.top_k, n_experts=final.model.cfg.n_routed_experts,
         n_tokens=int(sum(int(b["valid"].sum()) for b in final_rec.batches)),

@@ -20,24 +20,25 @@ import sys
 import warnings
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from analysis import rank_metrics as rm
+from moe import Execution
 from rundir import open_run
 from train.cli import ArgParser, check_out_dir
 from train.errors import UserError, exit_with, os_error
 from train.inputs import eval_rows
 
 PATHS = ("full", "no_mlp", "no_skip", "pure_attn")
+EXECUTION = Execution()  # fp32, dropless, einsum attention (its probabilities are what is measured)
 
 
 def forward_paths(model, batch):
     """Attention probabilities [B,H,L,L] per layer (trained model) and block outputs [B,L,D] per path and layer
     (NumPy). Index 0 of each path's list is the embedding. Compiled once per model config."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
     graphdef, state = nnx.split(model)
     keys = ("tokens", "segment_ids", "positions", "prefix_len")
     arrays = {k: jnp.asarray(batch[k]) for k in keys if k in batch}
@@ -52,42 +53,27 @@ _compiled = {}
 
 
 def _paths(model, batch):
-    """Re-wires the model's own modules (attn_norm, attn, ffn_norm, ffn) exactly as moe.model.Block does, with
-    the residual adds and/or the FFN switched off."""
-    import jax.numpy as jnp
-
-    from moe.masks import attention_mask
-
-    cfg = model.cfg
-    tokens, seg, pos = batch["tokens"], batch["segment_ids"], batch["positions"]
-    B, L = tokens.shape
-    idx = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
-    mask = attention_mask(cfg.mask, idx, idx, n_heads=cfg.n_heads, prefix_len_B=batch.get("prefix_len"),
-                          q_seg_BxQ=seg, k_seg_BxK=seg)
-    valid = seg > 0
-    x0 = jnp.take(model.embed[...], tokens, axis=0).astype(jnp.dtype(cfg.dtype))
-
-    def ffn(block, h):
-        return block.ffn(block.ffn_norm(h), valid)[0] if block.is_moe else block.ffn(block.ffn_norm(h))
-
-    hidden = {p: [x0] for p in PATHS}
-    probs = []
+    """The full path is the model's own forward (attention probabilities and residual stream from its aux
+    outputs); the ablated paths wire the model's own pieces (attention_inputs, embed_tokens, Block.attend,
+    Block.feed_forward) with the residual adds and/or the FFN switched off."""
+    kw = dict(positions_BxL=batch["positions"], segment_ids_BxL=batch["segment_ids"],
+              prefix_len_B=batch.get("prefix_len"))
+    _, aux = model(batch["tokens"], execution=EXECUTION, return_attention=True, return_hidden=True, **kw)
+    positions, mask, valid = model.attention_inputs(batch["tokens"], **kw)
+    x0 = model.embed_tokens(batch["tokens"], EXECUTION)
+    hidden = {"full": aux["hidden"], **{p: [x0] for p in PATHS if p != "full"}}
     xs = dict.fromkeys(PATHS, x0)
     for block in model.blocks:
-        for p in PATHS:
-            a, _, pr = block.attn(block.attn_norm(xs[p]), pos, mask, None, None, p == "full")
-            if p == "full":
-                probs.append(pr)
-                h = xs[p] + a
-                xs[p] = h + ffn(block, h)
-            elif p == "no_mlp":
+        for p in PATHS[1:]:
+            a = block.attend(xs[p], positions, mask, EXECUTION)[0]
+            if p == "no_mlp":
                 xs[p] = xs[p] + a
             elif p == "no_skip":
-                xs[p] = ffn(block, a)
+                xs[p] = block.feed_forward(a, valid, EXECUTION)[0]
             else:
                 xs[p] = a
             hidden[p].append(xs[p])
-    return probs, hidden
+    return aux["attention"], hidden
 
 
 def documents(segment_ids_BxL, prefix_B=None) -> list[tuple[int, int, int, int]]:

@@ -17,6 +17,7 @@ import re
 
 import numpy as np
 
+from moe import router
 from rundir.metrics import read_rows
 
 
@@ -36,14 +37,6 @@ def domain_share(counts_LxDxE, n_tokens_D):
     n_1xDx1 = np.asarray(n_tokens_D, np.float64)[None, :, None]
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(n_1xDx1 > 0, counts_LxDxE / np.maximum(n_1xDx1, 1), np.nan)
-
-
-def maxvio(load_LxE):
-    """MaxVio_global[l] = (max_e load[l, e] - mean_e load[l, e]) / mean_e load[l, e] (0 = perfectly balanced)."""
-    load_LxE = np.asarray(load_LxE, np.float64)
-    mean_L = load_LxE.mean(-1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return (load_LxE.max(-1) - mean_L) / mean_L
 
 
 def dead_experts(counts_LxE):
@@ -206,7 +199,7 @@ class RoutingAccumulator:
             share_top1_LxDxE=domain_share(self.first_LxDxE, self.n_tokens_D),
             share_norm_LxDxE=domain_share(self.counts_LxDxE, self.n_tokens_D) / self.K,
             gate_share_LxDxE=domain_share(self.gate_LxDxE, self.n_tokens_D),
-            load_LxE=load_LxE, maxvio_L=maxvio(load_LxE), dead_LxE=load_LxE == 0,
+            load_LxE=load_LxE, maxvio_L=np.asarray(router.max_violation(load_LxE), np.float64), dead_LxE=load_LxE == 0,
             loc_first_L=self.loc_first_L / pairs, loc_any_L=self.loc_any_L / pairs,
             loc_overlap_L=self.loc_overlap_L / (pairs * self.K), n_pairs=self.n_pairs,
             baseline_first=base[0], baseline_any=base[1], baseline_overlap=base[2],

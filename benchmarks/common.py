@@ -15,8 +15,8 @@ import jax
 PRESETS = {
     "cpu": dict(model=dict(d_model=128, n_layers=2, n_heads=4, n_kv_heads=4, head_dim=32, d_ff=512,
                            first_k_dense=1, vocab_size=4096, n_routed_experts=8, n_shared_experts=1, top_k=2,
-                           moe_d_ff=128, dtype="float32"),
-                batch=4, seq_len=256, steps=3),
+                           moe_d_ff=128),
+                execution=dict(dtype="float32"), batch=4, seq_len=256, steps=3),
     "gpu": dict(model="configs.gpu_1b", batch=16, seq_len=2048, steps=10),
 }
 
@@ -26,7 +26,8 @@ def preset(name: str, n_experts: int | None = None) -> dict:
     expert width fixed), dropping group-limited routing where the groups would no longer fit."""
     p = dict(PRESETS[name])
     if isinstance(p["model"], str):
-        p["model"] = importlib.import_module(p["model"]).get_config().model.to_dict()
+        config = importlib.import_module(p["model"]).get_config()
+        p["model"], p["execution"] = config.model.to_dict(), config.execution.to_dict()
     m = p["model"] = dict(p["model"])
     if n_experts is not None:
         m["n_routed_experts"] = n_experts
@@ -37,7 +38,7 @@ def preset(name: str, n_experts: int | None = None) -> dict:
 
 
 DISPATCHES = ("dropless", "capacity", "expert_parallel")
-GROUPED = ("dropless", "expert_parallel")  # the dispatches that run a grouped matmul (model.grouped_matmul)
+GROUPED = ("dropless", "expert_parallel")  # the dispatches that run a grouped matmul (execution.grouped_matmul)
 
 
 def variants(dispatches: list[str], grouped_matmuls: list[str]) -> list[tuple[str, str]]:

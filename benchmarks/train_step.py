@@ -17,10 +17,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 from benchmarks.common import PRESETS, arg_parser, describe, peak_memory_gb, preset, table, time_fn, variants
 from configs.base import base_config
 from moe import train_flops_per_token
-from moe.sharding import use_mesh
 from train import mesh as mesh_lib
 from train import optim
-from train.config import check
+from train.config import check, execution
 from train.flops import measure_peak_flops
 from train.state import init_state
 from train.step import make_train_step
@@ -30,8 +29,9 @@ def _config(name: str, dispatch: str, n_experts: int, capacity_factor: float, gr
             batch: int = 0):
     p = preset(name, n_experts)
     c = base_config()
-    c.model.update(**{**p["model"], "dispatch": dispatch, "capacity_factor": capacity_factor,
-                      "grouped_matmul": "auto" if grouped == "-" else grouped, "attention_impl": attention})
+    c.model.update(**p["model"])
+    c.execution.update(**{**p["execution"], "dispatch": dispatch, "capacity_factor": capacity_factor,
+                          "grouped_matmul": "auto" if grouped == "-" else grouped, "attention_impl": attention})
     c.data.seq_len = p["seq_len"]
     # The preset's batch is per device: on N devices the (data-parallel) step sees N times the rows.
     c.train.update(batch_size=(batch or p["batch"]) * jax.device_count(), steps=1000, warmup_steps=10)
@@ -53,12 +53,7 @@ def bench(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto",
     mesh = mesh_lib.make_mesh(c.mesh)
     tx = optim.optimizer(t)
     graphdef, state, shardings = init_state(mcfg, tx, 0, mesh)
-    step = make_train_step(graphdef, tx, optim.schedule(t), t)
-
-    @jax.jit
-    def run(state, batch):
-        with use_mesh(mesh):
-            return step(state, batch)
+    run = jax.jit(make_train_step(graphdef, tx, optim.schedule(t), t, execution(c, mesh)))
 
     batch = _batch(t.batch_size, c.data.seq_len, mcfg.vocab_size, mesh)
     s = time_fn(lambda: run(state, batch)[1]["loss"], steps=PRESETS[name]["steps"])

@@ -3,24 +3,22 @@
 Every key here can be overridden on the command line, e.g. `--config.train.steps=500`.
 """
 
+import dataclasses
+
 import ml_collections
+
+from moe.config import ModelConfig
+from moe.execution import execution_fields
 
 
 def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
 
-    # model.* mirrors moe.ModelConfig field for field (see moe/config.py for their meaning).
-    c.model = ml_collections.ConfigDict(dict(
-        vocab_size=8192, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, head_dim=64, d_ff=1024,
-        first_k_dense=1, tie_embeddings=False, norm_eps=1e-6, mask="causal", rope=True, rope_theta=10000.0,
-        n_routed_experts=16, n_shared_experts=1, top_k=2, moe_d_ff=256, n_group=1, topk_group=1,
-        routed_scaling_factor=1.0, norm_topk_prob=True, balance_loss_weight=1e-4, dispatch="dropless",
-        capacity_factor=1.25, grouped_matmul="auto", attention_impl="einsum", dtype="float32", remat=False,
-        init_std=0.02,
-        # Off by default; set by the HF importer (moe_import/) to reproduce other MoE families exactly.
-        moe_layer_step=1, dense_layers="", rope_fraction=1.0, qkv_bias=False, attn_out_bias=False, qk_norm="none",
-        router_score="sigmoid", shared_d_ff=0, shared_expert_gate=False,
-    ))
+    # model.*: the architecture, every field of moe.ModelConfig with its default (moe/config.py says what each
+    # means): what a checkpoint must match. execution.*: how it runs (moe/execution.py): any execution runs any
+    # checkpoint.
+    c.model = ml_collections.ConfigDict(dataclasses.asdict(ModelConfig()))
+    c.execution = ml_collections.ConfigDict(execution_fields())
 
     c.data = ml_collections.ConfigDict(dict(
         name="moe_corpus",  # any TFDS text data set prepared as array_record, e.g. "lm1b"
@@ -55,11 +53,14 @@ def base_config() -> ml_collections.ConfigDict:
         bias_update_rate=1e-3,  # gamma of aux-loss-free balancing
         bias_update_stop=1.0,  # fraction of the run after which gamma is 0 (DeepSeek-V3 stops it late)
         prefix_loss=False,  # prefix/mixed masks: whether prefix positions carry loss (UniLM: no)
+        balance_loss_weight=1e-4,  # alpha of the sequence-wise balance loss; 0 turns it off
     ))
 
     c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, expert=1, tensor=1))  # -1: the remaining devices
     c.checkpoint = ml_collections.ConfigDict(dict(every=200, keep=3, async_save=True))
     c.log = ml_collections.ConfigDict(dict(every=10, peak_flops=0.0, tensorboard=True, progress=True))
     # peak_flops: per device, for MFU; 0 measures a large matmul on this device at start.
-    c.eval = ml_collections.ConfigDict(dict(every=200, rows_per_domain=8, batch_size=16))
+    # eval.dispatch: "" evaluates with execution.dispatch; "dropless" (or "capacity", one capacity per sequence)
+    # makes a row's evaluation loss independent of the other rows in its batch.
+    c.eval = ml_collections.ConfigDict(dict(every=200, rows_per_domain=8, batch_size=16, dispatch=""))
     return c

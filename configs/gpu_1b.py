@@ -20,7 +20,8 @@ def get_config():
     c = base_config()
     c.model.update(vocab_size=8192, d_model=1024, n_layers=16, n_heads=16, n_kv_heads=4, head_dim=64, d_ff=2816,
                    first_k_dense=1, n_routed_experts=64, n_shared_experts=2, top_k=6, moe_d_ff=320, n_group=8,
-                   topk_group=4, routed_scaling_factor=2.5, dtype="bfloat16", remat=True, rope_theta=10000.0)
+                   topk_group=4, routed_scaling_factor=2.5, rope_theta=10000.0)
+    c.execution.update(dtype="bfloat16", remat=True)
     c.data.seq_len = 2048
     c.train.update(steps=20000, batch_size=64, grad_accum=4, lr=1e-3, warmup_steps=1000, schedule="wsd",
                    decay_frac=0.2, weight_decay=0.1)

@@ -2,7 +2,8 @@
 
 The cache is a list (one per layer) of {"k", "v": [B, S, N, Dh]} in the compute dtype. Logits at every position
 equal the full-sequence forward (tests/test_decode.py). In prefix mode the whole prompt is the prefix: it is
-processed bidirectionally once, then generation is causal.
+processed bidirectionally once, then generation is causal. Every function takes the Execution to run with;
+decoding uses `execution.for_decoding()` (dropless: a one-token step must not depend on the rest of the batch).
 """
 
 import functools
@@ -11,12 +12,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moe.model import Transformer
+from moe.execution import Execution
+from moe.model import DEFAULT_EXECUTION, Transformer
 
 
-def init_cache(cfg, batch: int, max_len: int):
+def init_cache(cfg, batch: int, max_len: int, dtype: str = "float32"):
     shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
-    dt = jnp.dtype(cfg.dtype)
+    dt = jnp.dtype(dtype)
     return [{"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)} for _ in range(cfg.n_layers)]
 
 
@@ -25,7 +27,7 @@ def _prefix_len(model, prompt_BxP):
     return jnp.full((B,), P, jnp.int32) if model.cfg.mask in ("prefix", "mixed") else None
 
 
-def prefill(model: Transformer, prompt_BxP, cache, start: int = 0):
+def prefill(model: Transformer, prompt_BxP, cache, start: int = 0, execution: Execution = DEFAULT_EXECUTION):
     """Run P tokens through the model at cache slots [start, start + P) (positions too), attending to the slots
     already written before `start`: a causal model continues a conversation without recomputing earlier turns.
     Returns (logits [B,P,V], cache).
@@ -36,16 +38,17 @@ def prefill(model: Transformer, prompt_BxP, cache, start: int = 0):
     if start and model.cfg.mask != "causal":
         raise ValueError(f"mask {model.cfg.mask!r} cannot extend a cached prompt (its prefix attends both ways, so "
                          "earlier slots change); prefill the whole prompt from start=0")
-    logits, aux = model(prompt_BxP, cache=cache, cache_index=start, prefix_len_B=_prefix_len(model, prompt_BxP))
+    logits, aux = model(prompt_BxP, execution=execution.for_decoding(), cache=cache, cache_index=start,
+                        prefix_len_B=_prefix_len(model, prompt_BxP))
     return logits, aux["cache"]
 
 
-def step(model: Transformer, token_Bx1, index, cache, prefix_len_B=None):
+def step(model: Transformer, token_Bx1, index, cache, prefix_len_B=None, execution: Execution = DEFAULT_EXECUTION):
     """One token at slot `index` (its position too). Returns (logits [B,V], cache)."""
     B = token_Bx1.shape[0]
     positions = jnp.full((B, 1), index, jnp.int32)
-    logits, aux = model(token_Bx1, positions_BxL=positions, cache=cache, cache_index=index,
-                        prefix_len_B=prefix_len_B)
+    logits, aux = model(token_Bx1, execution=execution.for_decoding(), positions_BxL=positions, cache=cache,
+                        cache_index=index, prefix_len_B=prefix_len_B)
     return logits[:, 0], aux["cache"]
 
 
@@ -64,13 +67,13 @@ def sample(logits_BxV, rng, temperature: float, top_p: float):
     return jax.random.categorical(rng, logits_BxV, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(nnx.jit, static_argnames=("max_new_tokens", "temperature", "top_p"))
+@functools.partial(nnx.jit, static_argnames=("max_new_tokens", "temperature", "top_p", "execution"))
 def generate(model: Transformer, prompt_BxP, rng, *, max_new_tokens: int, temperature: float = 0.0,
-             top_p: float = 1.0):
+             top_p: float = 1.0, execution: Execution = DEFAULT_EXECUTION):
     """Prompt [B,P] (same length for every row) -> new tokens [B, max_new_tokens]."""
     B, P = prompt_BxP.shape
-    cache = init_cache(model.cfg, B, P + max_new_tokens)
-    logits_BxPxV, cache = prefill(model, prompt_BxP, cache)
+    cache = init_cache(model.cfg, B, P + max_new_tokens, execution.dtype)
+    logits_BxPxV, cache = prefill(model, prompt_BxP, cache, execution=execution)
     prefix_len_B = _prefix_len(model, prompt_BxP)
     rng, sub = jax.random.split(rng)
     first_B = sample(logits_BxPxV[:, -1], sub, temperature, top_p)
@@ -79,7 +82,7 @@ def generate(model: Transformer, prompt_BxP, rng, *, max_new_tokens: int, temper
     def body(i, carry):
         out_BxN, cache, rng = carry
         logits_BxV, cache = step(model, jax.lax.dynamic_slice_in_dim(out_BxN, i - 1, 1, axis=1), P + i - 1, cache,
-                                 prefix_len_B)
+                                 prefix_len_B, execution)
         rng, sub = jax.random.split(rng)
         return out_BxN.at[:, i].set(sample(logits_BxV, sub, temperature, top_p)), cache, rng
 

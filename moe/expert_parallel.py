@@ -4,15 +4,17 @@ Inside the jitted, auto-sharded model, `dispatch` wraps the expert computation i
 active mesh. With P = mesh.expert shards of E_l = E / P experts each:
   1. the T tokens, already split over (data, fsdp), are split further over `expert`: each device holds
      T_l = T / (data * fsdp * expert) tokens and their routing (ids, gates);
-  2. it sorts its N = T_l * K token copies by expert id (so by destination shard e // E_l) into a padded send
-     buffer [P, C, D]: C rows per (source, destination) pair, C = ceil(cf * N / P), at most N;
+  2. it sorts its N = T_l * K token copies by destination shard e // E_l (then by top-k rank, then by token) into
+     a padded send buffer [P, C, D]: C rows per (source, destination) pair, C = ceil(cf * N / P), at most N;
   3. `jax.lax.all_to_all` over `expert` swaps buffers: row block p of the receive buffer came from shard p;
   4. the grouped matmul (`model.grouped_matmul`) runs the E_l local experts on the received rows (padding rows are
      sorted last and left out of every group, so they cost nothing and produce zeros);
   5. a second all_to_all sends the outputs back; each copy is gathered from its slot and combined with its gate.
-Copies past C are dropped (output 0, counted in the returned keep mask). C = N (capacity_factor=None) can never
-drop: that is what `dispatch="dropless"` uses, at the price of send/receive buffers of P * N rows instead of
-cf * N (P times the local dropless path's N rows). `dispatch="expert_parallel"` uses cf = capacity_factor.
+Copies past C are dropped (output 0, counted in the returned keep mask), later top-k choices first. C = N
+(capacity_factor=None) can never drop: that is `dispatch="expert_parallel_dropless"`, at the price of send/receive
+buffers of P * N rows instead of cf * N (P times the local dropless path's N rows). `dispatch="expert_parallel"`
+uses cf = capacity_factor; its capacity is shared by all rows on a device, so one sequence's output can depend
+on the other rows of the batch (evaluate with a dropless or per-sequence `capacity` dispatch to avoid that).
 
 Weights enter split over `expert` and, with mesh.tensor > 1, their expert width F over `tensor` (Megatron style:
 each tensor rank computes its slice of every expert's hidden units on the same rows, and the partial outputs are
@@ -59,7 +61,10 @@ def local_dispatch(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_E
     Pn, C = n_shards, capacity
     N = T * K
     flat_ids_N = ids_TxK.reshape(N)
-    order_N = jnp.argsort(flat_ids_N, stable=True)  # by destination shard, then by local expert
+    # By destination shard, then by top-k rank, then by token: when a destination's C rows overflow, the copies
+    # dropped are the latest choices (as in capacity dispatch), not whichever experts sort last.
+    rank_N = jnp.arange(N) % K
+    order_N = jnp.argsort((flat_ids_N // El) * K + rank_N, stable=True)
     ids_N = flat_ids_N[order_N]
     dest_N = ids_N // El
     counts_P = (dest_N[:, None] == jnp.arange(Pn)).sum(0)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moe.sharding import constrain
+from moe.execution import Execution
 
 
 def param(rngs: nnx.Rngs, shape, names, std: float) -> nnx.Param:
@@ -64,11 +64,10 @@ def fused_attention_impl(name: str) -> str:
 class Attention(nnx.Module):
     def __init__(self, cfg, rngs: nnx.Rngs):
         D, H, N, Dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
         self.wq = param(rngs, (D, H, Dh), ("embed", "heads", "head_dim"), cfg.init_std)
         self.wk = param(rngs, (D, N, Dh), ("embed", "kv_heads", "head_dim"), cfg.init_std)
         self.wv = param(rngs, (D, N, Dh), ("embed", "kv_heads", "head_dim"), cfg.init_std)
-        self.wo = param(rngs, (H, Dh, D), ("heads", "head_dim", "embed"), out_std)
+        self.wo = param(rngs, (H, Dh, D), ("heads", "head_dim", "embed"), cfg.out_init_std)
         # Options of other MoE families (off by default; see moe/config.py).
         if cfg.qkv_bias:
             self.bq = nnx.Param(jnp.zeros((H, Dh), jnp.float32), out_sharding=("heads", "head_dim"))
@@ -88,14 +87,14 @@ class Attention(nnx.Module):
         B, L, H, Dh = x_BxLxHxDh.shape  # "full": one RMSNorm over all heads together (OLMoE)
         return norm(x_BxLxHxDh.reshape(B, L, H * Dh)).reshape(B, L, H, Dh)
 
-    def __call__(self, x_BxLxD, positions_BxL, mask_BxHxLxS, cache=None, cache_index=None,
+    def __call__(self, x_BxLxD, positions_BxL, mask_BxHxLxS, ex: Execution, cache=None, cache_index=None,
                  return_probs=False):
         """Returns (out_BxLxD, new_cache or None, probs_BxHxLxS or None).
 
         With `cache` ({"k","v": [B,S,N,Dh]}), this call's keys/values are written at slots
         [cache_index, cache_index + L) and queries attend over all S slots (the mask hides unwritten ones).
 
-        `cfg.attention_impl` "xla" / "cudnn" hands the no-cache, no-probabilities call (training, evaluation) to
+        `ex.attention_impl` "xla" / "cudnn" hands the no-cache, no-probabilities call (training, evaluation) to
         `jax.nn.dot_product_attention` with that implementation: cuDNN's fused flash attention on NVIDIA GPUs,
         with no fp32 [B,H,L,S] logits or probabilities in memory. For the causal mask it also passes is_causal,
         so the kernel skips blocks above the diagonal; the boolean mask (segments, prefix) still applies, and
@@ -118,9 +117,9 @@ class Attention(nnx.Module):
             q_BxLxHxDh = rope(q_BxLxHxDh, positions_BxL, cfg.rope_theta, cfg.rope_dim)
             k_BxLxNxDh = rope(k_BxLxNxDh, positions_BxL, cfg.rope_theta, cfg.rope_dim)
         # q, k and v sharded alike (heads over tensor): cuDNN's partitioner requires identical shardings.
-        q_BxLxHxDh = constrain(q_BxLxHxDh, ("batch", "length", "act_heads", None))
-        k_BxLxNxDh = constrain(k_BxLxNxDh, ("batch", "length", "act_heads", None))
-        v_BxLxNxDh = constrain(v_BxLxNxDh, ("batch", "length", "act_heads", None))
+        q_BxLxHxDh = ex.constrain(q_BxLxHxDh, ("batch", "length", "act_heads", None))
+        k_BxLxNxDh = ex.constrain(k_BxLxNxDh, ("batch", "length", "act_heads", None))
+        v_BxLxNxDh = ex.constrain(v_BxLxNxDh, ("batch", "length", "act_heads", None))
         new_cache = None
         if cache is not None:
             at = (0, cache_index, 0, 0)
@@ -131,10 +130,10 @@ class Attention(nnx.Module):
         else:
             k_BxSxNxDh, v_BxSxNxDh = k_BxLxNxDh, v_BxLxNxDh
 
-        if cfg.attention_impl != "einsum" and cache is None and not return_probs:
+        if ex.attention_impl != "einsum" and cache is None and not return_probs:
             out_BxLxHxDh = jax.nn.dot_product_attention(
                 q_BxLxHxDh, k_BxSxNxDh, v_BxSxNxDh, mask=mask_BxHxLxS, is_causal=cfg.mask == "causal",
-                implementation=fused_attention_impl(cfg.attention_impl))
+                implementation=fused_attention_impl(ex.attention_impl))
             out_BxLxD = jnp.einsum("blhk,hkd->bld", out_BxLxHxDh, self.wo.value.astype(dt))
             return self._out_bias(out_BxLxD), None, None
 
@@ -164,13 +163,12 @@ class MLP(nnx.Module):
     """SwiGLU: down(silu(x W_gate) * x W_up)."""
 
     def __init__(self, d_model: int, d_ff: int, cfg, rngs: nnx.Rngs):
-        out_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
         self.w_gate = param(rngs, (d_model, d_ff), ("embed", "mlp"), cfg.init_std)
         self.w_up = param(rngs, (d_model, d_ff), ("embed", "mlp"), cfg.init_std)
-        self.w_down = param(rngs, (d_ff, d_model), ("mlp", "embed"), out_std)
+        self.w_down = param(rngs, (d_ff, d_model), ("mlp", "embed"), cfg.out_init_std)
 
-    def __call__(self, x_BxLxD):
+    def __call__(self, x_BxLxD, ex: Execution):
         dt = x_BxLxD.dtype
         h_BxLxF = jax.nn.silu(x_BxLxD @ self.w_gate.value.astype(dt)) * (x_BxLxD @ self.w_up.value.astype(dt))
-        h_BxLxF = constrain(h_BxLxF, ("batch", "length", "act_mlp"))
+        h_BxLxF = ex.constrain(h_BxLxF, ("batch", "length", "act_mlp"))
         return h_BxLxF @ self.w_down.value.astype(dt)

@@ -10,10 +10,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moe.config import ModelConfig
+from moe.execution import Execution
 from moe.layers import MLP, Attention, RMSNorm, param
 from moe.masks import attention_mask
 from moe.moe_layer import MoE
-from moe.sharding import constrain
+
+DEFAULT_EXECUTION = Execution()
 
 
 class Block(nnx.Module):
@@ -24,16 +26,22 @@ class Block(nnx.Module):
         self.is_moe = cfg.is_moe_layer(layer)
         self.ffn = MoE(cfg, rngs) if self.is_moe else MLP(cfg.d_model, cfg.d_ff, cfg, rngs)
 
-    def __call__(self, x_BxLxD, positions_BxL, mask, valid_BxL, cache=None, cache_index=None,
-                 return_probs=False):
-        h, new_cache, probs = self.attn(self.attn_norm(x_BxLxD), positions_BxL, mask, cache, cache_index,
-                                        return_probs)
-        x_BxLxD = x_BxLxD + h
+    def attend(self, x_BxLxD, positions_BxL, mask, ex, cache=None, cache_index=None, return_probs=False):
+        """The attention branch, attn(norm(x)), before the residual add: (h, new_cache, probs)."""
+        return self.attn(self.attn_norm(x_BxLxD), positions_BxL, mask, ex, cache, cache_index, return_probs)
+
+    def feed_forward(self, x_BxLxD, valid_BxL, ex):
+        """The FFN branch, ffn(norm(x)), before the residual add: (h, routing or None for a dense layer)."""
         if self.is_moe:
-            h, routing = self.ffn(self.ffn_norm(x_BxLxD), valid_BxL)
-        else:
-            h, routing = self.ffn(self.ffn_norm(x_BxLxD)), None
-        x_BxLxD = constrain(x_BxLxD + h, ("batch", "length", "act_embed"))
+            return self.ffn(self.ffn_norm(x_BxLxD), valid_BxL, ex)
+        return self.ffn(self.ffn_norm(x_BxLxD), ex), None
+
+    def __call__(self, x_BxLxD, positions_BxL, mask, valid_BxL, ex, cache=None, cache_index=None,
+                 return_probs=False):
+        h, new_cache, probs = self.attend(x_BxLxD, positions_BxL, mask, ex, cache, cache_index, return_probs)
+        x_BxLxD = x_BxLxD + h
+        h, routing = self.feed_forward(x_BxLxD, valid_BxL, ex)
+        x_BxLxD = ex.constrain(x_BxLxD + h, ("batch", "length", "act_embed"))
         return x_BxLxD, new_cache, probs, routing
 
 
@@ -48,24 +56,67 @@ class Transformer(nnx.Module):
                 self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)
         self.cfg = cfg
 
-    def __call__(self, tokens_BxL, *, positions_BxL=None, segment_ids_BxL=None, prefix_len_B=None,
-                 cache=None, cache_index=None, return_routing=False, return_attention=False):
+    def __call__(self, tokens_BxL, *, execution: Execution = DEFAULT_EXECUTION, positions_BxL=None,
+                 segment_ids_BxL=None, prefix_len_B=None, cache=None, cache_index=None, return_routing=False,
+                 return_attention=False, return_hidden=False):
         """Logits [B,L,V] (fp32) and an aux dict:
 
-          balance_loss  alpha * sum over MoE layers of the sequence-wise balance loss (0 if alpha == 0)
+          balance_loss  sum over MoE layers of the sequence-wise balance loss, unweighted (the training loss
+                        multiplies it by train.balance_loss_weight)
           expert_load   [M, E] valid tokens per routed expert, every top-k choice counted
           dropped_frac  [M] fraction of valid token copies dropped by a capacity bound (0 for dropless)
           routing       (return_routing) per MoE layer: expert_ids [B,L,K], gates [B,L,K], scores [B,L,E],
                         load [E], balance_loss, dropped_frac
-          attention     (return_attention) per layer: probabilities [B,H,L,S]
+          attention     (return_attention) per layer: probabilities [B,H,L,S] (forces the einsum attention)
+          hidden        (return_hidden) the residual stream [B,L,D]: the embedding, then after every block
           cache         (cache given) the updated KV cache, see moe/decode.py
 
-        segment_ids (packed rows): tokens attend only within their segment; segment 0 is padding and is left
-        out of the expert load and balance loss. prefix_len [B]: the prefix of each row, for prefix/mixed masks.
-        With a cache, this call's tokens occupy slots [cache_index, cache_index + L).
+        `execution` says how to run (dispatch, kernels, dtype, remat, mesh; moe/execution.py), never what is
+        computed. segment_ids (packed rows): tokens attend only within their segment; segment 0 is padding and is
+        left out of the expert load and balance loss. prefix_len [B]: the prefix of each row, for prefix/mixed
+        masks. With a cache, this call's tokens occupy slots [cache_index, cache_index + L).
         """
+        ex = execution
+        positions_BxL, mask, valid_BxL = self.attention_inputs(
+            tokens_BxL, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL, prefix_len_B=prefix_len_B,
+            cache=cache, cache_index=cache_index)
+        x_BxLxD = self.embed_tokens(tokens_BxL, ex)
+        new_cache, probs, routing, hidden = [], [], [], [x_BxLxD]
+
+        def call(block, x_BxLxD, layer_cache):
+            return block(x_BxLxD, positions_BxL, mask, valid_BxL, ex, layer_cache, cache_index, return_attention)
+
+        if ex.remat:
+            call = nnx.remat(call)
+        for i, block in enumerate(self.blocks):
+            x_BxLxD, c, p, r = call(block, x_BxLxD, None if cache is None else cache[i])
+            new_cache.append(c)
+            probs.append(p)
+            hidden.append(x_BxLxD)
+            if r is not None:
+                routing.append(r)
+        logits_BxLxV = self.unembed(x_BxLxD, ex)
+
+        E = self.cfg.n_routed_experts
+        aux = {
+            "balance_loss": sum((r["balance_loss"] for r in routing), jnp.float32(0)),
+            "expert_load": jnp.stack([r["load"] for r in routing]) if routing else jnp.zeros((0, E)),
+            "dropped_frac": jnp.stack([r["dropped_frac"] for r in routing]) if routing else jnp.zeros((0,)),
+        }
+        if return_routing:
+            aux["routing"] = routing
+        if return_attention:
+            aux["attention"] = probs
+        if return_hidden:
+            aux["hidden"] = hidden
+        if cache is not None:
+            aux["cache"] = new_cache
+        return logits_BxLxV, aux
+
+    def attention_inputs(self, tokens_BxL, *, positions_BxL=None, segment_ids_BxL=None, prefix_len_B=None,
+                         cache=None, cache_index=None):
+        """(positions [B,L], attention mask [B,1|H,L,S], valid [B,L]) for a call: what every block shares."""
         cfg = self.cfg
-        dt = jnp.dtype(cfg.dtype)
         B, L = tokens_BxL.shape
         offset = 0 if cache is None else cache_index
         q_idx_BxL = jnp.broadcast_to(offset + jnp.arange(L, dtype=jnp.int32), (B, L))
@@ -76,46 +127,28 @@ class Transformer(nnx.Module):
             mask = attention_mask(cfg.mask, q_idx_BxL, q_idx_BxL, n_heads=cfg.n_heads,
                                   prefix_len_B=prefix_len_B, q_seg_BxQ=segment_ids_BxL,
                                   k_seg_BxK=segment_ids_BxL)
-        else:
-            S = cache[0]["k"].shape[1]
-            k_idx_BxS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-            mask = attention_mask(cfg.mask, q_idx_BxL, k_idx_BxS, n_heads=cfg.n_heads,
-                                  prefix_len_B=prefix_len_B, k_valid_BxK=k_idx_BxS < offset + L)
+            return positions_BxL, mask, valid_BxL
+        if segment_ids_BxL is not None:
+            # The cache does not record the segment of the slots written earlier, so it cannot mask across
+            # segments: decode one sequence per row.
+            raise ValueError("segment_ids (packed rows) cannot be used with a KV cache; decode one sequence per row")
+        S = cache[0]["k"].shape[1]
+        k_idx_BxS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+        mask = attention_mask(cfg.mask, q_idx_BxL, k_idx_BxS, n_heads=cfg.n_heads, prefix_len_B=prefix_len_B,
+                              k_valid_BxK=k_idx_BxS < offset + L)
+        return positions_BxL, mask, valid_BxL
 
-        x_BxLxD = jnp.take(self.embed.value, tokens_BxL, axis=0).astype(dt)
-        x_BxLxD = constrain(x_BxLxD, ("batch", "length", "act_embed"))
-        new_cache, probs, routing = [], [], []
-        def call(block, x_BxLxD, layer_cache):
-            return block(x_BxLxD, positions_BxL, mask, valid_BxL, layer_cache, cache_index, return_attention)
+    def embed_tokens(self, tokens_BxL, ex: Execution = DEFAULT_EXECUTION):
+        x_BxLxD = jnp.take(self.embed.value, tokens_BxL, axis=0).astype(jnp.dtype(ex.dtype))
+        return ex.constrain(x_BxLxD, ("batch", "length", "act_embed"))
 
-        if cfg.remat:
-            call = nnx.remat(call)
-        for i, block in enumerate(self.blocks):
-            x_BxLxD, c, p, r = call(block, x_BxLxD, None if cache is None else cache[i])
-            new_cache.append(c)
-            probs.append(p)
-            if r is not None:
-                routing.append(r)
-
+    def unembed(self, x_BxLxD, ex: Execution = DEFAULT_EXECUTION):
+        """Final norm + LM head: logits [B,L,V] in fp32."""
         x_BxLxD = self.final_norm(x_BxLxD)
-        head_DxV = self.embed.value.T if cfg.tie_embeddings else self.lm_head.value
-        logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, head_DxV.astype(dt),
+        head_DxV = self.embed.value.T if self.cfg.tie_embeddings else self.lm_head.value
+        logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, head_DxV.astype(x_BxLxD.dtype),
                                   preferred_element_type=jnp.float32)
-        logits_BxLxV = constrain(logits_BxLxV, ("batch", "length", "act_vocab"))
-
-        E = cfg.n_routed_experts
-        aux = {
-            "balance_loss": cfg.balance_loss_weight * sum((r["balance_loss"] for r in routing), jnp.float32(0)),
-            "expert_load": jnp.stack([r["load"] for r in routing]) if routing else jnp.zeros((0, E)),
-            "dropped_frac": jnp.stack([r["dropped_frac"] for r in routing]) if routing else jnp.zeros((0,)),
-        }
-        if return_routing:
-            aux["routing"] = routing
-        if return_attention:
-            aux["attention"] = probs
-        if cache is not None:
-            aux["cache"] = new_cache
-        return logits_BxLxV, aux
+        return ex.constrain(logits_BxLxV, ("batch", "length", "act_vocab"))
 
 
 def routing_biases(model: Transformer) -> list[jax.Array]:

@@ -59,7 +59,8 @@ def expert_load(ids_TxK, n_experts: int, valid_T=None):
 
 
 def sequence_balance_loss(scores_BxLxE, ids_BxLxK, valid_BxL=None):
-    """DeepSeek-V3's sequence-wise balance loss sum_i f_i P_i, per sequence, averaged over the batch.
+    """DeepSeek-V3's sequence-wise balance loss sum_i f_i P_i, per sequence, averaged over the rows that hold
+    at least one valid token. The selection counted in f_i is the bias-steered one (the experts that run).
 
     f_i = E / (K T) * #{t : i chosen for t},  P_i = mean_t s_{i,t} / sum_j s_{j,t}  (T valid tokens of the row).
     Multiply by alpha (balance_loss_weight) outside.
@@ -72,7 +73,10 @@ def sequence_balance_loss(scores_BxLxE, ids_BxLxK, valid_BxL=None):
     f_BxE = chosen_BxLxE.sum(1) * E / (K * n_tokens_B[:, None])
     probs_BxLxE = scores_BxLxE / scores_BxLxE.sum(-1, keepdims=True)
     p_BxE = (probs_BxLxE * valid_BxL[..., None]).sum(1) / n_tokens_B[:, None]
-    return (f_BxE * p_BxE).sum(-1).mean()
+    # Rows without a valid token (all padding, e.g. the last evaluation batch) have no load to balance: they are
+    # left out of the mean rather than counted as perfectly balanced zeros.
+    has_tokens_B = (valid_BxL.sum(-1) > 0).astype(jnp.float32)
+    return ((f_BxE * p_BxE).sum(-1) * has_tokens_B).sum() / jnp.maximum(has_tokens_B.sum(), 1.0)
 
 
 def update_bias(bias_E, load_E, gamma: float):
@@ -81,11 +85,12 @@ def update_bias(bias_E, load_E, gamma: float):
     return bias_E + gamma * jnp.sign(load_E.mean() - load_E)
 
 
-def max_violation(load_E):
-    """MaxVio = (max_i load_i - mean load) / mean load."""
-    load_E = load_E.astype(jnp.float32)
-    mean = load_E.mean()
-    return (load_E.max() - mean) / jnp.maximum(mean, 1e-9)
+def max_violation(load_xE):
+    """MaxVio = (max_i load_i - mean load) / mean load over the last axis (0 = perfectly balanced, and 0 when
+    nothing was routed). The one definition: training metrics and the analysis both use it."""
+    load_xE = jnp.asarray(load_xE, jnp.float32)
+    mean_x = load_xE.mean(-1)
+    return (load_xE.max(-1) - mean_x) / jnp.maximum(mean_x, 1e-9)
 
 
 def route(u_TxD, router_DxE, bias_E, *, top_k, n_group=1, topk_group=1, routed_scaling_factor=1.0,

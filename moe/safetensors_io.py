@@ -19,7 +19,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from moe.config import ModelConfig
+from moe.config import LEGACY_EXECUTION_FIELDS, ModelConfig
 from moe.model import Transformer
 
 WEIGHTS_FILE = "model.safetensors"
@@ -54,11 +54,11 @@ def load_config(path_dir: str) -> ModelConfig:
         raise ValueError(f"{path}: missing; expected a directory written by moe.safetensors_io.save_safetensors")
     with open(path) as f:
         fields = json.load(f)
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    known = {f.name for f in dataclasses.fields(ModelConfig)} | set(LEGACY_EXECUTION_FIELDS)
     unknown = sorted(set(fields) - known)
     if unknown:
         raise ValueError(f"{path}: unknown ModelConfig field(s) {', '.join(unknown)}; written by a newer version?")
-    return ModelConfig(**fields)
+    return ModelConfig.from_dict(fields)
 
 
 def read_extra_meta(path_dir: str) -> dict | None:

@@ -1,17 +1,16 @@
-"""Logical axis names -> mesh axes: ONE rules table, and a constraint helper for activations.
+"""Logical axis names -> mesh axes: ONE rules table, and the one mesh builder.
 
 Parameters carry logical names as NNX metadata (`out_sharding=("embed", "mlp")`); activations get
-`constrain(x, ("batch", "length", "act_embed"))`. Outside `use_mesh(...)` constraints are no-ops, so the
-model runs unchanged on one device.
+`execution.constrain(x, ("batch", "length", "act_embed"))` (moe/execution.py), a no-op when the execution has no
+mesh, so the model runs unchanged on one device.
 """
 
-import contextlib
 from collections.abc import Sequence
 
 import flax.linen as nn
 import jax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
@@ -34,33 +33,8 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("norm", None),
 )
 
-_MESH: list = []  # the active (mesh, rules), innermost last
-
-
-@contextlib.contextmanager
-def use_mesh(mesh: jax.sharding.Mesh, rules=RULES):
-    """Within this context `constrain` places activations on `mesh` by `rules`."""
-    _MESH.append((mesh, rules))
-    try:
-        yield
-    finally:
-        _MESH.pop()
-
-
-def active_mesh():
-    return _MESH[-1][0] if _MESH else None
-
-
 def logical_to_spec(names: Sequence[str | None], rules=RULES) -> PartitionSpec:
     return nn.logical_to_mesh_axes(tuple(names), rules)
-
-
-def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """Sharding constraint by logical names; a no-op without an active mesh."""
-    if not _MESH:
-        return x
-    mesh, rules = _MESH[-1]
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(names, rules)))
 
 
 def state_shardings(state, mesh: jax.sharding.Mesh, rules=RULES):
@@ -70,10 +44,9 @@ def state_shardings(state, mesh: jax.sharding.Mesh, rules=RULES):
 
 
 def make_mesh(data: int, fsdp: int, expert: int, tensor: int, devices=None) -> jax.sharding.Mesh:
-    """A (data, fsdp, expert, tensor) mesh with Auto axis types (so sharding constraints apply)."""
-    import numpy as np
+    """A (data, fsdp, expert, tensor) mesh with Auto axis types (so sharding constraints apply).
 
-    devices = jax.devices() if devices is None else devices
-    arr = np.asarray(devices).reshape(data, fsdp, expert, tensor)
-    auto = (jax.sharding.AxisType.Auto,) * 4
-    return jax.sharding.Mesh(arr, MESH_AXES, axis_types=auto)
+    jax.make_mesh orders the devices for the physical topology (ICI / NVLink first), also across hosts; tests
+    and training build their meshes here, so tests see the production device order."""
+    auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+    return jax.make_mesh((data, fsdp, expert, tensor), MESH_AXES, axis_types=auto, devices=devices)

@@ -20,6 +20,7 @@ import orbax.checkpoint as ocp
 from absl import logging as absl_logging
 
 from moe import ConfigError, ModelConfig
+from moe.config import LEGACY_EXECUTION_FIELDS
 from train.errors import UserError
 from train.state import abstract_model, merge_model, split_model
 
@@ -68,19 +69,17 @@ def read_meta(mngr: ocp.CheckpointManager, step: int) -> dict:
 
 
 def check_compatible(saved_model: dict, mcfg: ModelConfig, where: str) -> None:
-    """The same architecture is required to resume; name the first field that differs."""
+    """The same architecture is required to resume; name the first field that differs. Execution settings
+    (dispatch, dtype, ...) are not architecture: checkpoints written when the model config still held them
+    carry them under "model", and they are ignored (ModelConfig.from_dict)."""
     ours = dataclasses.asdict(mcfg)
-    # These change numerics or speed, not shapes: they may differ on resume (and may be missing from checkpoints
-    # written before they existed).
-    free = {"dtype", "dispatch", "capacity_factor", "grouped_matmul", "attention_impl", "remat",
-            "balance_loss_weight"}
     # A field missing from a checkpoint written before it existed had its default value then (every field added
     # since is off by default), so such checkpoints still resume.
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
-    saved_model = {**defaults, **saved_model}
-    for key in sorted(set(ours) | set(saved_model)):
-        if key not in free and saved_model.get(key) != ours.get(key):
-            raise UserError(f"checkpoint in {where} was written with model.{key}={saved_model.get(key)!r} but the "
+    saved = {**defaults, **{k: v for k, v in saved_model.items() if k not in LEGACY_EXECUTION_FIELDS}}
+    for key in sorted(set(ours) | set(saved)):
+        if saved.get(key) != ours.get(key):
+            raise UserError(f"checkpoint in {where} was written with model.{key}={saved.get(key)!r} but the "
                             f"config says {ours.get(key)!r}; use a new --workdir or the checkpoint's config")
 
 
@@ -168,7 +167,7 @@ def restore_model(ckpt_dir, step: int | None, log=print):
 def _restore_params(mngr, step):
     meta = read_meta(mngr, step)
     try:
-        mcfg = ModelConfig(**meta["model"])
+        mcfg = ModelConfig.from_dict(meta["model"])
     except (ConfigError, TypeError) as e:
         raise UserError(f"checkpoint {step} in {mngr.directory} holds a model config this version cannot build "
                         f"({e}); use the moe-lm version that wrote it") from None

@@ -9,6 +9,7 @@ import tokenizers
 
 from rundir import checkpoints, metrics
 from rundir.layout import RunDir
+from train.cli import migrate
 from train.errors import UserError
 
 
@@ -32,8 +33,7 @@ class Run:
 
     @property
     def moe_layer_ids(self) -> list[int]:
-        cfg = self.model.cfg
-        return [i for i in range(cfg.n_layers) if cfg.is_moe_layer(i)]
+        return list(self.model.cfg.moe_layer_ids)
 
     def metrics(self) -> list[dict]:
         return metrics.read_rows(RunDir(self.workdir).metrics)
@@ -46,4 +46,4 @@ def open_run(workdir, step: int | None = None, log=print) -> Run:
         what = "is a file, not a run directory" if root.exists() else "does not exist"
         raise UserError(f"--workdir {root} {what}; pass a run directory written by `python -m train`")
     model, meta = checkpoints.restore_model(RunDir(root).checkpoints, step, log)
-    return Run(root, int(meta["step"]), model, ml_collections.ConfigDict(meta["config"]), meta)
+    return Run(root, int(meta["step"]), model, ml_collections.ConfigDict(migrate(meta["config"])), meta)

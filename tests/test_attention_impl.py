@@ -1,4 +1,4 @@
-"""The fused attention path (`model.attention_impl`: jax.nn.dot_product_attention) equals the einsum reference,
+"""The fused attention path (`execution.attention_impl`: jax.nn.dot_product_attention) equals the einsum reference,
 logits and gradients, for every mask mode with packed segments and grouped-query heads. "xla" is the same call
 as "cudnn" with another implementation, so on CPU this checks everything around the kernel: layouts, GQA head
 order, scale, mask and is_causal. The kernel itself is compared on a GPU (skipped elsewhere)."""
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from moe import Execution
 from moe.layers import fused_attention_impl
 from tests.model_fixtures import tiny_model
 
@@ -16,13 +17,14 @@ L = 12
 
 
 def _loss_and_grads(impl, mask, dtype="float32"):
-    graphdef, state = nnx.split(tiny_model(mask=mask, attention_impl=impl, dtype=dtype))
+    graphdef, state = nnx.split(tiny_model(mask=mask))
+    ex = Execution(attention_impl=impl, dtype=dtype)
     tokens = jax.random.randint(jax.random.key(1), (2, L), 0, 61)
     segments = jnp.asarray([[1] * 5 + [2] * 7, [1] * 9 + [0] * 3])  # two documents; trailing padding
     prefix = jnp.asarray([4, 6])
 
     def loss(state):
-        logits = nnx.merge(graphdef, state)(tokens, segment_ids_BxL=segments, prefix_len_B=prefix)[0]
+        logits = nnx.merge(graphdef, state)(tokens, execution=ex, segment_ids_BxL=segments, prefix_len_B=prefix)[0]
         return jnp.mean(jax.nn.log_softmax(logits)[..., 3] * (segments > 0)), logits
 
     return jax.jit(jax.value_and_grad(loss, has_aux=True))(state)

@@ -1,8 +1,15 @@
 """Every config validation error names the field and what is allowed."""
 
+import dataclasses
+
 import pytest
 
-from moe import ConfigError, ModelConfig
+from configs.base import base_config
+from moe import ConfigError, Execution, ModelConfig, sharding
+from moe.execution import DISPATCH_MODES, check_model, check_tokens, execution_fields
+from rundir.checkpoints import check_compatible
+from train.cli import migrate, unknown_key_error
+from train.errors import UserError
 
 
 @pytest.mark.parametrize("changes,field", [
@@ -14,15 +21,7 @@ from moe import ConfigError, ModelConfig
     (dict(d_model=0), "model.d_model"),
     (dict(n_layers=-1), "model.n_layers"),
     (dict(moe_d_ff=0), "model.moe_d_ff"),
-    (dict(dispatch="magic"), "model.dispatch"),
     (dict(first_k_dense=5, n_layers=4), "model.first_k_dense"),
-    (dict(balance_loss_weight=-1.0), "model.balance_loss_weight"),
-    (dict(capacity_factor=0.0), "model.capacity_factor"),
-    (dict(capacity_factor="big"), "model.capacity_factor"),
-    (dict(grouped_matmul="cutlass"), "model.grouped_matmul"),
-    (dict(attention_impl="flash"), "model.attention_impl"),
-    (dict(attention_impl="cudnn", dtype="float32"), "model.attention_impl"),
-    (dict(attention_impl="cudnn", dtype="bfloat16", head_dim=12), "model.attention_impl"),
     (dict(router_score="relu"), "model.router_score"),
     (dict(qk_norm="layer"), "model.qk_norm"),
     (dict(rope_fraction=0.0), "model.rope_fraction"),
@@ -40,46 +39,82 @@ def test_validation_errors(changes, field):
         ModelConfig(**changes)
 
 
+@pytest.mark.parametrize("changes,field", [
+    (dict(dispatch="magic"), "execution.dispatch"),
+    (dict(capacity_factor=0.0), "execution.capacity_factor"),
+    (dict(capacity_factor="big"), "execution.capacity_factor"),
+    (dict(grouped_matmul="cutlass"), "execution.grouped_matmul"),
+    (dict(attention_impl="flash"), "execution.attention_impl"),
+    (dict(attention_impl="cudnn", dtype="float32"), "execution.attention_impl"),
+    (dict(dtype="int8"), "execution.dtype"),
+    (dict(remat=1), "execution.remat"),
+])
+def test_execution_validation_errors(changes, field):
+    with pytest.raises(ConfigError, match=field):
+        Execution(**changes)
+
+
+def test_execution_checks_against_the_model():
+    with pytest.raises(ConfigError, match="execution.attention_impl.*head_dim"):
+        check_model(Execution(attention_impl="cudnn", dtype="bfloat16"), ModelConfig(head_dim=12))
+    mesh = sharding.make_mesh(1, 1, 8, 1)
+    with pytest.raises(ConfigError, match="n_routed_experts"):
+        check_model(Execution(dispatch="expert_parallel", mesh=mesh), ModelConfig(n_routed_experts=12))
+    with pytest.raises(ConfigError, match="data\\*fsdp\\*expert = 8"):
+        check_tokens(Execution(dispatch="expert_parallel_dropless", mesh=mesh), 12)
+    check_tokens(Execution(dispatch="dropless", mesh=mesh), 12)  # the auto-sharded path takes any count
+
+
 def test_valid_default():
     cfg = ModelConfig()
     assert cfg.n_moe_layers == cfg.n_layers - cfg.first_k_dense
 
 
-@pytest.mark.parametrize("dispatch", ["dropless", "capacity", "expert_parallel", "reference"])
+@pytest.mark.parametrize("dispatch", DISPATCH_MODES)
 def test_dispatch_modes_valid(dispatch):
-    assert ModelConfig(dispatch=dispatch, capacity_factor=2).dispatch == dispatch
+    assert Execution(dispatch=dispatch, capacity_factor=2).dispatch == dispatch
 
 
-def test_base_config_mirrors_model_config():
-    """configs/base.py lists every ModelConfig field with the same default, so each one is a command-line flag."""
-    import dataclasses
-
-    from configs.base import base_config
-
+def test_base_config_mirrors_model_config_and_execution():
+    """configs/base.py lists every ModelConfig and Execution field with the same default, so each one is a
+    command-line flag; no model key says how to run."""
     fields = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
     assert base_config().model.to_dict() == fields
+    assert base_config().execution.to_dict() == execution_fields()
+    assert not set(fields) & set(execution_fields())
+
+
+def test_old_run_config_migrates_and_moved_flags_say_where():
+    old = {"model": {"d_model": 64, "dispatch": "capacity", "dtype": "bfloat16", "balance_loss_weight": 0.0},
+           "train": {"steps": 5}}
+    new = migrate(old)
+    assert new["model"] == {"d_model": 64}
+    assert new["execution"] == {"dispatch": "capacity", "dtype": "bfloat16"}
+    assert new["train"] == {"steps": 5, "balance_loss_weight": 0.0}
+    assert old["model"]["dispatch"] == "capacity"  # the input is left as it was
+    assert ModelConfig.from_dict({"d_model": 64, "dispatch": "capacity", "remat": True}).d_model == 64
+    msg = str(unknown_key_error("model.dispatch", []))
+    assert "execution.dispatch" in msg and "\n" not in msg
 
 
 def test_moe_layer_placement():
     """first_k_dense, then every moe_layer_step-th layer, minus dense_layers (Qwen's decoder_sparse_step and
     mlp_only_layers)."""
     cfg = ModelConfig(n_layers=6, first_k_dense=1, moe_layer_step=2, dense_layers="3")
-    assert [i for i in range(6) if cfg.is_moe_layer(i)] == [1, 5] and cfg.n_moe_layers == 2
+    assert cfg.moe_layer_ids == (1, 5) and cfg.n_moe_layers == 2
     assert ModelConfig(n_layers=4, first_k_dense=0, dense_layers=" 0, 2 ").dense_layer_ids == (0, 2)
 
 
 def test_checkpoint_written_before_new_fields_still_resumes():
     """A checkpoint's model dict from before a field existed lacks the key: it counts as the field's default (every
-    field added since is off by default), so the run resumes; a non-default value on either side is refused."""
-    import dataclasses
-
-    from rundir.checkpoints import check_compatible
-    from train.errors import UserError
-
+    field added since is off by default), so the run resumes; a non-default value on either side is refused.
+    Execution fields that checkpoints once held under "model" (dispatch, dtype, ...) are ignored."""
     new_fields = ("moe_layer_step", "dense_layers", "rope_fraction", "qkv_bias", "attn_out_bias", "qk_norm",
                   "router_score", "shared_d_ff", "shared_expert_gate")
     old = {k: v for k, v in dataclasses.asdict(ModelConfig()).items() if k not in new_fields}
     check_compatible(old, ModelConfig(), "old run")
+    check_compatible({**old, "dispatch": "capacity", "dtype": "bfloat16", "remat": True,
+                      "balance_loss_weight": 0.0}, ModelConfig(), "old run")
     with pytest.raises(UserError, match="model.router_score"):
         check_compatible(old, ModelConfig(router_score="softmax"), "old run")
     with pytest.raises(UserError, match="model.qk_norm"):

@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe import ModelConfig, expert_parallel, experts, router, sharding
+from moe import Execution, ModelConfig, expert_parallel, experts, router, sharding
 from moe.moe_layer import MoE
 
 T, D, E, F, K = 64, 12, 8, 10, 3
@@ -129,14 +129,22 @@ def test_expert_parallel_drops_are_counted_and_zero():
     per_source = np.asarray(ids).reshape(n_tok, -1) // (E // n_ep)
     counts = np.stack([np.bincount(s, minlength=n_ep) for s in per_source])
     assert int((~keep).sum()) == int(np.maximum(counts - C, 0).sum()) > 0
+    # Priority as in capacity dispatch: from one source shard to one destination, no later top-k choice is kept
+    # while an earlier one is dropped (the highest-numbered experts are not the ones dropped first).
+    dest_SxTxK = (np.asarray(ids) // (E // n_ep)).reshape(n_tok, -1, K)
+    keep_SxTxK = np.asarray(keep).reshape(n_tok, -1, K)
+    for d in range(n_ep):
+        to_d = dest_SxTxK == d
+        dropped_rank = np.where(to_d & ~keep_SxTxK, np.arange(K), K).min((1, 2))
+        kept_rank = np.where(to_d & keep_SxTxK, np.arange(K), -1).max((1, 2))
+        assert (kept_rank <= dropped_rank).all()
     _drops_only_unkept(y, keep, x, ids, gates, ws)
 
 
 def test_moe_layer_routing_stats_are_global_under_expert_parallel():
     """With drops, under a mesh: the load (for the bias update) still counts every router choice over the whole
     batch, and dropped_frac is the fraction of valid copies dropped."""
-    cfg = ModelConfig(d_model=D, n_routed_experts=E, top_k=K, moe_d_ff=F, n_shared_experts=0,
-                      dispatch="expert_parallel", capacity_factor=1.0)
+    cfg = ModelConfig(d_model=D, n_routed_experts=E, top_k=K, moe_d_ff=F, n_shared_experts=0)
     with nnx.use_eager_sharding(False):
         layer = MoE(cfg, nnx.Rngs(0))
     graphdef, state = nnx.split(layer)
@@ -144,17 +152,19 @@ def test_moe_layer_routing_stats_are_global_under_expert_parallel():
     u = jax.random.normal(jax.random.key(3), (8, 8, D))
     valid = jnp.ones((8, 8), bool).at[:, -2:].set(False)
 
+    ex = Execution(dispatch="expert_parallel", capacity_factor=1.0, mesh=mesh)
+
     @jax.jit
     def fwd(state, u, valid):
-        with sharding.use_mesh(mesh):
-            return nnx.merge(graphdef, state)(u, valid)
+        return nnx.merge(graphdef, state)(u, valid, ex)
 
     out, routing = fwd(jax.device_put(state, sharding.state_shardings(state, mesh)), u, valid)
     ids = np.asarray(routing["expert_ids"])
     want_load = np.bincount(ids[np.asarray(valid)].reshape(-1), minlength=E)
     np.testing.assert_array_equal(routing["load"], want_load)
     assert 0 < float(routing["dropped_frac"]) < 1
-    _, routing_local = jax.jit(lambda s, u, v: nnx.merge(graphdef, s)(u, v))(state, u, valid)  # no mesh: one shard, other drops, same routing
+    # No mesh: one shard, other drops, same routing.
+    _, routing_local = jax.jit(lambda s, u, v: nnx.merge(graphdef, s)(u, v, ex.replace(mesh=None)))(state, u, valid)
     np.testing.assert_array_equal(routing_local["expert_ids"], ids)
     assert float(routing_local["dropped_frac"]) == 0.0  # one shard: C = 1.0 * N / 1 = N copies fit
 
@@ -165,6 +175,6 @@ def test_train_step_logs_dropped_fraction(tmp_path):
     from train.loop import run
 
     cfg = tiny_config(**{"train.steps": 2, "log.every": 1, "eval.every": 100, "checkpoint.every": 100,
-                         "model.dispatch": "capacity", "model.capacity_factor": 0.5})
+                         "execution.dispatch": "capacity", "execution.capacity_factor": 0.5})
     last = run(cfg, tmp_path, log=lambda *a: None)
     assert 0 < last["moe/layer_1/dropped_frac"] < 1

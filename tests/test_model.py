@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from moe import param_counts, train_flops_per_token
+from moe import Execution, param_counts, train_flops_per_token
 from tests.model_fixtures import TINY, tiny_model
 
 
@@ -37,11 +37,11 @@ def test_param_counts_match_the_tree():
 def test_remat_gives_identical_gradients():
     tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, TINY["vocab_size"])
 
-    def grads(model):
+    def grads(remat):
         def loss(m):
-            logits, aux = m(tokens)
+            logits, aux = m(tokens, execution=Execution(remat=remat))
             return logits.mean() + aux["balance_loss"]
-        return jax.tree.leaves(nnx.state(nnx.jit(nnx.grad(loss))(model), nnx.Param))
+        return jax.tree.leaves(nnx.state(nnx.jit(nnx.grad(loss))(tiny_model()), nnx.Param))
 
-    for a, b in zip(grads(tiny_model()), grads(tiny_model(remat=True))):
+    for a, b in zip(grads(False), grads(True)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from analysis import routing_stats as rs
+from moe import router
 
 E, K = 8, 2
 
@@ -105,7 +106,7 @@ def test_vocab_specialization_threshold():
 
 def test_maxvio_and_dead_experts():
     load_LxE = np.array([[4, 4, 4, 4], [8, 4, 4, 0]])
-    np.testing.assert_allclose(rs.maxvio(load_LxE), [0.0, 1.0])
+    np.testing.assert_allclose(router.max_violation(load_LxE), [0.0, 1.0])
     assert rs.dead_experts(load_LxE) == [[], [3]]
 
 

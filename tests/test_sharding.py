@@ -1,15 +1,18 @@
-"""A forward pass under a (data=2, fsdp=2, expert=2, tensor=1) mesh equals the single-device one."""
+"""A forward pass under a (data=2, fsdp=2, expert=2, tensor=1) mesh equals the single-device one, with the
+routed experts auto-sharded (dropless) and expert-parallel (all_to_all, no-drop buffers)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
-from moe import sharding
+from moe import Execution, sharding
 from tests.model_fixtures import forward_fn, tiny_model
 
 
-def test_sharded_forward_matches_single_device():
+@pytest.mark.parametrize("dispatch", ["dropless", "expert_parallel_dropless"])
+def test_sharded_forward_matches_single_device(dispatch):
     assert jax.device_count() == 8, "tests/conftest.py must set 8 fake CPU devices before jax is imported"
     mesh = sharding.make_mesh(2, 2, 2, 1)
     graphdef, state = nnx.split(tiny_model())
@@ -20,10 +23,11 @@ def test_sharded_forward_matches_single_device():
     assert w.sharding.spec[0] == "expert"
     assert {s.data.shape[0] for s in w.addressable_shards} == {w.shape[0] // 2}
 
+    ex = Execution(dispatch=dispatch, mesh=mesh)
+
     @jax.jit
     def fwd(state, tokens):
-        with sharding.use_mesh(mesh):
-            return nnx.merge(graphdef, state)(tokens)[0]
+        return nnx.merge(graphdef, state)(tokens, execution=ex)[0]
 
     tokens = jax.random.randint(jax.random.key(0), (8, 12), 0, 61)
     tokens = jax.device_put(tokens, jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(("batch", "length"))))

@@ -68,7 +68,32 @@ def all_keys(config: ml_collections.ConfigDict, prefix: str = "") -> dict:
     return out
 
 
+# Keys that moved when the model config was split into architecture (model.*) and how it runs (execution.*; the
+# balance-loss weight is part of the training loss). Run configs saved before the move are read through `migrate`.
+MOVED_KEYS = {
+    **{f"model.{k}": f"execution.{k}" for k in ("dispatch", "capacity_factor", "grouped_matmul", "attention_impl",
+                                                "dtype", "remat")},
+    "model.balance_loss_weight": "train.balance_loss_weight",
+}
+
+
+def migrate(config: dict) -> dict:
+    """A run config saved by an earlier version (a plain dict) in today's layout: moved keys moved, the rest as
+    it was. Only keys the earlier layout held move; nothing else is filled in."""
+    out = {section: dict(values) if isinstance(values, dict) else values for section, values in config.items()}
+    for old, new in MOVED_KEYS.items():
+        old_section, old_key = old.split(".")
+        new_section, new_key = new.split(".")
+        if isinstance(out.get(old_section), dict) and old_key in out[old_section]:
+            value = out[old_section].pop(old_key)
+            out.setdefault(new_section, {}).setdefault(new_key, value)
+    return out
+
+
 def unknown_key_error(key: str, known, where: str = "") -> UserError:
+    if key in MOVED_KEYS:
+        return UserError(f"config key {key}{where} is now {MOVED_KEYS[key]} (model.* holds only the "
+                         f"architecture); use --config.{MOVED_KEYS[key]}=... or set c.{MOVED_KEYS[key]} in the file")
     close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
     hint = f"did you mean {close[0]}?" if close else "configs/base.py lists every key"
     return UserError(f"unknown config key {key}{where}; {hint}")

@@ -1,4 +1,5 @@
-"""From an ml_collections config to what the code uses: moe.ModelConfig, checked train/mesh/data values.
+"""From an ml_collections config to what the code uses: moe.ModelConfig (architecture), moe.Execution (how it runs,
+given the mesh), checked train/mesh/data values.
 
 `check(config)` runs before anything is written: every key must be one configs/base.py defines, have that
 key's type (a bool is not an int, an int is a valid float), be finite, and lie in the range below.
@@ -12,7 +13,8 @@ import os
 import ml_collections
 
 from configs.base import base_config
-from moe import ConfigError, ModelConfig, param_counts
+from moe import ConfigError, Execution, ModelConfig, param_counts
+from moe.execution import DISPATCH_MODES, DROPPING_DISPATCH, check_model, check_tokens
 from train.cli import all_keys, unknown_key_error
 from train.errors import UserError
 
@@ -31,7 +33,8 @@ RANGES = {
     "data.prefix_frac": ("()", (0, 1)),
     "checkpoint.every": POSITIVE, "checkpoint.keep": POSITIVE, "log.every": POSITIVE,
     "log.peak_flops": NON_NEGATIVE, "eval.every": POSITIVE, "eval.rows_per_domain": POSITIVE,
-    "eval.batch_size": POSITIVE,
+    "eval.batch_size": POSITIVE, "eval.dispatch": ("in", ("",) + DISPATCH_MODES),
+    "train.balance_loss_weight": NON_NEGATIVE,
 }
 
 
@@ -87,7 +90,7 @@ def _describe(op, bound) -> str:
     if op in (">", ">="):
         return f"{op} {bound}"
     if op == "in":
-        return "one of " + ", ".join(bound)
+        return "one of " + ", ".join(repr(b) if b == "" else b for b in bound)
     if op == "nonempty":
         return "a non-empty string"
     return f"in {op[0]}{bound[0]}, {bound[1]}{op[1]}"
@@ -104,10 +107,26 @@ def model_config(c: ml_collections.ConfigDict) -> ModelConfig:
         raise UserError(str(e)) from None
 
 
+def execution(c: ml_collections.ConfigDict, mesh=None, *, evaluation: bool = False) -> Execution:
+    """The Execution for training (or, evaluation=True, for the eval step: eval.dispatch when set) on `mesh`."""
+    fields = c.execution.to_dict()
+    if evaluation and c.eval.dispatch:
+        fields["dispatch"] = c.eval.dispatch
+    try:
+        return Execution(**fields, mesh=mesh)
+    except (ConfigError, TypeError) as e:
+        raise UserError(str(e)) from None
+
+
 def check(c: ml_collections.ConfigDict) -> ModelConfig:
     """Validate the whole config; returns the model config. Raises UserError naming the bad key."""
     check_types(c)
     mcfg = model_config(c)
+    ex = execution(c)
+    try:
+        check_model(ex, mcfg)
+    except ConfigError as e:
+        raise UserError(str(e)) from None
     check_ranges(c)
     t = c.train
     if t.batch_size % t.grad_accum:
@@ -116,12 +135,34 @@ def check(c: ml_collections.ConfigDict) -> ModelConfig:
         raise UserError("data.task='prefix' trains next-token prediction: use model.mask causal, prefix or mixed")
     if mcfg.mask in ("prefix", "mixed") and c.data.task != "prefix":
         raise UserError(f"model.mask={mcfg.mask!r} needs a per-row prefix: set data.task='prefix'")
-    if mcfg.attention_impl == "cudnn" and int(c.data.seq_len) % 2:
-        raise UserError(f"model.attention_impl='cudnn' trains only even sequence lengths (a cuDNN limit with a "
-                        f"mask), got data.seq_len={c.data.seq_len}; use an even length or attention_impl='xla'")
-    if c.eval.batch_size < 1:
-        raise UserError("eval.batch_size must be a positive integer")
+    if ex.attention_impl == "cudnn" and int(c.data.seq_len) % 2:
+        raise UserError(f"execution.attention_impl='cudnn' trains only even sequence lengths (a cuDNN limit with "
+                        f"a mask), got data.seq_len={c.data.seq_len}; use an even length or attention_impl='xla'")
     return mcfg
+
+
+def check_mesh(c: ml_collections.ConfigDict, mcfg: ModelConfig, mesh) -> None:
+    """What the executions need of the mesh: experts and tokens must split over it for expert parallelism."""
+    seq = int(c.data.seq_len)
+    batches = ((execution(c, mesh), c.train.batch_size // c.train.grad_accum * seq, "a micro-batch"),
+               (execution(c, mesh, evaluation=True), c.eval.batch_size * seq, "an evaluation batch"))
+    try:
+        for ex, tokens, what in batches:
+            check_model(ex, mcfg)
+            check_tokens(ex, tokens, what)
+    except ConfigError as e:
+        raise UserError(str(e)) from None
+
+
+def causality_warning(c: ml_collections.ConfigDict, mcfg: ModelConfig) -> str | None:
+    """A dropping dispatch decides which copy to drop from the whole group of tokens, so under a causal mask an
+    earlier position's output can depend on later tokens: say so when a causal run trains that way."""
+    d = c.execution.dispatch
+    if mcfg.mask == "causal" and d in DROPPING_DISPATCH:
+        return (f"warning: execution.dispatch={d} drops token copies by priority over the whole "
+                f"{'sequence' if d == 'capacity' else 'device batch'}, so a position's output can depend on later "
+                "tokens (not strictly causal); dispatch=dropless has no such leak (docs/training.md)")
+    return None
 
 
 def state_bytes(mcfg: ModelConfig, model_parallel: int) -> int:
@@ -137,8 +178,9 @@ def activation_bytes(c: ml_collections.ConfigDict, mcfg: ModelConfig, data_paral
     rows = max(c.train.batch_size // c.train.grad_accum // max(data_parallel, 1), 1)
     L = c.data.seq_len
     logits = rows * L * mcfg.vocab_size * 4 * 2
-    layers = 1 if mcfg.remat else mcfg.n_layers
-    attention = rows * mcfg.n_heads * L * L * 4 * 2 * layers if mcfg.attention_impl == "einsum" else 0
+    ex = c.execution
+    layers = 1 if ex.remat else mcfg.n_layers
+    attention = rows * mcfg.n_heads * L * L * 4 * 2 * layers if ex.attention_impl == "einsum" else 0
     return logits + attention
 
 
@@ -168,7 +210,7 @@ def check_memory(c: ml_collections.ConfigDict, mcfg: ModelConfig, mesh, device) 
                         f"{state / 2**30:.1f} GiB, activations {act / 2**30:.1f} GiB) but the device has "
                         f"{have / 2**30:.1f} GiB; shrink the model (model.*), lower data.seq_len ({c.data.seq_len}) "
                         f"or train.batch_size ({c.train.batch_size}), raise train.grad_accum or mesh.fsdp, or set "
-                        "model.remat=true")
+                        "execution.remat=true")
 
 
 def to_json(c: ml_collections.ConfigDict) -> str:

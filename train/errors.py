@@ -51,7 +51,7 @@ def out_of_memory(e: BaseException) -> bool:
                in str(x) for x in _chain(e))
 
 
-OOM_HINT = ("lower data.seq_len or train.batch_size, raise train.grad_accum, set model.remat=true or shrink the "
+OOM_HINT = ("lower data.seq_len or train.batch_size, raise train.grad_accum, set execution.remat=true or shrink the "
             "model")
 
 

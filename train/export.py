@@ -211,7 +211,7 @@ def export(workdir, out, step=None, dtype="float32", fmt="hf", overwrite=False) 
     model, meta = run.model, run.meta
     if fmt == "hf":
         try:
-            check_exportable(ModelConfig(**meta["model"]))
+            check_exportable(ModelConfig.from_dict(meta["model"]))
         except ExportError as e:
             raise UserError(f"{e} (use --format safetensors or orbax)") from None
     out.parent.mkdir(parents=True, exist_ok=True)

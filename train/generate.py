@@ -11,9 +11,24 @@ import math
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moe import Execution
+from moe.decode import generate
+from moe.safetensors_io import load_safetensors
 from rundir import open_run
 from train.cli import ArgParser
+from train.config import device_memory_bytes
+from train.data.tokenizer import EOS_ID, load_tokenizer
 from train.errors import UserError, exit_with, os_error, out_of_memory
+from train.export import ORBAX_DIR, load_orbax_export
+from train.hf_import import load_hf_checkpoint
+
+# How generation runs, whatever the run trained with: fp32 and dropless (KV-cache decoding steps one token at a
+# time, and a dropping dispatch would make a row's continuation depend on the rest of the batch).
+GENERATION = Execution()
 
 
 def parse_args(argv):
@@ -47,8 +62,6 @@ def parse_args(argv):
 
 def export_format(path: Path) -> str:
     """"hf", "safetensors" or "orbax", from the files an export directory holds."""
-    from train.export import ORBAX_DIR
-
     if (path / "config.json").is_file():
         return "hf"
     if (path / "moe_config.json").is_file() and (path / "model.safetensors").is_file():
@@ -61,8 +74,6 @@ def export_format(path: Path) -> str:
 
 def load_export(path):
     """(model, tokenizer) from an export directory of any format."""
-    from train.data.tokenizer import load_tokenizer
-
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"--export {path} does not exist; write it with `python -m train.export`")
@@ -71,16 +82,10 @@ def load_export(path):
     fmt = export_format(path)
     try:
         if fmt == "hf":
-            from train.hf_import import load_hf_checkpoint
-
             model = load_hf_checkpoint(str(path))
         elif fmt == "safetensors":
-            from moe.safetensors_io import load_safetensors
-
             model = load_safetensors(str(path))
         else:
-            from train.export import load_orbax_export
-
             model = load_orbax_export(path)
     except (UserError, OSError):
         raise
@@ -108,12 +113,11 @@ def export_trained_len(path) -> int | None:
 
 def check_cache_fits(model, total_tokens: int) -> None:
     """The KV cache holds keys and values of every layer for every slot: refuse one that cannot fit."""
-    import jax
 
-    from train.config import device_memory_bytes
 
     cfg = model.cfg
-    need = 2 * cfg.n_layers * total_tokens * cfg.n_kv_heads * cfg.head_dim * jax.numpy.dtype(cfg.dtype).itemsize
+    need = 2 * cfg.n_layers * total_tokens * cfg.n_kv_heads * cfg.head_dim * jax.numpy.dtype(
+        GENERATION.dtype).itemsize
     have = device_memory_bytes(jax.devices()[0])
     if have is not None and need > have:
         raise UserError(f"a KV cache for {total_tokens:,} tokens needs {need / 2**30:.1f} GiB but the device has "
@@ -127,31 +131,13 @@ def check_decodable(model) -> None:
                         "so it cannot generate left to right; use a causal, prefix or mixed model")
 
 
-def for_inference(model):
-    """The same weights with dropless dispatch: capacity / expert_parallel dispatch may drop token copies (a
-    training-time bound); generation, like the HF export, routes every token to its experts."""
-    if model.cfg.dispatch in ("dropless", "reference"):
-        return model
-    from flax import nnx
-
-    from moe.model import Transformer
-
-    cfg = model.cfg.replace(dispatch="dropless")
-    graphdef = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))[0]
-    return nnx.merge(graphdef, nnx.split(model)[1])
-
-
 def continue_ids(model, prompt_ids, *, max_new_tokens=64, temperature=0.0, top_p=1.0, seed=0) -> list[int]:
     """New token ids after `prompt_ids`, cut before the first EOS (which is not returned)."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
 
-    from moe.decode import generate
-    from train.data.tokenizer import EOS_ID
 
-    new = generate(for_inference(model), jnp.asarray([prompt_ids], jnp.int32), jax.random.key(seed),
-                   max_new_tokens=max_new_tokens, temperature=float(temperature), top_p=float(top_p))
+    new = generate(model, jnp.asarray([prompt_ids], jnp.int32), jax.random.key(seed),
+                   max_new_tokens=max_new_tokens, temperature=float(temperature), top_p=float(top_p),
+                   execution=GENERATION)
     new = np.asarray(new)[0].tolist()
     return new[:new.index(EOS_ID)] if EOS_ID in new else new
 

@@ -10,19 +10,17 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from moe import param_counts, router, train_flops_per_token
-from moe.sharding import use_mesh
 from rundir import checkpoints as checkpoint
 from rundir import layout
 from rundir import metrics as metrics_file
 from rundir.lock import RunLock
 from train import inputs, optim, signals
 from train import mesh as mesh_lib
-from train.config import check, check_memory, to_json
+from train.config import causality_warning, check, check_memory, check_mesh, execution, to_json
 from train.data.packing import iterate
 from train.errors import UserError
 from train.flops import measure_peak_flops
@@ -58,7 +56,7 @@ def evaluate(eval_step, state, batches, mesh, domain_names, moe_layer_ids) -> di
         if count[d] > 0:
             result[f"val/loss/{name}"] = float(ce[d] / count[d])
     for layer, load_E in zip(moe_layer_ids, np.atleast_2d(load)):
-        result[f"moe/layer_{layer}/maxvio_global"] = float(router.max_violation(jnp.asarray(load_E)))
+        result[f"moe/layer_{layer}/maxvio_global"] = float(router.max_violation(load_E))
     return result
 
 
@@ -76,6 +74,7 @@ def run(config, workdir, log=print) -> dict:
     if t.batch_size % (dp * t.grad_accum):
         raise UserError(f"train.batch_size ({t.batch_size}) must be divisible by the data-parallel size "
                         f"(mesh.data x mesh.fsdp = {dp}) times train.grad_accum ({t.grad_accum})")
+    check_mesh(config, mcfg, mesh)
     check_memory(config, mcfg, mesh, jax.devices()[0])
     # Tokenizer, data set and vocabulary are checked before anything is written into the run directory.
     pi, pc = jax.process_index(), jax.process_count()
@@ -152,22 +151,26 @@ def _train(config, mcfg, mesh, run_dir, data, log) -> dict:
             run_dir.write_marker(checkpointed=True)  # also marks a run written before the marker existed
     tok_path = inputs.tokenizer_path(config.data)
 
-    step_fn = make_train_step(graphdef, tx, lr_schedule, t)
+    train_ex, eval_ex = execution(config, mesh), execution(config, mesh, evaluation=True)
+    warning = causality_warning(config, mcfg)
+    if warning:
+        say(warning)
+    step_fn = make_train_step(graphdef, tx, lr_schedule, t, train_ex)
 
     def sharded_step(state, batch):  # the new state keeps the layout of the old one (and of checkpoints)
         new_state, metrics = step_fn(state, batch)
         return jax.lax.with_sharding_constraint(new_state, shardings), metrics
 
     train_step = jax.jit(sharded_step, donate_argnums=0)
-    eval_step = jax.jit(make_eval_step(graphdef, len(domain_names)))
+    eval_step = jax.jit(make_eval_step(graphdef, len(domain_names), eval_ex))
 
-    moe_layer_ids = [i for i in range(mcfg.n_layers) if mcfg.is_moe_layer(i)]
+    moe_layer_ids = mcfg.moe_layer_ids
     counts = param_counts(mcfg)
     tokens_per_step = t.batch_size * config.data.seq_len
     flops_per_step = train_flops_per_token(mcfg, config.data.seq_len) * tokens_per_step
     peak = float(config.log.peak_flops) or measure_peak_flops()
     say(f"model: {counts['total'] / 1e6:.2f}M params, {counts['active'] / 1e6:.2f}M active | mesh "
-        f"{dict(mesh.shape)} | batch {t.batch_size} x {config.data.seq_len} | steps {start}->{t.steps}")
+        f"{dict(mesh.shape)} | dispatch {train_ex.dispatch} | batch {t.batch_size} x {config.data.seq_len} | steps {start}->{t.steps}")
     say(f"mfu is relative to {peak / 1e12:.3g} TFLOP/s per device ("
         + ("from log.peak_flops)" if config.log.peak_flops else "measured now; fix it with --config.log.peak_flops)"))
 
@@ -224,46 +227,45 @@ def _train(config, mcfg, mesh, run_dir, data, log) -> dict:
         return {"stopped_by": stopped_by}
     step = start
     try:
-        with use_mesh(mesh):
-            data = iterate(sampler, start, t.batch_size, pi, pc)
-            for step in range(start + 1, t.steps + 1):
-                _, batch = next(data)
-                state, metrics = train_step(state, _to_global(batch, mesh))
-                if pending is not None:  # step N-1's metrics, pulled after step N is dispatched
-                    pull(*pending)
-                pending = (step, metrics)
-                stopped_by = signals.requested()
-                boundary = step == t.steps or stopped_by
-                if step % config.eval.every == 0 or step == t.steps:
-                    pull(*pending)
-                    pending = None
-                    ev = evaluate(eval_step, state, val_batches, mesh, domain_names, moe_layer_ids)
-                    writer.write(step, ev)
-                    last.update(ev)
-                    progress.line(eval_line(step, ev))
-                    if pi == 0:
-                        draw_loss_curves(run_dir, say)
-                    restart_clock(step)
-                if step % config.checkpoint.every == 0 or boundary:
-                    if pending is not None:
-                        pull(*pending)  # never save a state whose step went NaN
-                        pending = None
-                    report_saved()  # the previous save, if it has finished meanwhile
-                    checkpoint.save(mngr, step, state, config, mcfg, tok_path)
-                    last_saved = step
-                    saving.append(step)
-                    if not checkpointed:  # the first completed checkpoint: from now on the run can resume
-                        mngr.wait_until_finished()
-                        if pi == 0:
-                            run_dir.write_marker(checkpointed=True)
-                        checkpointed = True
-                    report_saved()
-                    restart_clock(step)
-                if stopped_by:
-                    break
-            if pending is not None:
+        data = iterate(sampler, start, t.batch_size, pi, pc)
+        for step in range(start + 1, t.steps + 1):
+            _, batch = next(data)
+            state, metrics = train_step(state, _to_global(batch, mesh))
+            if pending is not None:  # step N-1's metrics, pulled after step N is dispatched
                 pull(*pending)
-            report_saved(wait=True)
+            pending = (step, metrics)
+            stopped_by = signals.requested()
+            boundary = step == t.steps or stopped_by
+            if step % config.eval.every == 0 or step == t.steps:
+                pull(*pending)
+                pending = None
+                ev = evaluate(eval_step, state, val_batches, mesh, domain_names, moe_layer_ids)
+                writer.write(step, ev)
+                last.update(ev)
+                progress.line(eval_line(step, ev))
+                if pi == 0:
+                    draw_loss_curves(run_dir, say)
+                restart_clock(step)
+            if step % config.checkpoint.every == 0 or boundary:
+                if pending is not None:
+                    pull(*pending)  # never save a state whose step went NaN
+                    pending = None
+                report_saved()  # the previous save, if it has finished meanwhile
+                checkpoint.save(mngr, step, state, config, mcfg, tok_path)
+                last_saved = step
+                saving.append(step)
+                if not checkpointed:  # the first completed checkpoint: from now on the run can resume
+                    mngr.wait_until_finished()
+                    if pi == 0:
+                        run_dir.write_marker(checkpointed=True)
+                    checkpointed = True
+                report_saved()
+                restart_clock(step)
+            if stopped_by:
+                break
+        if pending is not None:
+            pull(*pending)
+        report_saved(wait=True)
     finally:
         mngr.wait_until_finished()
         mngr.close()

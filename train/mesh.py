@@ -4,6 +4,7 @@ import math
 
 import jax
 
+from moe import sharding
 from moe.sharding import MESH_AXES
 from train.errors import UserError
 
@@ -26,10 +27,7 @@ def mesh_shape(mesh_cfg, n_devices: int) -> tuple[int, ...]:
 
 
 def make_mesh(mesh_cfg) -> jax.sharding.Mesh:
-    shape = mesh_shape(mesh_cfg, jax.device_count())
-    auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
-    # jax.make_mesh orders devices for the physical topology (ICI / NVLink first), also across hosts.
-    return jax.make_mesh(shape, MESH_AXES, axis_types=auto)
+    return sharding.make_mesh(*mesh_shape(mesh_cfg, jax.device_count()))
 
 
 def data_parallel_size(mesh: jax.sharding.Mesh) -> int:

@@ -9,17 +9,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from moe import router
-from moe.model import routing_biases, set_routing_biases
-from train.state import merge_model, split_model
-
-BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask", "domains")
+from moe import Execution, router
+from train.state import merge_model
 
 
-def forward(graphdef, params, bias, batch):
+def forward(graphdef, params, bias, batch, ex: Execution):
     model = merge_model(graphdef, params, bias)
-    logits, aux = model(batch["tokens"], positions_BxL=batch["positions"], segment_ids_BxL=batch["segment_ids"],
-                        prefix_len_B=batch.get("prefix_len"))
+    logits, aux = model(batch["tokens"], execution=ex, positions_BxL=batch["positions"],
+                        segment_ids_BxL=batch["segment_ids"], prefix_len_B=batch.get("prefix_len"))
     ce_BxL = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     return ce_BxL * batch["loss_mask"], aux
 
@@ -29,16 +26,17 @@ def _micro_batches(batch, n: int):
     return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1), batch)
 
 
-def make_train_step(graphdef, tx, lr_schedule, t):
+def make_train_step(graphdef, tx, lr_schedule, t, ex: Execution):
     gamma_stop = int(t.bias_update_stop * t.steps)
 
     def train_step(state, batch):
         n_targets = jnp.maximum(batch["loss_mask"].sum(), 1.0)
 
         def loss_fn(params, bias, mb):
-            ce_BxL, aux = forward(graphdef, params, bias, mb)
-            loss = ce_BxL.sum() / n_targets + aux["balance_loss"] / t.grad_accum
-            return loss, (ce_BxL.sum(), aux["balance_loss"], aux["expert_load"], aux["dropped_frac"])
+            ce_BxL, aux = forward(graphdef, params, bias, mb, ex)
+            balance = t.balance_loss_weight * aux["balance_loss"]
+            loss = ce_BxL.sum() / n_targets + balance / t.grad_accum
+            return loss, (ce_BxL.sum(), balance, aux["expert_load"], aux["dropped_frac"])
 
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
@@ -56,12 +54,12 @@ def make_train_step(graphdef, tx, lr_schedule, t):
         updates, opt = tx.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         gamma = jnp.where(state["step"] < gamma_stop, t.bias_update_rate, 0.0)
-        model = merge_model(graphdef, params, state["bias"])
-        set_routing_biases(model, [router.update_bias(b, load_E, gamma)
-                                   for b, load_E in zip(routing_biases(model), load_MxE)])
-        _, params, bias = split_model(model)
+        # state["bias"] holds the MoE layers' RoutingBias leaves in layer order, the rows of load_MxE.
+        bias = jax.tree.unflatten(jax.tree.structure(state["bias"]), [
+            router.update_bias(b, load_E, gamma)
+            for b, load_E in zip(jax.tree.leaves(state["bias"]), load_MxE, strict=True)])
+        biases = jax.tree.leaves(bias)
 
-        biases = routing_biases(model)
         metrics = {
             "loss": ce_sum / n_targets,
             "balance_loss": bal / t.grad_accum,
@@ -69,7 +67,7 @@ def make_train_step(graphdef, tx, lr_schedule, t):
             "param_norm": optax.global_norm(params),  # non-finite params must never reach a checkpoint
             "lr": lr_schedule(state["step"]),
             "targets": n_targets,
-            "maxvio": jax.vmap(router.max_violation)(load_MxE) if n_moe else jnp.zeros((0,)),
+            "maxvio": router.max_violation(load_MxE),
             "dead_experts": (load_MxE == 0).sum(-1),
             "dropped_frac": dropped_M / t.grad_accum,  # per MoE layer; 0 unless a capacity bound drops
             "bias_range": jnp.stack([b.max() - b.min() for b in biases]) if n_moe else jnp.zeros((0,)),
@@ -79,9 +77,9 @@ def make_train_step(graphdef, tx, lr_schedule, t):
     return train_step
 
 
-def make_eval_step(graphdef, n_domains: int):
+def make_eval_step(graphdef, n_domains: int, ex: Execution):
     def eval_step(state, batch):
-        ce_BxL, aux = forward(graphdef, state["params"], state["bias"], batch)
+        ce_BxL, aux = forward(graphdef, state["params"], state["bias"], batch, ex)
         mask_BxL = batch["loss_mask"]
         ids = batch["domains"].reshape(-1)
         return {
