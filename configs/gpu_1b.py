@@ -2,7 +2,8 @@
 
     python -m train --config configs/gpu_1b.py --workdir runs/gpu_1b
     # 8 GPUs, experts split 8 ways, batch over the rest:
-    python -m train --config configs/gpu_1b.py --workdir runs/gpu_1b --config.mesh.expert=8 --config.mesh.data=1
+    python -m train --config configs/gpu_1b.py --workdir runs/gpu_1b --config.mesh.expert=8 --config.mesh.data=1 \\
+        --config.execution.dispatch=expert_parallel_dropless
     # another TFDS text set (prepared as array_record) with its own tokenizer:
     python -m train --config configs/gpu_1b.py --config.data.name=lm1b --config.data.tokenizer=PATH/tokenizer.json \\
         --config.model.vocab_size=32768

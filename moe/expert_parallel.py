@@ -7,7 +7,7 @@ active mesh. With P = mesh.expert shards of E_l = E / P experts each:
   2. it sorts its N = T_l * K token copies by destination shard e // E_l (then by top-k rank, then by token) into
      a padded send buffer [P, C, D]: C rows per (source, destination) pair, C = ceil(cf * N / P), at most N;
   3. `jax.lax.all_to_all` over `expert` swaps buffers: row block p of the receive buffer came from shard p;
-  4. the grouped matmul (`model.grouped_matmul`) runs the E_l local experts on the received rows (padding rows are
+  4. the grouped matmul (`execution.grouped_matmul`) runs the E_l local experts on the received rows (padding rows are
      sorted last and left out of every group, so they cost nothing and produce zeros);
   5. a second all_to_all sends the outputs back; each copy is gathered from its slot and combined with its gate.
 Copies past C are dropped (output 0, counted in the returned keep mask), later top-k choices first. C = N

@@ -69,7 +69,7 @@ GROUPED_SWIGLU = {"ragged_dot": grouped_swiglu_ragged, "blocked": grouped_swiglu
 
 
 def grouped_swiglu_for(grouped_matmul: str = "auto"):
-    """The grouped SwiGLU by name (`model.grouped_matmul`); auto: ragged_dot where it is a real grouped matmul
+    """The grouped SwiGLU by name (`execution.grouped_matmul`); auto: ragged_dot where it is a real grouped matmul
     (GPU/TPU), padded blocks on CPU."""
     if grouped_matmul == "auto":
         grouped_matmul = "blocked" if jax.default_backend() == "cpu" else "ragged_dot"

@@ -56,7 +56,7 @@ def _on_cuda() -> bool:
 
 
 def fused_attention_impl(name: str) -> str:
-    """`jax.nn.dot_product_attention`'s implementation for `model.attention_impl`. cuDNN exists only on NVIDIA
+    """`jax.nn.dot_product_attention`'s implementation for `execution.attention_impl`. cuDNN exists only on NVIDIA
     GPUs; elsewhere (say, analysing a GPU run on a laptop) the same function runs with the XLA implementation."""
     return "cudnn" if name == "cudnn" and _on_cuda() else "xla"
 

@@ -56,6 +56,16 @@ def test_prefill_continues_from_any_slot():
         decode.prefill(prefix_model, tokens[:, :2], decode.init_cache(prefix_model.cfg, B, L), start=2)
 
 
+def test_cached_forward_refuses_packed_rows():
+    """The cache does not know the segments of earlier slots, so segment_ids with a cache is an error, never a
+    silently unmasked attention across documents."""
+    model = tiny_model()
+    tokens = jnp.zeros((1, 4), jnp.int32)
+    with pytest.raises(ValueError, match="segment_ids"):
+        model(tokens, segment_ids_BxL=jnp.ones((1, 4), jnp.int32), cache=decode.init_cache(model.cfg, 1, 8),
+              cache_index=0)
+
+
 def test_greedy_generate_follows_argmax_of_full_forward():
     model = tiny_model()
     prompt = jax.random.randint(jax.random.key(4), (2, 4), 0, 61)

@@ -47,7 +47,7 @@ def _assert_close(got, want):
 
 
 PATHS = {
-    "dropless": experts.dropless,  # model.grouped_matmul "auto": blocked on CPU
+    "dropless": experts.dropless,  # execution.grouped_matmul "auto": blocked on CPU
     "dropless_ragged_dot": functools.partial(experts.dropless, grouped="ragged_dot"),
     "capacity": functools.partial(experts.capacity, capacity_factor=E / K),  # C = T: cannot drop
     "capacity_grouped": functools.partial(experts.capacity, capacity_factor=E / K, group_size=16),

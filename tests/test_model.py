@@ -45,3 +45,15 @@ def test_remat_gives_identical_gradients():
 
     for a, b in zip(grads(False), grads(True)):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
+
+
+def test_forward_exposes_hidden_states_and_attention():
+    """Analysis reads the model's own forward: the residual stream after the embedding and every block, whose
+    last entry unembeds to the logits, and one attention map per layer whose rows sum to 1."""
+    model = tiny_model()
+    tokens = jax.random.randint(jax.random.key(2), (2, 7), 0, TINY["vocab_size"])
+    logits, aux = model(tokens, return_hidden=True, return_attention=True)
+    assert len(aux["hidden"]) == TINY["n_layers"] + 1 and len(aux["attention"]) == TINY["n_layers"]
+    np.testing.assert_allclose(model.unembed(aux["hidden"][-1]), logits, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(model.embed_tokens(tokens), aux["hidden"][0])
+    np.testing.assert_allclose(aux["attention"][0].sum(-1), 1.0, rtol=1e-5)

@@ -18,7 +18,8 @@ from tests.conftest import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 OVERRIDES = {"train.steps": 4, "log.every": 1, "eval.every": 100, "checkpoint.every": 2,
-             "checkpoint.async_save": False, "mesh.data": -1, "mesh.expert": 2}
+             "checkpoint.async_save": False, "mesh.data": -1, "mesh.expert": 2,
+             "execution.dispatch": "expert_parallel_dropless"}
 
 WORKER = """
 import sys, jax

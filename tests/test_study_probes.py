@@ -60,14 +60,14 @@ def test_row_losses_match_the_trainers_evaluation(rows):
     import jax
     from flax import nnx
 
-    from moe import ModelConfig, Transformer
+    from moe import Execution, ModelConfig, Transformer
     from train.step import make_eval_step
 
     model = Transformer(ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                                     d_ff=48, n_routed_experts=4, top_k=2, moe_d_ff=16, mask="prefix"), nnx.Rngs(0))
     losses = sp.row_losses(model, rows, batch_size=4)
     graphdef, params, bias = nnx.split(model, nnx.Param, ...)
-    out = jax.jit(make_eval_step(graphdef, 2))({"params": params, "bias": bias}, rows)
+    out = jax.jit(make_eval_step(graphdef, 2, Execution()))({"params": params, "bias": bias}, rows)
     per_domain = [np.nansum(losses[rows["domains"][:, 0] == d] * rows["loss_mask"].sum(-1)[rows["domains"][:, 0] == d])
                   / rows["loss_mask"].sum(-1)[rows["domains"][:, 0] == d].sum() for d in (0, 1)]
     np.testing.assert_allclose(per_domain, np.asarray(out["ce_sum"]) / np.asarray(out["count"]), rtol=1e-5)

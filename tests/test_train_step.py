@@ -4,12 +4,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from moe import router, sharding
+from moe import Execution, ModelConfig, Transformer, router, routing_biases, set_routing_biases, sharding
 from tests.conftest import tiny_config
 from train import optim
 from train.config import check
-from train.state import init_state
+from train.state import init_state, split_model
 from train.step import make_train_step
 
 
@@ -25,21 +26,21 @@ def _batch(B=8, L=16, V=64, seed=0):
             "domains": rng.integers(0, 3, (B, L)).astype(np.int32)}
 
 
-def _two_steps(mesh_shape, grad_accum=1):
+def _two_steps(mesh_shape, grad_accum=1, dispatch="dropless"):
     c = tiny_config(**{"model.vocab_size": 64, "train.grad_accum": grad_accum, "train.bias_update_rate": 1e-2})
     mcfg = check(c)
     n = int(np.prod(mesh_shape))
     mesh = sharding.make_mesh(*mesh_shape, devices=jax.devices()[:n])
     tx = optim.optimizer(c.train)
     graphdef, state, shardings = init_state(mcfg, tx, 0, mesh)
-    step = jax.jit(make_train_step(graphdef, tx, optim.schedule(c.train), c.train))
+    ex = Execution(dispatch=dispatch, mesh=mesh)
+    step = jax.jit(make_train_step(graphdef, tx, optim.schedule(c.train), c.train, ex))
     spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
     metrics = []
-    with sharding.use_mesh(mesh):
-        for s in range(2):
-            batch = jax.device_put(_batch(seed=s), spec)
-            state, m = step(state, batch)
-            metrics.append(jax.device_get(m))
+    for s in range(2):
+        batch = jax.device_put(_batch(seed=s), spec)
+        state, m = step(state, batch)
+        metrics.append(jax.device_get(m))
     return jax.device_get(state), metrics
 
 
@@ -48,10 +49,12 @@ def single_device():
     return _two_steps((1, 1, 1, 1))
 
 
-@pytest.mark.parametrize("mesh_shape", [(8, 1, 1, 1), (2, 2, 2, 1), (1, 2, 2, 2)])
-def test_sharded_step_equals_single_device(single_device, mesh_shape):
+@pytest.mark.parametrize("mesh_shape,dispatch", [((8, 1, 1, 1), "dropless"), ((2, 2, 2, 1), "dropless"),
+                                                 ((2, 2, 2, 1), "expert_parallel_dropless"),
+                                                 ((1, 2, 2, 2), "expert_parallel_dropless")])
+def test_sharded_step_equals_single_device(single_device, mesh_shape, dispatch):
     ref_state, ref_metrics = single_device
-    state, metrics = _two_steps(mesh_shape)
+    state, metrics = _two_steps(mesh_shape, dispatch=dispatch)
     for a, b in zip(metrics, ref_metrics):
         np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5)
         np.testing.assert_allclose(a["grad_norm"], b["grad_norm"], rtol=1e-4)
@@ -90,3 +93,14 @@ def test_bias_update_balances_a_skewed_router():
     assert float(first) > 2.0
     assert float(vio) < 0.25, float(vio)
     assert float(bias[-1]) < float(bias[0])  # the favoured expert is pushed down, the neglected one up
+
+
+def test_bias_leaves_are_in_layer_order():
+    """The train step pairs the RoutingBias leaves of the state with the rows of expert_load (layer order): with
+    more than ten MoE layers a string-sorted tree would put layer 10 before layer 2."""
+    cfg = ModelConfig(vocab_size=16, d_model=8, n_layers=12, n_heads=2, n_kv_heads=2, head_dim=4, d_ff=8,
+                      n_routed_experts=4, top_k=2, moe_d_ff=4)
+    model = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
+    set_routing_biases(model, [jnp.full((4,), float(i)) for i in range(cfg.n_moe_layers)])
+    leaves = jax.tree.leaves(split_model(model)[2])
+    assert [float(b[0]) for b in leaves] == [float(b[0]) for b in routing_biases(model)] == list(range(11))

@@ -155,6 +155,10 @@ def _train(config, mcfg, mesh, run_dir, data, log) -> dict:
     warning = causality_warning(config, mcfg)
     if warning:
         say(warning)
+    if mesh.shape["expert"] > 1 and train_ex.dispatch == "dropless":
+        say(f"note: execution.dispatch=dropless on mesh.expert={mesh.shape['expert']}: XLA partitions the sorted "
+            "grouped matmul; execution.dispatch=expert_parallel_dropless moves tokens with all_to_all instead "
+            "(docs/scaling.md)")
     step_fn = make_train_step(graphdef, tx, lr_schedule, t, train_ex)
 
     def sharded_step(state, batch):  # the new state keeps the layout of the old one (and of checkpoints)
