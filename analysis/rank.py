@@ -194,7 +194,7 @@ def run_rank(workdir, sequences: int = 16, step=None, out=None, plots: bool = Tr
         out = check_out_dir(out, out)
         (out / "rank.json").write_text(json.dumps(result, indent=1))
         if plots:
-            from analysis.rank_plots import plot_all
+            from analysis.rank_plots import plot_all  # matplotlib, only when plots are asked for
 
             plot_all(result, out)
     return result

@@ -8,6 +8,7 @@ import json
 import os
 
 import numpy as np
+from safetensors import safe_open
 
 
 class HFImportError(ValueError):
@@ -76,7 +77,6 @@ def dense_layer_text(layers) -> str:
 
 def read_tensors(path_dir: str) -> dict[str, np.ndarray]:
     """All tensors of model.safetensors or of the shards in model.safetensors.index.json, as fp32 NumPy."""
-    from safetensors import safe_open
 
     index = os.path.join(path_dir, "model.safetensors.index.json")
     if os.path.isfile(index):

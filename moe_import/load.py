@@ -6,6 +6,8 @@ HF's forward exactly and says where its tensors live. Params are fp32 (the check
 
 import os
 
+import tokenizers
+
 from moe.config import ConfigError
 from moe.model import Transformer
 from moe.safetensors_io import model_from_flat
@@ -50,7 +52,6 @@ def load_tokenizer(path_dir: str):
     path = os.path.join(path_dir, "tokenizer.json")
     if not os.path.isfile(path):
         return None
-    import tokenizers
 
     try:
         return tokenizers.Tokenizer.from_file(path)

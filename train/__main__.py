@@ -14,6 +14,7 @@ import argparse  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from moe import ConfigError  # noqa: E402
 from train.cli import ArgParser, config_from_argv, print_help  # noqa: E402
 from train.errors import (  # noqa: E402
     OOM_HINT,
@@ -24,6 +25,7 @@ from train.errors import (  # noqa: E402
     os_error,
     out_of_memory,
 )
+from train.loop import run  # noqa: E402
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "default.py")
 
@@ -67,15 +69,11 @@ def _wants_help(argv) -> bool:
 
 def main(argv=None):
     argv = sys.argv if argv is None else argv
-    from moe import ConfigError
-
     hide_orbax_tracebacks()
 
     workdir = None
     try:
         config, workdir = parse_flags(argv)
-        from train.loop import run
-
         result = run(config, workdir)
     except (UserError, ConfigError) as e:
         exit_with(e)

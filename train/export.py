@@ -19,9 +19,16 @@ import sys
 import tempfile
 from pathlib import Path
 
+import jax
+import orbax.checkpoint as ocp
+
+from moe import ConfigError, ModelConfig
+from moe.safetensors_io import CONFIG_FILE, load_config, save_safetensors
 from rundir import RunDir, is_run_dir, metrics, open_run
 from train.cli import ArgParser
 from train.errors import UserError, disk_full, exit_with, hide_orbax_tracebacks, os_error
+from train.hf_export import ExportError, check_exportable, write_hf_checkpoint
+from train.state import abstract_model, merge_model, split_model
 
 FORMATS = ("hf", "safetensors", "orbax")
 DTYPES = ("float32", "bfloat16")
@@ -117,10 +124,7 @@ def model_card(workdir, meta: dict) -> dict:
 
 def save_orbax_export(model, out_dir, tokenizer_text: str) -> None:
     """Params + routing biases only (no optimizer state), moe_config.json and tokenizer.json."""
-    import orbax.checkpoint as ocp
 
-    from moe.safetensors_io import CONFIG_FILE
-    from train.state import split_model
 
     _, params, bias = split_model(model)
     ckptr = ocp.StandardCheckpointer()
@@ -132,11 +136,7 @@ def save_orbax_export(model, out_dir, tokenizer_text: str) -> None:
 
 def load_orbax_export(path_dir):
     """The model (moe.Transformer on the default device) from a `--format orbax` export."""
-    import jax
-    import orbax.checkpoint as ocp
 
-    from moe.safetensors_io import load_config
-    from train.state import abstract_model, merge_model, split_model
 
     cfg = load_config(str(path_dir))
     graphdef, params, bias = split_model(abstract_model(cfg))
@@ -150,7 +150,6 @@ def load_orbax_export(path_dir):
 def write_export(model, meta: dict, workdir, out_dir: Path, fmt: str, dtype: str) -> None:
     """Write the export into `out_dir` (an existing empty directory)."""
     if fmt == "hf":
-        from train.hf_export import write_hf_checkpoint
 
         with tempfile.TemporaryDirectory() as tmp:
             tok = Path(tmp) / "tokenizer.json"
@@ -158,7 +157,6 @@ def write_export(model, meta: dict, workdir, out_dir: Path, fmt: str, dtype: str
             write_hf_checkpoint(model, str(out_dir), str(tok), dtype, model_card(workdir, meta),
                                 max_position_embeddings=int(meta["config"]["data"]["seq_len"]))
     elif fmt == "safetensors":
-        from moe.safetensors_io import save_safetensors
 
         save_safetensors(model, str(out_dir), extra_meta={"step": meta["step"], "workdir": str(workdir)})
         (out_dir / "tokenizer.json").write_text(meta["tokenizer"], encoding="utf-8")
@@ -198,8 +196,6 @@ def _swap_in(new: Path, out: Path) -> None:
 
 def export(workdir, out, step=None, dtype="float32", fmt="hf", overwrite=False) -> Path:
     """Export checkpoint `step` (default newest) of `workdir` to `out`; returns `out`. Raises UserError."""
-    from moe import ModelConfig
-    from train.hf_export import ExportError, check_exportable
 
     if not str(out).strip():
         raise UserError("--out is empty; pass an export directory, e.g. --out exports/my_run")
@@ -234,8 +230,6 @@ def main(argv=None):
     hide_orbax_tracebacks()
     try:
         args = parse_args(argv)
-        from moe import ConfigError
-        from train.hf_export import ExportError
 
         try:
             out = export(args.workdir, args.out, args.step, args.dtype, args.format, args.overwrite)

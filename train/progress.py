@@ -3,6 +3,8 @@ each evaluation and checkpoint, and a closing summary. Only process 0 prints."""
 
 import time
 
+from tqdm import tqdm
+
 
 def duration(seconds: float) -> str:
     seconds = int(round(seconds))
@@ -19,7 +21,6 @@ class Progress:
         self.tps = None  # the last measured tokens/s, shown until the next measurement
         self._last = start
         if active and bar:
-            from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=start, desc="train", dynamic_ncols=True, unit="step")
 

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import numpy as np
 import tokenizers
 
 from train.errors import UserError
@@ -27,6 +28,5 @@ def load_tokenizer(path=None) -> tokenizers.Tokenizer:
 
 def token_dtype(tok: tokenizers.Tokenizer):
     """Smallest unsigned numpy dtype that holds every id: uint16 for vocabularies up to 65,536."""
-    import numpy as np
 
     return np.uint16 if tok.get_vocab_size() <= 1 << 16 else np.uint32
