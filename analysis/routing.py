@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from analysis import hf_source, routing_html, routing_plots, routing_run, routing_stats
+from rundir import open_run
 from train.cli import ArgParser, check_out_dir, run_cli
 from train.errors import UserError
 
@@ -162,9 +163,9 @@ def run(args, log=print):
     if args.hf is not None:
         return run_hf(args, log)
     check_out_dir(args.out, Path(args.workdir) / "analysis", create=False)
-    run_ = routing_run.load_run(args.workdir, args.step)
+    run_ = open_run(args.workdir, args.step)
     layer = routing_run.check_layer(run_, args.layer)
-    compare = routing_run.load_run(args.workdir, args.compare_step) if args.compare_step is not None else None
+    compare = open_run(args.workdir, args.compare_step) if args.compare_step is not None else None
     a = routing_run.analyse(run_, split=args.split, max_tokens=args.max_tokens,
                             tokens=args.token or routing_run.DEFAULT_TOKENS, compare_run=compare,
                             batch_size=args.batch_size, n_samples=args.samples, n_frequent=args.n_frequent,

@@ -1,6 +1,6 @@
 """Route a data split through a checkpoint, streaming the top-k assignments into the routing accumulators.
 
-    run = load_run(workdir, step=None)                 # model + config + tokenizer, or UserError
+    run = open_run(workdir, step=None)                 # rundir: model + config + tokenizer, or UserError
     data = analyse(run, split="validation", max_tokens=20_000, tokens=[" the", "."])
     data.result                                        # RoutingAccumulator.finalize() + layer_ids_L
     data.saturation                                    # with compare_run=: SaturationAccumulator.finalize()
@@ -21,9 +21,8 @@ from flax import nnx
 from tqdm import tqdm  # text bar: tqdm.auto warns in a notebook without ipywidgets
 
 from analysis.routing_stats import RoutingAccumulator, SaturationAccumulator
-from rundir import Run, open_run
+from rundir import Run
 from train import inputs
-from train.data import packing
 from train.errors import UserError
 
 # Punctuation, function words and the newline, frequent in the bundled corpus (routing.json n over its whole
@@ -42,11 +41,6 @@ class Analysis:
     saturation: dict | None
     n_tokens: int
     seconds: float
-
-
-def load_run(workdir, step=None) -> Run:
-    """The run's checkpoint (rundir.open_run: the newest readable one by default)."""
-    return open_run(workdir, step)
 
 
 def check_layer(run: Run, layer):
@@ -102,13 +96,7 @@ def domain_rows(config, split, max_tokens, cache=None):
                         f"{str(e)[:100]}); check --split") from e
     plans = []
     for dom in np.unique(cache.domains):
-        sub = inputs.domain_subset(cache, int(dom))
-        if d.task == "prefix":
-            sampler = inputs.PrefixSampler(sub, d.seq_len, 0, d.prefix_frac, config.train.prefix_loss)
-            available = sub.n_docs  # one document per row
-        else:
-            sampler = packing.PackedSampler(sub, d.seq_len, 0)
-            available = max(1, sampler.rows_per_epoch)  # one pass, no repeated text
+        sampler, available = inputs.domain_sampler(config, inputs.domain_subset(cache, int(dom)))
         n = available if max_tokens is None else min(available, math.ceil(max_tokens / d.seq_len))
         plans.append((int(dom), sampler.rows, n))
     return plans, list(cache.domain_names)

@@ -142,6 +142,3 @@ def capacity(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, 
              group_size=None):
     return capacity_with_stats(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD,
                                capacity_factor=capacity_factor, group_size=group_size)[0]
-
-
-DISPATCH = {"dropless": dropless, "reference": reference, "capacity": capacity}

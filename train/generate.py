@@ -97,12 +97,6 @@ def load_export(path):
     return model, load_tokenizer(path / "tokenizer.json")
 
 
-def load_run(workdir, step=None):
-    """(model, tokenizer, trained sequence length) from a training run's checkpoint."""
-    run = open_run(workdir, step)
-    return run.model, run.tokenizer, int(run.config.data.seq_len)
-
-
 def export_trained_len(path) -> int | None:
     """The sequence length an HF export was trained on (its max_position_embeddings); None for other formats."""
     try:
@@ -150,7 +144,8 @@ def main(argv=None) -> list[int]:
         if args.export:
             (model, tok), trained_len = load_export(args.export), export_trained_len(args.export)
         else:
-            model, tok, trained_len = load_run(args.workdir, args.step)
+            run = open_run(args.workdir, args.step)
+            model, tok, trained_len = run.model, run.tokenizer, int(run.config.data.seq_len)
         check_decodable(model)
         prompt_ids = tok.encode(args.prompt).ids
         if not prompt_ids:

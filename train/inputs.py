@@ -73,6 +73,16 @@ def domain_subset(cache, domain: int):
                                domains=cache.domains[docs])
 
 
+def domain_sampler(config, sub):
+    """(sampler, rows in one pass) over one domain's documents: one document per row for the prefix task, packed
+    rows of seq_len for LM (at least one row, so a short domain still has a padded row)."""
+    d = config.data
+    if d.task == "prefix":
+        return PrefixSampler(sub, d.seq_len, 0, d.prefix_frac, config.train.prefix_loss), sub.n_docs
+    sampler = packing.PackedSampler(sub, d.seq_len, 0)
+    return sampler, max(1, sampler.rows_per_epoch)
+
+
 def eval_rows(config) -> dict:
     """The fixed validation set: `eval.rows_per_domain` rows of every domain, so per-domain losses compare.
 
@@ -82,13 +92,8 @@ def eval_rows(config) -> dict:
     cache = task_cache(d, d.eval_split)
     parts = []
     for dom in np.unique(cache.domains):
-        sub = domain_subset(cache, int(dom))
-        if d.task == "prefix":
-            n = min(e.rows_per_domain, sub.n_docs)
-            parts.append(PrefixSampler(sub, d.seq_len, 0, d.prefix_frac, config.train.prefix_loss).rows(0, n))
-        else:
-            sampler = packing.PackedSampler(sub, d.seq_len, 0)
-            parts.append(sampler.rows(0, max(1, min(e.rows_per_domain, sampler.rows_per_epoch))))
+        sampler, available = domain_sampler(config, domain_subset(cache, int(dom)))
+        parts.append(sampler.rows(0, min(e.rows_per_domain, available)))
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
