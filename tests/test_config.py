@@ -8,7 +8,9 @@ from configs.base import base_config
 from moe import ConfigError, Execution, ModelConfig, sharding
 from moe.execution import DISPATCH_MODES, check_model, check_tokens, execution_fields
 from rundir.checkpoints import check_compatible
+from tests.conftest import tiny_config
 from train.cli import migrate, unknown_key_error
+from train.config import causality_warning, check
 from train.errors import UserError
 
 
@@ -119,3 +121,11 @@ def test_checkpoint_written_before_new_fields_still_resumes():
         check_compatible(old, ModelConfig(router_score="softmax"), "old run")
     with pytest.raises(UserError, match="model.qk_norm"):
         check_compatible({**old, "qk_norm": "head"}, ModelConfig(), "old run")
+
+
+def test_causal_run_with_a_dropping_dispatch_is_warned():
+    for dispatch, warned in (("dropless", False), ("expert_parallel_dropless", False), ("capacity", True),
+                             ("expert_parallel", True)):
+        c = tiny_config(**{"execution.dispatch": dispatch})
+        msg = causality_warning(c, check(c))
+        assert (msg is not None) == warned and (not warned or "not strictly causal" in msg)

@@ -98,6 +98,11 @@ def test_balance_loss_formula():
         expected.append((f * p).sum())
     got = router.sequence_balance_loss(jnp.asarray(s, jnp.float32), jnp.asarray(ids), jnp.asarray(valid))
     np.testing.assert_allclose(got, np.mean(expected), rtol=1e-5)
+    # A fully padded row (the last evaluation batch's filler) has no load: it leaves the mean unchanged.
+    padded = np.concatenate([valid, np.zeros((1, L), bool)])
+    got = router.sequence_balance_loss(jnp.asarray(np.concatenate([s, s[:1]]), jnp.float32),
+                                       jnp.asarray(np.concatenate([ids, ids[:1]])), jnp.asarray(padded))
+    np.testing.assert_allclose(got, np.mean(expected), rtol=1e-5)
 
 
 def test_bias_update_rule_and_maxvio():

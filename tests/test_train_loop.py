@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from rundir import open_run
 from tests.conftest import tiny_config
 from train.__main__ import main
 from train.errors import UserError
@@ -26,12 +27,44 @@ def _metrics(workdir):
     return {r["step"]: r for r in rows if "loss" in r}
 
 
+def _legacy_config(config: dict) -> dict:
+    """A run config as versions before the model/execution split wrote it: execution keys and the balance-loss
+    weight under "model", no "execution" section."""
+    old = json.loads(json.dumps(config))
+    old["model"].update(old.pop("execution"))
+    old["model"]["balance_loss_weight"] = old["train"].pop("balance_loss_weight")
+    return old
+
+
+def _rewrite_as_legacy_run(workdir):
+    """config.json and every checkpoint's metadata in the layout written before the split."""
+    (workdir / "config.json").write_text(json.dumps(_legacy_config(json.loads((workdir / "config.json").read_text()))))
+    rewritten = 0
+    for path in (workdir / "checkpoints").rglob("*"):
+        try:
+            meta = json.loads(path.read_text())
+        except (OSError, ValueError, UnicodeDecodeError):
+            continue
+        if isinstance(meta, dict) and {"config", "model", "tokenizer"} <= set(meta):
+            meta["config"] = _legacy_config(meta["config"])
+            meta["model"] = {**meta["model"], **{k: meta["config"]["model"][k] for k in
+                                                 ("dispatch", "capacity_factor", "grouped_matmul", "attention_impl",
+                                                  "dtype", "remat", "balance_loss_weight")}}
+            path.write_text(json.dumps(meta))
+            rewritten += 1
+    assert rewritten, "no checkpoint metadata found to rewrite"
+
+
 def test_resume_is_bitwise_exact(tmp_path):
+    """Resuming gives the uninterrupted run's steps bit for bit, also for a run written before the
+    model/execution split (its config and checkpoint metadata in the old layout)."""
     c = tiny_config(**{"train.steps": 8, "checkpoint.every": 4, "log.every": 1, "eval.every": 100})
     a, b = tmp_path / "a", tmp_path / "b"
     run(c, a, log=lambda *x: None)
     run(c, b, log=lambda *x: None)
     shutil.rmtree(b / "checkpoints" / "8")  # as if the run had been killed after saving step 4
+    _rewrite_as_legacy_run(b)
+    assert open_run(b).config.execution.dispatch == "dropless"  # read through the migration
     run(c, b, log=lambda *x: None)  # resumes from step 4
     ma, mb = _metrics(a), _metrics(b)
     for step in range(5, 9):
