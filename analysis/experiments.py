@@ -21,13 +21,21 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
+from ml_collections import ConfigDict
 
+from analysis.experiments_report import write_report
+from analysis.rank import analyse, select_rows
+from moe import ConfigError, param_counts, train_flops_per_token
 from rundir import RunDir, open_run
 from rundir.checkpoints import steps_in
 from rundir.metrics import read_rows
-from train.cli import ArgParser, config_from_argv
+from train.cli import ArgParser, config_from_argv, pre_split_layout
+from train.config import check, model_config
 from train.errors import UserError, exit_with, os_error
+from train.inputs import eval_rows
+from train.loop import run as train_run
 
 RANK_SEQUENCES = 8
 DEFAULT_CONFIG = "configs/compare_masks.py"
@@ -55,7 +63,8 @@ def run_config(base, mask: str, rope: bool, seed: int, steps: int):
 
 def fingerprint(config) -> str:
     """Hash of everything that changes a run's result (progress bars and TensorBoard do not)."""
-    d = config.to_dict()
+    # In the layout before the model/execution split, so results cached before it keep their fingerprint.
+    d = pre_split_layout(config.to_dict())
     d["log"] = {k: v for k, v in d["log"].items() if k not in ("progress", "tensorboard")}
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -76,8 +85,6 @@ def attention_cost(config, mcfg) -> dict:
     """Attended (query, key) pairs per validation row, per mask, and the FLOP share they would add if attention
     were computed only where the mask allows it (this implementation computes the full L x L square for every
     mask, so the executed FLOPs are identical)."""
-    from moe import train_flops_per_token
-    from train.inputs import eval_rows
 
     rows = eval_rows(config)
     n = rows["segment_ids"].sum(-1).astype(np.float64)
@@ -91,10 +98,6 @@ def attention_cost(config, mcfg) -> dict:
 
 
 def summarize_run(config, workdir, seconds: float) -> dict:
-    from analysis.rank import analyse, select_rows
-    from moe import param_counts
-    from train.config import model_config
-    from train.inputs import eval_rows
 
     train, evals = read_metrics(workdir)
     last = evals[max(evals)]
@@ -124,13 +127,11 @@ def train_one(config, workdir, log=print, run_fn=None) -> dict:
         return result
     started = workdir / "config.json"
     if started.exists():
-        from ml_collections import ConfigDict
 
         if fingerprint(ConfigDict(json.loads(started.read_text()))) != fp:
             raise UserError(f"{workdir} holds an unfinished run with a different config; use another --out or "
                             f"delete {workdir}")
-    if run_fn is None:
-        from train.loop import run as run_fn
+    run_fn = train_run if run_fn is None else run_fn
     t0 = time.perf_counter()
     run_fn(config, workdir, log=log)
     done = steps_in(RunDir(workdir).checkpoints)
@@ -156,8 +157,6 @@ def compare_masks(base, masks, seeds: int, steps: int, nope: bool, out, log=prin
                   report_only: bool = False) -> Path:
     """Train every variant x seed (resuming / skipping finished runs), then write the report. Returns its path.
     report_only: train nothing; report the finished runs (the report lists the missing ones)."""
-    from analysis.experiments_report import write_report
-    from train.config import check
 
     out = Path(out)
     # seed-major: a study cut short still has every variant at each completed seed
@@ -177,7 +176,6 @@ def compare_masks(base, masks, seeds: int, steps: int, nope: bool, out, log=prin
         raise UserError(f"no finished runs in {out} for these settings; run without --report_only first")
     if missing:
         log(f"reporting {len(results)} finished runs; not finished: {', '.join(missing)}")
-    from train.config import model_config
 
     cost = attention_cost(base, model_config(base))
     return write_report(results, out / "report", cost, base, missing)
@@ -216,7 +214,6 @@ def parse_flags(argv):
 
 
 def main(argv=None):
-    from moe import ConfigError
 
     argv = sys.argv if argv is None else argv
     if any(a in ("-h", "--help") for a in argv[1:]):
@@ -225,7 +222,6 @@ def main(argv=None):
     try:
         config, masks, seeds, steps, nope, out, report_only = parse_flags(argv)
         cache_dir = Path(out) / ".jax_cache"  # the same mask's graph is compiled once for all seeds
-        import jax
 
         jax.config.update("jax_compilation_cache_dir", str(cache_dir.absolute()))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)

@@ -9,7 +9,7 @@ from moe import ConfigError, Execution, ModelConfig, sharding
 from moe.execution import DISPATCH_MODES, check_model, check_tokens, execution_fields
 from rundir.checkpoints import check_compatible
 from tests.conftest import tiny_config
-from train.cli import migrate, unknown_key_error
+from train.cli import migrate, pre_split_layout, unknown_key_error
 from train.config import causality_warning, check
 from train.errors import UserError
 
@@ -94,6 +94,11 @@ def test_old_run_config_migrates_and_moved_flags_say_where():
     assert new["execution"] == {"dispatch": "capacity", "dtype": "bfloat16"}
     assert new["train"] == {"steps": 5, "balance_loss_weight": 0.0}
     assert old["model"]["dispatch"] == "capacity"  # the input is left as it was
+    assert pre_split_layout({**new, "eval": {"every": 1, "dispatch": ""}}) == {**old, "eval": {"every": 1}}
+    # Experiment caches written before the split keep their fingerprint: today's base config in the old layout.
+    legacy = pre_split_layout(base_config().to_dict())
+    assert "execution" not in legacy and legacy["model"]["dispatch"] == "dropless"
+    assert legacy["model"]["balance_loss_weight"] == 1e-4 and "balance_loss_weight" not in legacy["train"]
     assert ModelConfig.from_dict({"d_model": 64, "dispatch": "capacity", "remat": True}).d_model == 64
     msg = str(unknown_key_error("model.dispatch", []))
     assert "execution.dispatch" in msg and "\n" not in msg

@@ -90,6 +90,22 @@ def migrate(config: dict) -> dict:
     return out
 
 
+def pre_split_layout(config: dict) -> dict:
+    """The inverse of `migrate`, for fingerprints that must not change with the layout: moved keys back where
+    they were, and keys added since at their defaults (eval.dispatch "") left out."""
+    out = {section: dict(values) if isinstance(values, dict) else values for section, values in config.items()}
+    for old, new in MOVED_KEYS.items():
+        old_section, old_key = old.split(".")
+        new_section, new_key = new.split(".")
+        if isinstance(out.get(new_section), dict) and new_key in out[new_section]:
+            out.setdefault(old_section, {})[old_key] = out[new_section].pop(new_key)
+    if out.get("execution") == {}:
+        del out["execution"]
+    if isinstance(out.get("eval"), dict) and out["eval"].get("dispatch", None) == "":
+        del out["eval"]["dispatch"]
+    return out
+
+
 def unknown_key_error(key: str, known, where: str = "") -> UserError:
     if key in MOVED_KEYS:
         return UserError(f"config key {key}{where} is now {MOVED_KEYS[key]} (model.* holds only the "
