@@ -12,7 +12,7 @@ MASK_MODES = ("causal", "prefix", "bidirectional", "mixed")
 DISPATCH_MODES = ("dropless", "capacity", "expert_parallel", "reference")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
-GROUPED_MATMULS = ("auto", "ragged_dot", "blocked")
+GROUPED_MATMULS = ("auto", "ragged_dot", "blocked", "slab", "tokamax")
 ROUTER_SCORES = ("sigmoid", "softmax")
 QK_NORMS = ("none", "head", "full")
 

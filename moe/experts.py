@@ -36,43 +36,73 @@ def grouped_swiglu_ragged(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down
     return jax.lax.ragged_dot(h_NxF, w_down_ExFxD, group_sizes_E)
 
 
+def _swiglu_batched(x_BxSxD, w_gate_BxDxF, w_up_BxDxF, w_down_BxFxD):
+    h_BxSxF = jax.nn.silu(jnp.einsum("bsd,bdf->bsf", x_BxSxD, w_gate_BxDxF)) * jnp.einsum(
+        "bsd,bdf->bsf", x_BxSxD, w_up_BxDxF)
+    return jnp.einsum("bsf,bfd->bsd", h_BxSxF, w_down_BxFxD)
+
+
+def _group_of_rows(sizes_G, n_rows: int):
+    """(group_R, offset_R, start_G): group of each of n_rows consecutive rows laid out group after group (the
+    number of groups for rows past the last group) and its row within its group."""
+    end_G = jnp.cumsum(sizes_G)
+    start_G = end_G - sizes_G
+    group_R = jnp.searchsorted(end_G, jnp.arange(n_rows), side="right")
+    offset_R = jnp.arange(n_rows) - jnp.append(start_G, end_G[-1])[group_R]
+    return group_R, offset_R, start_G
+
+
 def grouped_swiglu_blocked(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, block: int = 64):
     """The same grouped SwiGLU with plain batched matmuls: each expert's rows are padded to whole blocks of
     `block` rows and every block is multiplied by its expert's weights (gathered per block).
 
-    Exact, like ragged_dot, at the cost of at most E * (block - 1) padding rows. XLA:CPU lowers ragged_dot to a
-    dense computation over all experts, so on CPU this is the fast dropless path.
+    Exact, like ragged_dot, for any group sizes, at the cost of a static bound of N + E * (block - 1) rows
+    computed and one weight gather per block (a scatter-add in the backward pass). `slab` (moe/grouped_slab.py)
+    avoids both when the groups are balanced and falls back to this otherwise.
     """
     N, D = x_NxD.shape
     E = group_sizes_E.shape[0]
     n_blocks = -(-(N + E * (block - 1)) // block)  # static bound on sum_e ceil(size_e / block)
-    # Rows past sum(group_sizes) (padding, as ragged_dot allows) form a last group whose output is zeroed.
-    sizes_G = jnp.concatenate([group_sizes_E, (N - group_sizes_E.sum())[None]])
-    padded_G = (-(-sizes_G // block) * block).at[E].set(sizes_G[E])
-    start_G = jnp.cumsum(sizes_G) - sizes_G
-    padded_start_G = jnp.cumsum(padded_G) - padded_G
-    group_N = jnp.repeat(jnp.arange(E + 1), sizes_G, total_repeat_length=N)
-    dest_N = padded_start_G[group_N] + jnp.arange(N) - start_G[group_N]
-    padded_E = padded_G[:E]
-    x_PxD = jnp.zeros((n_blocks * block, D), x_NxD.dtype).at[dest_N].set(x_NxD)
-    # Block b belongs to the expert whose padded range holds its first row (trailing empty blocks: the last one).
-    expert_B = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded_E), jnp.arange(n_blocks) * block, side="right"),
-                           E - 1)
-    x_BxSxD = x_PxD.reshape(n_blocks, block, D)
-    h = jax.nn.silu(jnp.einsum("bsd,bdf->bsf", x_BxSxD, w_gate_ExDxF[expert_B])) * jnp.einsum(
-        "bsd,bdf->bsf", x_BxSxD, w_up_ExDxF[expert_B])
-    y_PxD = jnp.einsum("bsf,bfd->bsd", h, w_down_ExFxD[expert_B]).reshape(n_blocks * block, D)
-    return jnp.where((group_N < E)[:, None], y_PxD[dest_N], 0)
+    padded_E = -(-group_sizes_E // block) * block
+    # Padded row p holds row start_e + offset of x when offset < size_e (gathers both ways: no scatter of rows).
+    pgroup_P, poffset_P, pstart_E = _group_of_rows(padded_E, n_blocks * block)
+    start_E = jnp.cumsum(group_sizes_E) - group_sizes_E
+    pvalid_P = (pgroup_P < E) & (poffset_P < jnp.append(group_sizes_E, 0)[pgroup_P])
+    src_P = jnp.where(pvalid_P, jnp.append(start_E, 0)[pgroup_P] + poffset_P, N)
+    x_BxSxD = jnp.take(x_NxD, src_P, axis=0, mode="fill", fill_value=0).reshape(n_blocks, block, D)
+    # Block b belongs to its first row's expert (trailing empty blocks: the last expert; their rows are zeros).
+    expert_B = jnp.minimum(pgroup_P[::block], E - 1)
+    y_PxD = _swiglu_batched(x_BxSxD, w_gate_ExDxF[expert_B], w_up_ExDxF[expert_B],
+                            w_down_ExFxD[expert_B]).reshape(n_blocks * block, D)
+    # Row n back from its padded slot; rows past sum(group_sizes) (padding, as ragged_dot allows) give 0.
+    group_N, offset_N, _ = _group_of_rows(group_sizes_E, N)
+    dest_N = jnp.where(group_N < E, jnp.append(pstart_E, 0)[group_N] + offset_N, n_blocks * block)
+    return jnp.take(y_PxD, dest_N, axis=0, mode="fill", fill_value=0)
 
 
-GROUPED_SWIGLU = {"ragged_dot": grouped_swiglu_ragged, "blocked": grouped_swiglu_blocked}
+def _slab(*args):
+    from moe.grouped_slab import grouped_swiglu_slab  # own file: the exact balanced-routing fast path
+
+    return grouped_swiglu_slab(*args)
+
+
+def _tokamax(*args):
+    from moe.grouped_kernels import grouped_swiglu_tokamax  # optional dependency, imported on use
+
+    return grouped_swiglu_tokamax(*args)
+
+
+GROUPED_SWIGLU = {"ragged_dot": grouped_swiglu_ragged, "blocked": grouped_swiglu_blocked,
+                  "slab": _slab, "tokamax": _tokamax}
 
 
 def grouped_swiglu_for(grouped_matmul: str = "auto"):
-    """The grouped SwiGLU by name (`model.grouped_matmul`); auto: ragged_dot where it is a real grouped matmul
-    (GPU/TPU), padded blocks on CPU."""
+    """The grouped SwiGLU by name (`model.grouped_matmul`). auto, by measurement (docs/performance.md): on CPU
+    `slab` (XLA:CPU lowers ragged_dot -- and tokamax, whose only CPU implementation is ragged_dot -- densely over
+    all experts); elsewhere `ragged_dot` until the GPU benchmark (benchmarks/gpu_report.py) has measured
+    `tokamax` against it."""
     if grouped_matmul == "auto":
-        grouped_matmul = "blocked" if jax.default_backend() == "cpu" else "ragged_dot"
+        grouped_matmul = "slab" if jax.default_backend() == "cpu" else "ragged_dot"
     return GROUPED_SWIGLU[grouped_matmul]
 
 
@@ -87,8 +117,10 @@ def dropless(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, 
     group_sizes_E = jnp.bincount(flat_ids_N, length=E).astype(jnp.int32)
     grouped_fn = grouped if callable(grouped) else grouped_swiglu_for(grouped)
     y_sorted_NxD = grouped_fn(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
-    # Undo the sort with a gather by the inverse permutation (its transpose is a scatter-add, cheap in bwd).
-    inverse_N = jnp.argsort(order_N)
+    # Undo the sort with a gather by the inverse permutation (its transpose is a scatter-add, cheap in bwd); the
+    # inverse is a scatter of N integers, not a second sort.
+    inverse_N = jnp.zeros_like(order_N).at[order_N].set(jnp.arange(order_N.shape[0], dtype=order_N.dtype),
+                                                         unique_indices=True)
     y_TxKxD = jnp.take(y_sorted_NxD, inverse_N, axis=0).reshape(T, K, -1)
     y_TxD = jnp.einsum("tkd,tk->td", y_TxKxD.astype(jnp.float32), gates_TxK)
     return y_TxD.astype(x_TxD.dtype)
