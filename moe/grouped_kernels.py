@@ -22,6 +22,12 @@ def _tokamax():
         import tokamax
     except ImportError as e:  # one line, naming the fix
         raise ImportError(f"grouped_matmul='tokamax' needs the tokamax package: {INSTALL_HINT}") from e
+    from absl import flags
+
+    # tokamax reads its options from absl flags and, if nobody parsed them, parses sys.argv itself, which fails
+    # under any other command line (pytest, our CLIs): take the defaults instead.
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
     return tokamax
 
 
