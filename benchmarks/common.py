@@ -18,6 +18,13 @@ PRESETS = {
                            moe_d_ff=128, dtype="float32"),
                 batch=4, seq_len=256, steps=3),
     "gpu": dict(model="configs.gpu_1b", batch=16, seq_len=2048, steps=10),
+    # Toy shapes: checks that a script runs end to end (tests, `gpu_report --tiny`), says nothing about speed.
+    "tiny": dict(model=dict(d_model=32, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=16, d_ff=64, first_k_dense=1,
+                            vocab_size=256, n_routed_experts=8, n_shared_experts=1, top_k=2, moe_d_ff=16,
+                            dtype="float32"),
+                 batch=1, seq_len=32, steps=1),
+    # configs/default.py, what `python -m train` trains (16 experts top-2, d_model 192, batch 16 x 256).
+    "default": dict(model="configs.default", batch=16, seq_len=256, steps=3),
 }
 
 
@@ -86,7 +93,7 @@ def arg_parser(description: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
     ap.add_argument("--dispatch", default=",".join(DISPATCHES))
-    ap.add_argument("--grouped_matmul", default="auto", help="auto,ragged_dot,blocked (dropless/expert_parallel)")
+    ap.add_argument("--grouped_matmul", default="auto", help="auto,ragged_dot,blocked,slab,tokamax (dropless/expert_parallel)")
     ap.add_argument("--attention_impl", default="einsum", help="einsum,xla,cudnn (train step only)")
     ap.add_argument("--experts", default="8,64")
     ap.add_argument("--capacity_factor", type=float, default=1.25)
