@@ -58,26 +58,29 @@ def grouped_swiglu_blocked(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_dow
 
     Exact, like ragged_dot, for any group sizes, at the cost of a static bound of N + E * (block - 1) rows
     computed and one weight gather per block (a scatter-add in the backward pass). `slab` (moe/grouped_slab.py)
-    avoids both when the groups are balanced and falls back to this otherwise.
+    avoids both when the groups are balanced and falls back to this otherwise. (A version moving rows by gathers
+    instead of the scatter below measured 1.3x slower at 64 experts on XLA:CPU: kept as is.)
     """
     N, D = x_NxD.shape
     E = group_sizes_E.shape[0]
     n_blocks = -(-(N + E * (block - 1)) // block)  # static bound on sum_e ceil(size_e / block)
-    padded_E = -(-group_sizes_E // block) * block
-    # Padded row p holds row start_e + offset of x when offset < size_e (gathers both ways: no scatter of rows).
-    pgroup_P, poffset_P, pstart_E = _group_of_rows(padded_E, n_blocks * block)
-    start_E = jnp.cumsum(group_sizes_E) - group_sizes_E
-    pvalid_P = (pgroup_P < E) & (poffset_P < jnp.append(group_sizes_E, 0)[pgroup_P])
-    src_P = jnp.where(pvalid_P, jnp.append(start_E, 0)[pgroup_P] + poffset_P, N)
-    x_BxSxD = jnp.take(x_NxD, src_P, axis=0, mode="fill", fill_value=0).reshape(n_blocks, block, D)
-    # Block b belongs to its first row's expert (trailing empty blocks: the last expert; their rows are zeros).
-    expert_B = jnp.minimum(pgroup_P[::block], E - 1)
-    y_PxD = _swiglu_batched(x_BxSxD, w_gate_ExDxF[expert_B], w_up_ExDxF[expert_B],
-                            w_down_ExFxD[expert_B]).reshape(n_blocks * block, D)
-    # Row n back from its padded slot; rows past sum(group_sizes) (padding, as ragged_dot allows) give 0.
-    group_N, offset_N, _ = _group_of_rows(group_sizes_E, N)
-    dest_N = jnp.where(group_N < E, jnp.append(pstart_E, 0)[group_N] + offset_N, n_blocks * block)
-    return jnp.take(y_PxD, dest_N, axis=0, mode="fill", fill_value=0)
+    # Rows past sum(group_sizes) (padding, as ragged_dot allows) form a last group whose output is zeroed.
+    sizes_G = jnp.concatenate([group_sizes_E, (N - group_sizes_E.sum())[None]])
+    padded_G = (-(-sizes_G // block) * block).at[E].set(sizes_G[E])
+    start_G = jnp.cumsum(sizes_G) - sizes_G
+    padded_start_G = jnp.cumsum(padded_G) - padded_G
+    group_N = jnp.repeat(jnp.arange(E + 1), sizes_G, total_repeat_length=N)
+    dest_N = padded_start_G[group_N] + jnp.arange(N) - start_G[group_N]
+    padded_E = padded_G[:E]
+    x_PxD = jnp.zeros((n_blocks * block, D), x_NxD.dtype).at[dest_N].set(x_NxD)
+    # Block b belongs to the expert whose padded range holds its first row (trailing empty blocks: the last one).
+    expert_B = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded_E), jnp.arange(n_blocks) * block, side="right"),
+                           E - 1)
+    x_BxSxD = x_PxD.reshape(n_blocks, block, D)
+    h = jax.nn.silu(jnp.einsum("bsd,bdf->bsf", x_BxSxD, w_gate_ExDxF[expert_B])) * jnp.einsum(
+        "bsd,bdf->bsf", x_BxSxD, w_up_ExDxF[expert_B])
+    y_PxD = jnp.einsum("bsf,bfd->bsd", h, w_down_ExFxD[expert_B]).reshape(n_blocks * block, D)
+    return jnp.where((group_N < E)[:, None], y_PxD[dest_N], 0)
 
 
 def _slab(*args):

@@ -99,8 +99,11 @@ class Transformer(nnx.Module):
 
         x_BxLxD = self.final_norm(x_BxLxD)
         head_DxV = self.embed.value.T if cfg.tie_embeddings else self.lm_head.value
-        logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, head_DxV.astype(dt),
-                                  preferred_element_type=jnp.float32)
+        # One 2-D matmul over all B*L rows: XLA:CPU runs the 3-D einsum's backward (weight gradient contracted
+        # over b and l) ~3x slower (benchmarks/train_step.py); the same math on every backend.
+        B, L, D = x_BxLxD.shape
+        logits_BxLxV = jnp.dot(x_BxLxD.reshape(B * L, D), head_DxV.astype(dt),
+                               preferred_element_type=jnp.float32).reshape(B, L, -1)
         logits_BxLxV = constrain(logits_BxLxV, ("batch", "length", "act_vocab"))
 
         E = cfg.n_routed_experts
