@@ -74,7 +74,9 @@ class ModelConfig:
     dispatch: str = "dropless"
     capacity_factor: float = 1.25  # capacity / expert_parallel only; copies past the capacity are dropped
     # The grouped matmul of dropless / expert_parallel: ragged_dot (jax.lax.ragged_dot), blocked (rows padded to
-    # 64-row blocks, batched matmuls), auto (blocked on CPU, where XLA lowers ragged_dot densely; else ragged_dot).
+    # 64-row blocks, batched matmuls), slab (per-expert slabs, padded-block fallback; moe/grouped_slab.py), tokamax
+    # (Pallas kernels, optional package; moe/grouped_kernels.py), auto (slab on CPU, where XLA lowers ragged_dot
+    # densely; else ragged_dot). See docs/performance.md.
     grouped_matmul: str = "auto"
     # Numerics: params are always fp32; activations/matmuls run in `dtype`.
     dtype: str = "float32"
