@@ -18,6 +18,22 @@ PRESETS = {
                            moe_d_ff=128),
                 execution=dict(dtype="float32"), batch=4, seq_len=256, steps=3),
     "gpu": dict(model="configs.gpu_1b", batch=16, seq_len=2048, steps=10),
+    # Toy shapes: checks that a script runs end to end (tests, `gpu_report --tiny`), says nothing about speed.
+    "tiny": dict(model=dict(d_model=32, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=16, d_ff=64, first_k_dense=1,
+                            vocab_size=256, n_routed_experts=8, n_shared_experts=1, top_k=2, moe_d_ff=16),
+                 execution=dict(dtype="float32"), batch=1, seq_len=32, steps=1),
+    # benchmarks/maxtext_side_by_side.py: the DeepSeek-style shape trained in both projects (issue 13's CPU shape;
+    # the GPU one is configs/gpu_1b.py's widths).
+    "maxtext_cpu": dict(model=dict(d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, head_dim=64, d_ff=512,
+                                   first_k_dense=1, vocab_size=4096, n_routed_experts=16, n_shared_experts=1,
+                                   top_k=4, moe_d_ff=128),
+                        execution=dict(dtype="float32"), batch=8, seq_len=256, steps=3),
+    "maxtext_gpu": dict(model=dict(d_model=1024, n_layers=16, n_heads=16, n_kv_heads=16, head_dim=64, d_ff=2816,
+                                   first_k_dense=1, vocab_size=8192, n_routed_experts=64, n_shared_experts=2,
+                                   top_k=6, moe_d_ff=320),
+                        execution=dict(dtype="bfloat16", remat=True), batch=8, seq_len=2048, steps=10),
+    # configs/default.py, what `python -m train` trains (16 experts top-2, d_model 192, batch 16 x 256).
+    "default": dict(model="configs.default", batch=16, seq_len=256, steps=3),
 }
 
 
@@ -57,6 +73,21 @@ def time_fn(fn, *args, steps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def time_fns(calls: list, steps: int) -> list[float]:
+    """Median seconds per call of each (fn, args) in `calls`, timed round-robin: every fn is compiled and warmed
+    up first, then each round times every fn once, so load changes on a shared machine hit all of them alike and
+    their ratios stay meaningful."""
+    for fn, args in calls:
+        jax.block_until_ready(fn(*args))
+    times = [[] for _ in calls]
+    for _ in range(steps):
+        for i, (fn, args) in enumerate(calls):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[i].append(time.perf_counter() - t0)
+    return [sorted(t)[len(t) // 2] for t in times]
+
+
 def peak_memory_gb() -> float | None:
     """Peak bytes in use on device 0 since start (None where the backend does not report it, e.g. CPU)."""
     stats = jax.devices()[0].memory_stats() or {}
@@ -87,11 +118,12 @@ def arg_parser(description: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
     ap.add_argument("--dispatch", default=",".join(DISPATCHES))
-    ap.add_argument("--grouped_matmul", default="auto", help="auto,ragged_dot,blocked (dropless/expert_parallel)")
+    ap.add_argument("--grouped_matmul", default="auto", help="auto,ragged_dot,blocked,slab,tokamax (dropless/expert_parallel)")
     ap.add_argument("--attention_impl", default="einsum", help="einsum,xla,cudnn (train step only)")
     ap.add_argument("--experts", default="8,64")
     ap.add_argument("--capacity_factor", type=float, default=1.25)
     ap.add_argument("--batch", type=int, default=0, help="rows per device; 0: the preset's")
+    ap.add_argument("--steps", type=int, default=0, help="timed calls per row (median); 0: the preset's")
     ap.add_argument("--peak_flops", type=float, default=0.0, help="per device; 0 measures a large matmul "
                                                                    "(train step only)")
     return ap

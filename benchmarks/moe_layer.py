@@ -3,14 +3,19 @@ active FLOPs (width top_k * moe_d_ff), at n_routed_experts = 8 and 64 (fixed top
 
     python -m benchmarks.moe_layer --preset cpu
     python -m benchmarks.moe_layer --preset gpu --grouped_matmul ragged_dot,blocked
+    # against an older experts.py (e.g. `git show REV:moe/experts.py > /tmp/experts_before.py`), same process:
+    python -m benchmarks.moe_layer --preset cpu --baseline_experts /tmp/experts_before.py --steps 15
+
+All rows of one expert count are timed round-robin (benchmarks.common.time_fns): `x dense` is a same-run ratio.
 """
 
 import functools
+import importlib.util
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import arg_parser, describe, preset, table, time_fn, variants
+from benchmarks.common import arg_parser, describe, preset, table, time_fns, variants
 from moe import expert_parallel, experts, router
 
 
@@ -24,8 +29,15 @@ def _routed_fn(dispatch: str, grouped: str, capacity_factor: float, group_size: 
     raise ValueError(f"unknown dispatch {dispatch!r}")
 
 
+def _load_experts(path: str):
+    spec = importlib.util.spec_from_file_location("experts_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def bench(name: str, n_experts: int, dispatches, grouped_matmuls=("auto",), capacity_factor: float = 1.25,
-          batch: int = 0) -> list[dict]:
+          batch: int = 0, steps: int = 0, baseline_experts: str = "") -> list[dict]:
     """One device's layer: `batch` (default: the preset's) rows of the preset's sequence length."""
     p = preset(name, n_experts)
     m = p["model"]
@@ -39,20 +51,25 @@ def bench(name: str, n_experts: int, dispatches, grouped_matmuls=("auto",), capa
     _, ids, gates = jax.jit(functools.partial(router.route, top_k=K))(x.astype(jnp.float32), w_router,
                                                                        jnp.zeros(n_experts))
     flops = 6 * T * K * 3 * D * F  # fwd + bwd of K expert SwiGLUs per token
-    rows = []
+    rows, calls = [], []
 
     def add(name, grouped, fn, *args):
         step = jax.jit(jax.grad(lambda x, *w: fn(x, *w).astype(jnp.float32).sum(), argnums=(0, 1, 2, 3)))
-        s = time_fn(step, *args, steps=p["steps"])
-        rows.append({"path": name, "grouped matmul": grouped, "experts": n_experts, "tokens": T, "ms": s * 1e3,
-                     "TFLOP/s": flops / s / 1e12})
+        calls.append((step, args))
+        rows.append({"path": name, "grouped matmul": grouped, "experts": n_experts, "tokens": T})
 
     for d, g in variants(dispatches, grouped_matmuls):
         fn = _routed_fn(d, g, capacity_factor, p["seq_len"])
         add(d, g, lambda x, wg, wu, wd, fn=fn: fn(x, ids, gates, wg, wu, wd), x, *ws)
     dense = [(jax.random.normal(k, s, jnp.float32) * s[0] ** -0.5).astype(dt)
              for k, s in zip(ks[2:5], [(D, K * F), (D, K * F), (K * F, D)])]
+    if baseline_experts:  # the dropless path of another experts.py, e.g. an earlier revision, blocked matmul
+        old = _load_experts(baseline_experts)
+        add(f"dropless ({baseline_experts})", "blocked",
+            lambda x, wg, wu, wd: old.dropless(x, ids, gates, wg, wu, wd, grouped="blocked"), x, *ws)
     add("dense FFN (same active FLOPs)", "-", experts.swiglu, x, *dense)
+    for r, s in zip(rows, time_fns(calls, steps or p["steps"])):
+        r.update({"ms": s * 1e3, "TFLOP/s": flops / s / 1e12})
     base = rows[-1]["ms"]
     for r in rows:
         r["x dense"] = r["ms"] / base
@@ -61,11 +78,13 @@ def bench(name: str, n_experts: int, dispatches, grouped_matmuls=("auto",), capa
 
 def main(argv=None):
     ap = arg_parser(__doc__.splitlines()[0])
+    ap.add_argument("--baseline_experts", default="", help="path of another experts.py to time beside")
     a = ap.parse_args(argv)
     print(describe())
     rows = []
     for e in map(int, a.experts.split(",")):
-        rows += bench(a.preset, e, a.dispatch.split(","), a.grouped_matmul.split(","), a.capacity_factor, a.batch)
+        rows += bench(a.preset, e, a.dispatch.split(","), a.grouped_matmul.split(","), a.capacity_factor, a.batch,
+                      a.steps, a.baseline_experts)
     print(table(rows))
 
 

@@ -46,8 +46,8 @@ def _batch(B: int, L: int, V: int, mesh):
     return jax.device_put(b, NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
 
 
-def bench(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto", attention="einsum", batch=0
-          ) -> dict:
+def bench(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto", attention="einsum", batch=0,
+          steps=0) -> dict:
     c = _config(name, dispatch, n_experts, capacity_factor, grouped, attention, batch)
     mcfg, t = check(c), c.train
     mesh = mesh_lib.make_mesh(c.mesh)
@@ -56,7 +56,7 @@ def bench(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto",
     run = jax.jit(make_train_step(graphdef, tx, optim.schedule(t), t, execution(c, mesh)))
 
     batch = _batch(t.batch_size, c.data.seq_len, mcfg.vocab_size, mesh)
-    s = time_fn(lambda: run(state, batch)[1]["loss"], steps=PRESETS[name]["steps"])
+    s = time_fn(lambda: run(state, batch)[1]["loss"], steps=steps or PRESETS[name]["steps"])
     tokens = t.batch_size * c.data.seq_len
     flops = train_flops_per_token(mcfg, c.data.seq_len) * tokens
     return {"dispatch": dispatch, "grouped matmul": grouped, "attention": attention, "experts": n_experts, "top_k": mcfg.top_k, "tokens/step": tokens,
@@ -71,7 +71,7 @@ def main(argv=None):
     experts_list = [int(e) for e in a.experts.split(",")]
     combos = [(d, g, att) for d, g in variants(a.dispatch.split(","), a.grouped_matmul.split(","))
               for att in a.attention_impl.split(",")]
-    rows = [bench(a.preset, d, e, peak, a.capacity_factor, g, att, a.batch) for d, g, att in combos
+    rows = [bench(a.preset, d, e, peak, a.capacity_factor, g, att, a.batch, a.steps) for d, g, att in combos
             for e in experts_list]
     print(table(rows))
     if len(experts_list) == 2:

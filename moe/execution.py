@@ -36,7 +36,7 @@ DROPPING_DISPATCH = ("expert_parallel", "capacity")
 EXPERT_PARALLEL = ("expert_parallel_dropless", "expert_parallel")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLS = ("einsum", "xla", "cudnn")
-GROUPED_MATMULS = ("auto", "ragged_dot", "blocked")
+GROUPED_MATMULS = ("auto", "ragged_dot", "blocked", "slab", "tokamax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +44,9 @@ class Execution:
     dispatch: str = "dropless"  # see the module docstring
     capacity_factor: float = 1.25  # capacity / expert_parallel: slots per expert (1.0 = a perfectly even load)
     # The grouped matmul of the dropless and expert-parallel modes: ragged_dot (jax.lax.ragged_dot), blocked (rows
-    # padded to 64-row blocks, batched matmuls), auto (blocked on CPU, where XLA lowers ragged_dot densely; else
-    # ragged_dot).
+    # padded to 64-row blocks, batched matmuls), slab (per-expert slabs, padded-block fallback; moe/grouped_slab.py),
+    # tokamax (Pallas kernels, optional package; moe/grouped_kernels.py), auto (slab on CPU, where XLA lowers
+    # ragged_dot densely; else ragged_dot). See docs/performance.md.
     grouped_matmul: str = "auto"
     # einsum: explicit einsums + fp32 softmax (the reference; always used with a KV cache or for attention maps).
     # xla / cudnn: jax.nn.dot_product_attention(implementation=...); cudnn is fused flash attention on NVIDIA

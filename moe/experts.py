@@ -36,12 +36,30 @@ def grouped_swiglu_ragged(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down
     return jax.lax.ragged_dot(h_NxF, w_down_ExFxD, group_sizes_E)
 
 
+def _swiglu_batched(x_BxSxD, w_gate_BxDxF, w_up_BxDxF, w_down_BxFxD):
+    h_BxSxF = jax.nn.silu(jnp.einsum("bsd,bdf->bsf", x_BxSxD, w_gate_BxDxF)) * jnp.einsum(
+        "bsd,bdf->bsf", x_BxSxD, w_up_BxDxF)
+    return jnp.einsum("bsf,bfd->bsd", h_BxSxF, w_down_BxFxD)
+
+
+def _group_of_rows(sizes_G, n_rows: int):
+    """(group_R, offset_R, start_G): group of each of n_rows consecutive rows laid out group after group (the
+    number of groups for rows past the last group) and its row within its group."""
+    end_G = jnp.cumsum(sizes_G)
+    start_G = end_G - sizes_G
+    group_R = jnp.searchsorted(end_G, jnp.arange(n_rows), side="right")
+    offset_R = jnp.arange(n_rows) - jnp.append(start_G, end_G[-1])[group_R]
+    return group_R, offset_R, start_G
+
+
 def grouped_swiglu_blocked(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, block: int = 64):
     """The same grouped SwiGLU with plain batched matmuls: each expert's rows are padded to whole blocks of
     `block` rows and every block is multiplied by its expert's weights (gathered per block).
 
-    Exact, like ragged_dot, at the cost of at most E * (block - 1) padding rows. XLA:CPU lowers ragged_dot to a
-    dense computation over all experts, so on CPU this is the fast dropless path.
+    Exact, like ragged_dot, for any group sizes, at the cost of a static bound of N + E * (block - 1) rows
+    computed and one weight gather per block (a scatter-add in the backward pass). `slab` (moe/grouped_slab.py)
+    avoids both when the groups are balanced and falls back to this otherwise. (A version moving rows by gathers
+    instead of the scatter below measured 1.3x slower at 64 experts on XLA:CPU: kept as is.)
     """
     N, D = x_NxD.shape
     E = group_sizes_E.shape[0]
@@ -65,14 +83,29 @@ def grouped_swiglu_blocked(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_dow
     return jnp.where((group_N < E)[:, None], y_PxD[dest_N], 0)
 
 
-GROUPED_SWIGLU = {"ragged_dot": grouped_swiglu_ragged, "blocked": grouped_swiglu_blocked}
+def _slab(*args):
+    from moe.grouped_slab import grouped_swiglu_slab  # own file: the exact balanced-routing fast path
+
+    return grouped_swiglu_slab(*args)
+
+
+def _tokamax(*args):
+    from moe.grouped_kernels import grouped_swiglu_tokamax  # optional dependency, imported on use
+
+    return grouped_swiglu_tokamax(*args)
+
+
+GROUPED_SWIGLU = {"ragged_dot": grouped_swiglu_ragged, "blocked": grouped_swiglu_blocked,
+                  "slab": _slab, "tokamax": _tokamax}
 
 
 def grouped_swiglu_for(grouped_matmul: str = "auto"):
-    """The grouped SwiGLU by name (`execution.grouped_matmul`); auto: ragged_dot where it is a real grouped matmul
-    (GPU/TPU), padded blocks on CPU."""
+    """The grouped SwiGLU by name (`execution.grouped_matmul`). auto, by measurement (docs/performance.md): on CPU
+    `slab` (XLA:CPU lowers ragged_dot -- and tokamax, whose only CPU implementation is ragged_dot -- densely over
+    all experts); elsewhere `ragged_dot` until the GPU benchmark (benchmarks/gpu_report.py) has measured
+    `tokamax` against it."""
     if grouped_matmul == "auto":
-        grouped_matmul = "blocked" if jax.default_backend() == "cpu" else "ragged_dot"
+        grouped_matmul = "slab" if jax.default_backend() == "cpu" else "ragged_dot"
     return GROUPED_SWIGLU[grouped_matmul]
 
 
@@ -87,8 +120,10 @@ def dropless(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, 
     group_sizes_E = jnp.bincount(flat_ids_N, length=E).astype(jnp.int32)
     grouped_fn = grouped if callable(grouped) else grouped_swiglu_for(grouped)
     y_sorted_NxD = grouped_fn(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
-    # Undo the sort with a gather by the inverse permutation (its transpose is a scatter-add, cheap in bwd).
-    inverse_N = jnp.argsort(order_N)
+    # Undo the sort with a gather by the inverse permutation (its transpose is a scatter-add, cheap in bwd); the
+    # inverse is a scatter of N integers, not a second sort.
+    inverse_N = jnp.zeros_like(order_N).at[order_N].set(jnp.arange(order_N.shape[0], dtype=order_N.dtype),
+                                                         unique_indices=True)
     y_TxKxD = jnp.take(y_sorted_NxD, inverse_N, axis=0).reshape(T, K, -1)
     y_TxD = jnp.einsum("tkd,tk->td", y_TxKxD.astype(jnp.float32), gates_TxK)
     return y_TxD.astype(x_TxD.dtype)

@@ -146,8 +146,11 @@ class Transformer(nnx.Module):
         """Final norm + LM head: logits [B,L,V] in fp32."""
         x_BxLxD = self.final_norm(x_BxLxD)
         head_DxV = self.embed.value.T if self.cfg.tie_embeddings else self.lm_head.value
-        logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, head_DxV.astype(x_BxLxD.dtype),
-                                  preferred_element_type=jnp.float32)
+        # One 2-D matmul over all B*L rows: XLA:CPU runs the 3-D einsum's backward (weight gradient contracted
+        # over b and l) ~3x slower (benchmarks/train_step.py); the same math on every backend.
+        B, L, D = x_BxLxD.shape
+        logits_BxLxV = jnp.dot(x_BxLxD.reshape(B * L, D), head_DxV.astype(x_BxLxD.dtype),
+                               preferred_element_type=jnp.float32).reshape(B, L, -1)
         return ex.constrain(logits_BxLxV, ("batch", "length", "act_vocab"))
 
 

@@ -1,0 +1,102 @@
+"""The whole GPU benchmark and the GPU-only tests in one command, written to one Markdown report:
+
+    python -m benchmarks.gpu_report --out gpu_report.md          # on one H100 (configs/gpu_1b.py shapes)
+    python -m benchmarks.gpu_report --tiny --out /tmp/report.md  # the same code paths at toy shapes, any backend
+
+Sections: device and measured bf16 matmul peak (train.flops.measure_peak_flops, 8192^2); GPU-only tests
+(cuDNN attention == einsum, tokamax grouped-matmul kernels == ragged_dot; run by pytest with JAX_PLATFORMS=cuda,
+skipped off GPU); MoE layer vs the dense FFN of equal active FLOPs at 8 and 64 experts per grouped matmul; the
+train step of configs/gpu_1b.py (MFU against the measured peak, tokens/s, peak memory) at 8 and 64 experts per
+grouped matmul, and the 64/8 step-time ratio. Goals (issue 13): MFU >= 40%, layer <= 1.3x dense, 64/8 <= 1.15x.
+Every section runs even if an earlier one fails (its error goes into the report).
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+import jax
+
+from benchmarks import moe_layer, train_step
+from benchmarks.common import describe, table
+from moe import grouped_kernels
+from train.flops import measure_peak_flops
+
+GPU_TESTS = ["tests/test_attention_impl.py::test_cudnn_equals_einsum_on_gpu", "tests/test_grouped_kernels.py"]
+
+
+def _grouped_choices() -> list[str]:
+    """The grouped matmuls worth timing on this backend: XLA's ragged_dot and, when installed, tokamax's kernels;
+    on CPU the slab path too."""
+    gs = ["ragged_dot"] + (["tokamax"] if grouped_kernels.available() else [])
+    return gs + (["slab"] if jax.default_backend() == "cpu" else [])
+
+
+def run_gpu_tests(tiny: bool) -> str:
+    """pytest on the GPU-only tests; on CPU they skip (tiny mode only checks that they collect)."""
+    env = dict(os.environ, JAX_PLATFORMS="cuda" if jax.default_backend() == "gpu" else "cpu")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", *GPU_TESTS]
+    if tiny:
+        cmd += ["-k", "gpu", "--co"]  # collect only: the GPU tests are found and importable
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    tail = "\n".join(p.stdout.strip().splitlines()[-15:])
+    return f"`{' '.join(cmd[2:])}` (JAX_PLATFORMS={env['JAX_PLATFORMS']}): exit {p.returncode}\n\n```\n{tail}\n```"
+
+
+def layer_section(preset: str, experts: list[int], grouped: list[str]) -> str:
+    rows = []
+    for e in experts:
+        rows += moe_layer.bench(preset, e, ["dropless", "capacity"], grouped)
+    return table(rows)
+
+
+def train_section(preset: str, experts: list[int], grouped: list[str], attention: str, peak: float) -> str:
+    rows = [train_step.bench(preset, "dropless", e, peak, grouped=g, attention=attention)
+            for g in grouped for e in experts]
+    out = [table(rows)]
+    if len(experts) == 2:
+        for g in grouped:
+            lo, hi = (r["step ms"] for r in rows if r["grouped matmul"] == g)
+            out.append(f"- {g}: step time x{hi / lo:.3f} from {experts[0]} to {experts[1]} routed experts")
+    return "\n".join(out)
+
+
+def main(argv=None) -> str:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="gpu_report.md")
+    ap.add_argument("--tiny", action="store_true", help="toy shapes (preset tiny): checks the script, not speed")
+    ap.add_argument("--attention_impl", default="cudnn", help="train step attention (configs/gpu_1b.py: cudnn)")
+    a = ap.parse_args(argv)
+    preset = "tiny" if a.tiny else "gpu"
+    # tiny: one grouped matmul, two expert counts: every section and the ratio line, few compilations
+    experts = [4, 8] if a.tiny else [8, 64]
+    grouped = _grouped_choices()[:1] if a.tiny else _grouped_choices()
+    t0 = time.time()
+    peak = measure_peak_flops(256 if a.tiny else None)
+    sections = [("Device", f"{describe()}\n\nMeasured matmul peak: {peak / 1e12:.4g} TFLOP/s "
+                           f"({'bf16 8192^2' if jax.default_backend() != 'cpu' else 'fp32, CPU'})")]
+    steps = [
+        ("GPU-only tests", lambda: run_gpu_tests(a.tiny)),
+        ("MoE layer vs dense FFN (forward + backward)", lambda: layer_section(preset, experts, grouped)),
+        (f"Train step, preset {preset}, attention {a.attention_impl}",
+         lambda: train_section(preset, experts, grouped, a.attention_impl, peak)),
+    ]
+    for title, fn in steps:
+        try:
+            body = fn()
+        except Exception:  # keep going: one broken section must not hide the others
+            body = "FAILED:\n\n```\n" + traceback.format_exc()[-3000:] + "\n```"
+        sections.append((title, body))
+        print(f"## {title}\n\n{body}\n", flush=True)
+    report = f"# GPU report ({time.time() - t0:.0f} s)\n\n" + "\n\n".join(f"## {t}\n\n{b}" for t, b in sections)
+    with open(a.out, "w") as f:
+        f.write(report + "\n")
+    print(f"wrote {a.out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""This project and MaxText training the same DeepSeek-style MoE shape, one command, tokens/s and model FLOP/s:
+
+    python -m benchmarks.maxtext_side_by_side                  # CPU shape: d_model 256, 4 layers (1 dense), 16
+                                                               # routed experts top-4 + 1 shared, seq 256, batch 8, fp32
+    python -m benchmarks.maxtext_side_by_side --shape gpu      # configs/gpu_1b.py widths, bf16, seq 2048, batch 8
+
+MaxText (PyPI `maxtext`; it needs Python >= 3.12 and a newer JAX than this project pins) runs as a subprocess in
+its own virtual environment, so neither project's JAX changes (`--maxtext_python`, default $MAXTEXT_PYTHON or
+/work/venv-maxtext/bin/python). Setup used here: `python3.12 -m venv venv-maxtext`, then `pip install` of
+maxtext 0.2.5 with its `tpu` extra's requirements minus libtpu / nvidia / linters, plus `pathwaysutils`.
+
+Matched: widths, depth, first dense layers, experts, top-k, shared experts, vocabulary, sequence, batch, dtype,
+synthetic tokens, one device, AdamW. Not matched: attention. MaxText's DeepSeek block is MLA (low-rank q/kv with
+a decoupled RoPE part); this project's is GQA with the same number of heads of 64. FLOPs, counted by each side:
+  - ours: moe.accounting.train_flops_per_token (6 x active matmul weights incl. router and unembedding, plus the
+    full L x L attention square), the figure the training loop's MFU uses;
+  - MaxText: its own `TFLOP/s/device` log (maxtext_utils.calculate_tflops_training_per_device: 3 x forward
+    matmul FLOPs of FFN/MoE (+ router), MLA projections, causal attention (half the square) and embedding).
+Both columns are printed for both where they apply; tokens/s is the comparison that needs no FLOP convention.
+MaxText's MoE path: `--maxtext_moe dense` (sparse_matmul=False: every expert on every token, its fastest on CPU),
+`ragged_dot` (sparse_matmul=True, megablox=False) or `tokamax` (use_tokamax_gmm=True; GPU).
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+from benchmarks import train_step
+from benchmarks.common import describe, preset, table
+from train.flops import measure_peak_flops
+
+STEP_RE = re.compile(r"completed step: (\d+), seconds: ([\d.]+), TFLOP/s/device: ([\d.]+), "
+                     r"Tokens/s/device: ([\d.]+)")
+DEFAULT_MAXTEXT_PYTHON = "/work/venv-maxtext/bin/python"
+MOE_FLAGS = {"dense": ["sparse_matmul=False"], "ragged_dot": ["sparse_matmul=True", "megablox=False"],
+             "tokamax": ["sparse_matmul=True", "use_tokamax_gmm=True"]}
+
+
+def maxtext_args(shape: str, steps: int, moe: str, workdir: str) -> list[str]:
+    """MaxText's train CLI overrides for the preset's shape (its deepseek3-tiny config, resized)."""
+    p = preset(f"maxtext_{shape}")
+    m, ex = p["model"], p["execution"]
+    return [
+        "model_name=deepseek3-tiny", "override_model_config=True", f"run_name=side_by_side_{shape}",
+        f"base_output_directory={workdir}", "dataset_type=synthetic", "enable_checkpointing=false",
+        "skip_jax_distributed_system=true", "log_period=1", f"steps={steps}",
+        f"hardware={'cpu' if shape == 'cpu' else 'gpu'}",
+        f"per_device_batch_size={p['batch']}", f"max_target_length={p['seq_len']}",
+        f"base_emb_dim={m['d_model']}", f"base_num_query_heads={m['n_heads']}",
+        f"base_num_kv_heads={m['n_kv_heads']}", f"base_mlp_dim={m['d_ff']}", f"base_moe_mlp_dim={m['moe_d_ff']}",
+        f"base_num_decoder_layers={m['n_layers']}", f"first_num_dense_layers={m['first_k_dense']}",
+        f"num_experts={m['n_routed_experts']}", f"num_experts_per_tok={m['top_k']}",
+        f"shared_experts={m['n_shared_experts']}", f"vocab_size={m['vocab_size']}",
+        f"dtype={ex['dtype']}", "weight_dtype=float32",  # params fp32 in both projects
+        # MLA at a comparable size: 64-wide query/key heads (48 + 16 RoPE) and 64-wide values.
+        "qk_nope_head_dim=48", "qk_rope_head_dim=16", "v_head_dim=64",
+        "attention=" + ("dot_product" if shape == "cpu" else "autoselected"),
+        f"remat_policy={'full' if ex.get('remat') else 'none'}",
+        *MOE_FLAGS[moe],
+    ]
+
+
+def parse_maxtext_log(text: str, warmup: int = 2) -> dict:
+    """Median step seconds and MaxText's own TFLOP/s over the steps after `warmup` (compilation, first steps)."""
+    steps = [(int(s), float(sec), float(tf), float(tok)) for s, sec, tf, tok in STEP_RE.findall(text)]
+    timed = [r for r in steps if r[0] >= warmup] or steps
+    if not timed:
+        raise RuntimeError("no 'completed step' lines in MaxText's output")
+    timed.sort(key=lambda r: r[1])
+    mid = timed[len(timed) // 2]
+    return {"step s": mid[1], "maxtext TFLOP/s": mid[2], "tokens/s (maxtext log)": mid[3], "steps timed": len(timed)}
+
+
+def run_maxtext(python: str, shape: str, steps: int, moe: str, timeout: int) -> dict:
+    if not os.path.exists(python):
+        raise FileNotFoundError(f"no MaxText Python at {python}: create the venv (see this file's docstring) or "
+                                "pass --maxtext_python")
+    pkg = subprocess.run([python, "-c", "import maxtext, os; print(os.path.dirname(maxtext.__file__))"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    env = dict(os.environ, JAX_PLATFORMS="cpu" if shape == "cpu" else "cuda")
+    env.pop("XLA_FLAGS", None)  # one device, as this project's side runs
+    with tempfile.TemporaryDirectory() as workdir:
+        cmd = [python, "-m", "maxtext.trainers.pre_train.train", os.path.join(pkg, "configs", "base.yml"),
+               *maxtext_args(shape, steps, moe, workdir)]
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    out = p.stdout + p.stderr
+    if p.returncode:
+        raise RuntimeError(f"MaxText exited {p.returncode}: " + " | ".join(out.strip().splitlines()[-5:]))
+    return parse_maxtext_log(out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="cpu", choices=["cpu", "gpu"])
+    ap.add_argument("--maxtext_python", default=os.environ.get("MAXTEXT_PYTHON", DEFAULT_MAXTEXT_PYTHON))
+    ap.add_argument("--maxtext_moe", default="", help="dense, ragged_dot or tokamax (default: dense on CPU, "
+                                                      "tokamax on GPU)")
+    ap.add_argument("--maxtext_steps", type=int, default=6, help="steps run; the first 2 are not timed")
+    ap.add_argument("--grouped_matmul", default="auto", help="this project's execution.grouped_matmul")
+    ap.add_argument("--attention_impl", default="", help="this project's (default: einsum on CPU, cudnn on GPU)")
+    ap.add_argument("--timeout", type=int, default=3600)
+    ap.add_argument("--skip_maxtext", action="store_true")
+    a = ap.parse_args(argv)
+    moe = a.maxtext_moe or ("dense" if a.shape == "cpu" else "tokamax")
+    attention = a.attention_impl or ("einsum" if a.shape == "cpu" else "cudnn")
+    name = f"maxtext_{a.shape}"
+    p = preset(name)
+    tokens = p["batch"] * p["seq_len"]
+    peak = measure_peak_flops()
+    print(describe() + f" | matmul peak {peak / 1e12:.3g} TFLOP/s")
+    ours = train_step.bench(name, "dropless", p["model"]["n_routed_experts"], peak, grouped=a.grouped_matmul,
+                            attention=attention)
+    our_flops_per_token = ours["MFU %"] / 100 * peak * ours["step ms"] / 1e3 / tokens
+    rows = [{"project": "this (moe-lm)", "MoE path": f"dropless / {a.grouped_matmul}", "attention": attention,
+             "tokens/step": tokens, "step s": ours["step ms"] / 1e3, "tokens/s": ours["tokens/s"],
+             "model TFLOP/s (ours)": our_flops_per_token * ours["tokens/s"] / 1e12, "model TFLOP/s (maxtext)": None}]
+    if a.skip_maxtext:
+        print("MaxText: skipped (--skip_maxtext)")
+    else:
+        try:
+            mt = run_maxtext(a.maxtext_python, a.shape, a.maxtext_steps, moe, a.timeout)
+            rows.append({"project": "MaxText 0.2.5", "MoE path": moe, "attention": "MLA",
+                         "tokens/step": tokens, "step s": mt["step s"], "tokens/s": tokens / mt["step s"],
+                         # our count for the matched shape applies to MaxText's run up to the attention term
+                         "model TFLOP/s (ours)": our_flops_per_token * tokens / mt["step s"] / 1e12,
+                         "model TFLOP/s (maxtext)": mt["maxtext TFLOP/s"]})
+        except Exception as e:  # report why, keep our row
+            print(f"MaxText: did not run: {type(e).__name__}: {e}")
+    print(table(rows))
+    if len(rows) == 2:
+        print(f"tokens/s, this project / MaxText: x{rows[0]['tokens/s'] / rows[1]['tokens/s']:.2f}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Kernel-backed grouped SwiGLU: `tokamax.ragged_dot` (`execution.grouped_matmul="tokamax"`).
+
+tokamax (the kernel library MaxText's MoE uses) ships a grouped matmul with the `jax.lax.ragged_dot` API and
+several implementations, tried in order until one accepts the call: Pallas Mosaic-GPU (Hopper/Blackwell),
+Pallas Triton (other NVIDIA GPUs), Pallas Mosaic-TPU, and `xla` (`jax.lax.ragged_dot_general`, every backend).
+Its custom VJP computes the input gradient as another ragged dot (transposed weights) and the weight gradient as
+a ragged-*contracting* dot (one [D, F] block per group), both with the same kernels, so no [E, N, ...] dense
+intermediate is ever built. On CPU only `xla` applies: the same numbers through tokamax's own VJP, which is what
+the CPU tests check; the GPU kernels are checked by the GPU-only tests (tests/test_grouped_kernels.py).
+
+tokamax is optional (`pip install 'moe-lm[kernels]'`); everything else imports and runs without it.
+"""
+
+import jax
+import jax.numpy as jnp
+
+INSTALL_HINT = "pip install 'tokamax>=0.0.12,<0.2' (or pip install -e '.[kernels]')"
+
+
+def _tokamax():
+    try:
+        import tokamax
+    except ImportError as e:  # one line, naming the fix
+        raise ImportError(f"grouped_matmul='tokamax' needs the tokamax package: {INSTALL_HINT}") from e
+    from absl import flags
+
+    # tokamax reads its options from absl flags and, if nobody parsed them, parses sys.argv itself, which fails
+    # under any other command line (pytest, our CLIs): take the defaults instead.
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    return tokamax
+
+
+def available() -> bool:
+    try:
+        _tokamax()
+    except ImportError:
+        return False
+    return True
+
+
+def grouped_swiglu_tokamax(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, implementation=None):
+    """SwiGLU of expert e on the rows of group e (rows sorted by expert), rows past sum(group_sizes) give 0.
+
+    implementation: tokamax's (None: its best available, falling back to `xla`; e.g. "triton", "mosaic").
+    Gate and up projections are one ragged dot against [E, D, 2F] (one kernel launch, twice the N width); the
+    concatenation copies the weights once per call, small next to N x D x 2F at training sizes.
+    """
+    tk = _tokamax()
+    N = x_NxD.shape[0]
+    F = w_gate_ExDxF.shape[-1]
+    # Accumulate in fp32 inside the kernel, return the activation dtype (as jnp.dot does for bf16 inputs).
+    dot = lambda a, w: tk.ragged_dot(a, w, group_sizes_E, preferred_element_type=a.dtype,
+                                     implementation=implementation)
+    gu_Nx2F = dot(x_NxD, jnp.concatenate([w_gate_ExDxF, w_up_ExDxF], axis=-1))
+    h_NxF = jax.nn.silu(gu_Nx2F[:, :F]) * gu_Nx2F[:, F:]
+    y_NxD = dot(h_NxF, w_down_ExFxD)
+    # Padding rows (past the last group) are not guaranteed zero by every kernel: zero them as ragged_dot does.
+    valid_N = jnp.arange(N) < group_sizes_E.sum()
+    return jnp.where(valid_N[:, None], y_NxD, 0)

@@ -1,0 +1,158 @@
+"""`slab` grouped SwiGLU (`execution.grouped_matmul="slab"`): exact, and close to dense cost when routing is balanced.
+
+Every expert's rows (already sorted by expert) go to a slab of C rows, and the experts run as [E, C, D] x [E, D, F]
+batched matmuls: the weights are used in place (no per-block weight gather, so no weight scatter-add in the
+backward pass), and rows move by gathers both ways (sorted row <-> slab slot is a bijection on the used rows,
+so even the transposes are gathers). It is exact only while max(group_sizes) <= C, so C is picked on the data:
+the smallest of the static slab sizes ceil(f * N / E), f in `factors`, that holds the largest group, else the
+padded-block path (experts.grouped_swiglu_blocked), exact for any routing. The choice is one `lax.switch`.
+
+The VJP is written by hand (`jax.custom_vjp`): differentiating a `lax.switch` makes XLA carry every branch's
+residuals and cost ~2x here; this forward keeps only the slab inputs and gate/up pre-activations, and the
+fallback recomputes its forward in the backward pass. `grouped_swiglu_padded` (plain autodiff) and the loop
+reference are what the hand-written gradient is tested against (tests/test_grouped_slab.py).
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from moe import experts
+
+SLAB_FACTORS = (1.25, 1.5, 2.0)  # slab sizes tried, as multiples of the mean rows per expert N / E
+
+
+def capacities(N: int, E: int, factors=SLAB_FACTORS) -> tuple[int, ...]:
+    """The static slab sizes: ceil(f * N / E) rounded up to 8 rows, at most N."""
+    return tuple(sorted({min(N, -(-math.ceil(f * N / E) // 8) * 8) for f in factors}))
+
+
+def _layout(group_sizes_E, N: int, C: int):
+    """src_ExC: the sorted row in slot (e, c) (N where empty); dest_N: the slot e * C + c of sorted row n (E * C
+    for rows past sum(group_sizes) or past the slab). Each is the other's inverse on the used rows."""
+    E = group_sizes_E.shape[0]
+    start_E = jnp.cumsum(group_sizes_E) - group_sizes_E
+    slot_C = jnp.arange(C)
+    src_ExC = jnp.where(slot_C < group_sizes_E[:, None], start_E[:, None] + slot_C, N)
+    group_N, offset_N, _ = experts._group_of_rows(group_sizes_E, N)
+    dest_N = jnp.where((group_N < E) & (offset_N < C), group_N * C + offset_N, E * C)
+    return src_ExC, dest_N
+
+
+def _gather(a_RxD, idx):
+    return jnp.take(a_RxD, idx, axis=0, mode="fill", fill_value=0)
+
+
+def grouped_swiglu_padded(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, capacity: int):
+    """One slab of `capacity` rows per expert, plain autodiff. Exact only when max(group_sizes) <= capacity."""
+    N, D = x_NxD.shape
+    E = group_sizes_E.shape[0]
+    src_ExC, dest_N = _layout(group_sizes_E, N, capacity)
+    y_ExCxD = experts._swiglu_batched(_gather(x_NxD, src_ExC), w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
+    return _gather(y_ExCxD.reshape(E * capacity, D), dest_N)
+
+
+def _slab_fwd(C, Cmax, x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
+    N, D = x_NxD.shape
+    E = group_sizes_E.shape[0]
+    src_ExC, dest_N = _layout(group_sizes_E, N, C)
+    x_ExCxD = _gather(x_NxD, src_ExC)
+    a_ExCxF = jnp.einsum("ecd,edf->ecf", x_ExCxD, w_gate_ExDxF)
+    b_ExCxF = jnp.einsum("ecd,edf->ecf", x_ExCxD, w_up_ExDxF)
+    y_ExCxD = jnp.einsum("ecf,efd->ecd", jax.nn.silu(a_ExCxF) * b_ExCxF, w_down_ExFxD)
+    pad = lambda r: jnp.pad(r, ((0, 0), (0, Cmax - C), (0, 0)))  # all branches return residuals of one shape
+    return _gather(y_ExCxD.reshape(E * C, D), dest_N), (pad(x_ExCxD), pad(a_ExCxF), pad(b_ExCxF))
+
+
+def _slab_bwd(C, dy_NxD, res, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
+    N, D = dy_NxD.shape
+    E = group_sizes_E.shape[0]
+    x_ExCxD, a_ExCxF, b_ExCxF = (r[:, :C] for r in res)
+    src_ExC, dest_N = _layout(group_sizes_E, N, C)
+    dy_ExCxD = _gather(dy_NxD, src_ExC)  # transpose of the output gather (a bijection on used rows)
+    sig_a = jax.nn.sigmoid(a_ExCxF)
+    silu_a = a_ExCxF * sig_a
+    dw_down = jnp.einsum("ecf,ecd->efd", silu_a * b_ExCxF, dy_ExCxD)
+    dh_ExCxF = jnp.einsum("ecd,efd->ecf", dy_ExCxD, w_down_ExFxD)
+    db_ExCxF = dh_ExCxF * silu_a
+    da_ExCxF = dh_ExCxF * b_ExCxF * sig_a * (1 + a_ExCxF * (1 - sig_a))  # silu'(a) = s + a s (1 - s)
+    dw_gate = jnp.einsum("ecd,ecf->edf", x_ExCxD, da_ExCxF)
+    dw_up = jnp.einsum("ecd,ecf->edf", x_ExCxD, db_ExCxF)
+    dx_ExCxD = (jnp.einsum("ecf,edf->ecd", da_ExCxF, w_gate_ExDxF)
+                + jnp.einsum("ecf,edf->ecd", db_ExCxF, w_up_ExDxF))
+    return _gather(dx_ExCxD.reshape(E * C, D), dest_N), dw_gate, dw_up, dw_down
+
+
+def _uniform(branch):
+    """The branch with every output made to vary like all its inputs together: inside shard_map, `lax.switch`
+    needs equal varying-axes types on all branches (a zeros residual would otherwise be 'invariant')."""
+    def wrapped(*args):
+        zero = sum(jnp.ravel(a)[0].astype(jnp.float32) for a in jax.tree.leaves(args)) * 0
+        return jax.tree.map(lambda o: o + zero.astype(o.dtype), branch(*args))
+    return wrapped
+
+
+def _varying(a) -> frozenset:
+    """The mesh axes `a` varies on inside shard_map (`aval.vma` in older JAX, `aval.mat.varying` in newer)."""
+    t = jax.typeof(a)
+    if hasattr(t, "vma"):
+        return frozenset(t.vma)
+    mat = getattr(t, "mat", None) or getattr(t, "manual_axis_type", None)
+    return frozenset(getattr(mat, "varying", ()))
+
+
+def _reduce_like(g, primal):
+    """The cotangent summed over the mesh axes it varies on and its primal does not (inside shard_map: weights
+    replicated over the token axes get their gradient summed over them, as autodiff's pvary transpose does)."""
+    extra = tuple(sorted(_varying(g) - _varying(primal)))
+    return jax.lax.psum(g, extra) if extra else g
+
+
+@functools.cache
+def _slab_fn(caps: tuple[int, ...], block: int):
+    Cmax = caps[-1]
+    blocked = functools.partial(experts.grouped_swiglu_blocked, block=block)
+
+    def index(group_sizes_E):  # the smallest slab that holds the largest group; len(caps): none does
+        return jnp.searchsorted(jnp.asarray(caps, jnp.int32), group_sizes_E.max())
+
+    def fallback_fwd(x_NxD, group_sizes_E, *ws):
+        E, D = group_sizes_E.shape[0], x_NxD.shape[1]
+        F = ws[0].shape[-1]
+        zeros = [jnp.zeros((E, Cmax, n), x_NxD.dtype) for n in (D, F, F)]
+        return blocked(x_NxD, group_sizes_E, *ws), tuple(zeros)
+
+    def fallback_bwd(dy_NxD, res, group_sizes_E, *ws, x_NxD):
+        _, vjp = jax.vjp(lambda x, *w: blocked(x, group_sizes_E, *w), x_NxD, *ws)
+        return vjp(dy_NxD)
+
+    @jax.custom_vjp
+    def slab(x_NxD, group_sizes_E, *ws):
+        return fwd(x_NxD, group_sizes_E, *ws)[0]
+
+    def fwd(x_NxD, group_sizes_E, *ws):
+        branches = [functools.partial(_slab_fwd, C, Cmax) for C in caps] + [fallback_fwd]
+        y_NxD, res = jax.lax.switch(index(group_sizes_E), [_uniform(b) for b in branches], x_NxD, group_sizes_E, *ws)
+        return y_NxD, (res, x_NxD, group_sizes_E, ws)
+
+    def bwd(saved, dy_NxD):
+        res, x_NxD, group_sizes_E, ws = saved
+        branches = [functools.partial(_slab_bwd, C) for C in caps]
+        branches.append(lambda dy, res, gs, *w: fallback_bwd(dy, res, gs, *w, x_NxD=x_NxD))
+        dx, dwg, dwu, dwd = jax.lax.switch(index(group_sizes_E), [_uniform(b) for b in branches], dy_NxD, res, group_sizes_E, *ws)
+        grads = [_reduce_like(g, p) for g, p in zip((dx, dwg, dwu, dwd), (x_NxD, *ws))]
+        return grads[0], None, *grads[1:]
+
+    slab.defvjp(fwd, bwd)
+    return slab
+
+
+def grouped_swiglu_slab(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, factors=SLAB_FACTORS,
+                        block: int = 64):
+    """Exact grouped SwiGLU (rows past sum(group_sizes) give 0): see the module docstring."""
+    caps = capacities(x_NxD.shape[0], group_sizes_E.shape[0], factors)
+    if not caps:
+        return experts.grouped_swiglu_blocked(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, block)
+    return _slab_fn(caps, block)(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)

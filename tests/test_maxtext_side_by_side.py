@@ -1,0 +1,26 @@
+"""benchmarks/maxtext_side_by_side.py: MaxText's overrides follow the shared preset and its log is parsed (MaxText
+itself runs in its own venv, not in tests)."""
+
+from benchmarks import maxtext_side_by_side as sbs
+
+LOG = """I1123 metric_logger.py:265] completed step: 0, seconds: 0.358, TFLOP/s/device: 0.151, Tokens/s/device: 5723.276, total_weights: 2048
+I1123 metric_logger.py:265] completed step: 1, seconds: 0.769, TFLOP/s/device: 0.070, Tokens/s/device: 2661.877, total_weights: 2048
+I1123 metric_logger.py:265] completed step: 2, seconds: 9.471, TFLOP/s/device: 0.006, Tokens/s/device: 216.234, total_weights: 2048
+I1123 metric_logger.py:265] completed step: 3, seconds: 12.817, TFLOP/s/device: 0.004, Tokens/s/device: 159.791, total_weights: 2048
+I1123 metric_logger.py:265] completed step: 4, seconds: 8.712, TFLOP/s/device: 0.006, Tokens/s/device: 235.086, total_weights: 2048
+"""
+
+
+def test_parse_maxtext_log_skips_warmup_steps_and_takes_the_median():
+    r = sbs.parse_maxtext_log(LOG)
+    assert r["steps timed"] == 3 and r["step s"] == 9.471 and r["maxtext TFLOP/s"] == 0.006
+
+
+def test_maxtext_args_match_the_shared_preset():
+    args = dict(a.split("=", 1) for a in sbs.maxtext_args("cpu", 6, "dense", "/tmp/x"))
+    assert (args["base_emb_dim"], args["base_num_decoder_layers"], args["first_num_dense_layers"]) == ("256", "4", "1")
+    assert (args["num_experts"], args["num_experts_per_tok"], args["shared_experts"]) == ("16", "4", "1")
+    assert (args["per_device_batch_size"], args["max_target_length"], args["dtype"]) == ("8", "256", "float32")
+    assert args["sparse_matmul"] == "False" and args["hardware"] == "cpu"
+    gpu = dict(a.split("=", 1) for a in sbs.maxtext_args("gpu", 6, "tokamax", "/tmp/x"))
+    assert gpu["use_tokamax_gmm"] == "True" and gpu["dtype"] == "bfloat16" and gpu["weight_dtype"] == "float32"
