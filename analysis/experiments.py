@@ -57,6 +57,8 @@ def fingerprint(config) -> str:
     """Hash of everything that changes a run's result (progress bars and TensorBoard do not)."""
     d = config.to_dict()
     d["log"] = {k: v for k, v in d["log"].items() if k not in ("progress", "tensorboard")}
+    if not d["eval"].get("output_only", True):  # added later with this default: old caches stay valid
+        del d["eval"]["output_only"]
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 

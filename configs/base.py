@@ -61,5 +61,7 @@ def base_config() -> ml_collections.ConfigDict:
     c.checkpoint = ml_collections.ConfigDict(dict(every=200, keep=3, async_save=True))
     c.log = ml_collections.ConfigDict(dict(every=10, peak_flops=0.0, tensorboard=True, progress=True))
     # peak_flops: per device, for MFU; 0 measures a large matmul on this device at start.
-    c.eval = ml_collections.ConfigDict(dict(every=200, rows_per_domain=8, batch_size=16))
+    c.eval = ml_collections.ConfigDict(dict(every=200, rows_per_domain=8, batch_size=16,
+                                            output_only=False))
+    # output_only: prefix task, validation scores the output part even when train.prefix_loss is set (studies)
     return c

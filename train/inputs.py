@@ -85,7 +85,9 @@ def eval_rows(config) -> dict:
         sub = domain_subset(cache, int(dom))
         if d.task == "prefix":
             n = min(e.rows_per_domain, sub.n_docs)
-            parts.append(PrefixSampler(sub, d.seq_len, 0, d.prefix_frac, config.train.prefix_loss).rows(0, n))
+            # eval.output_only (studies): score the output part whatever train.prefix_loss trains on
+            loss_all = config.train.prefix_loss and not e.get("output_only", False)
+            parts.append(PrefixSampler(sub, d.seq_len, 0, d.prefix_frac, loss_all).rows(0, n))
         else:
             sampler = packing.PackedSampler(sub, d.seq_len, 0)
             parts.append(sampler.rows(0, max(1, min(e.rows_per_domain, sampler.rows_per_epoch))))
