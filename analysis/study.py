@@ -32,7 +32,11 @@ from train.errors import UserError, exit_with, os_error
 DEFAULT_CONFIG = "configs/study_masks.py"
 ARMS = {"causal": ("causal", False), "prefix": ("prefix", False), "mixed": ("mixed", False),
         "causal_all": ("causal", True)}  # arm: (model.mask, train.prefix_loss)
-CHOICE_ROWS_PER_DOMAIN = 24  # 4-way continuation choice / shuffle probe: rows per domain (x4 candidates)
+# Sized by the pilot (docs/decoder-only.md): one pass over all 1,148 validation windows costs ~30 s on the shared
+# 2-core CPU, so the final loss uses all of them and the probes fixed per-domain subsets (the first rows of each).
+GAP_ROWS_PER_DOMAIN = 48  # input-replacement gap (the gate)
+SHUFFLE_ROWS_PER_DOMAIN = 16  # input-shuffle gap
+CHOICE_ROWS_PER_DOMAIN = 12  # 4-way continuation choice (x4 candidate rows)
 
 
 def arm_config(base, arm: str, seed: int, steps: int):
@@ -49,37 +53,62 @@ def first_rows_per_domain(rows, n: int) -> dict:
     return {k: v[keep] for k, v in rows.items()}
 
 
+def all_rows(config) -> dict:
+    """Every validation window (eval.rows_per_domain only sizes the in-training curve)."""
+    from train.inputs import eval_rows
+
+    c = copy.deepcopy(config)
+    c.eval.rows_per_domain = 1 << 30
+    return eval_rows(c)
+
+
+def token_weighted(row_loss, rows) -> tuple[float, dict]:
+    """(loss over all scored tokens, {domain id: loss}) from per-row mean losses: the trainer's val/loss."""
+    n = rows["loss_mask"].sum(-1)
+    ok = n > 0
+    ce, dom = np.where(ok, row_loss, 0.0) * n, rows["domains"][:, 0]
+    return float(ce.sum() / n.sum()), {int(d): float(ce[dom == d].sum() / n[dom == d].sum()) for d in np.unique(dom)}
+
+
 def probes(model, rows, seed: int = 0) -> dict:
-    """Loss-free-of-training measurements of a finished model on validation rows (analysis.study_probes)."""
+    """Measurements of a finished model on validation rows (analysis.study_probes): the loss on every row, the
+    input-replacement and input-shuffle gaps and 4-way continuation choice on fixed per-domain subsets."""
     from analysis.study_probes import continuation_choice, replace_inputs, row_losses, shuffle_inputs
 
     own = row_losses(model, rows, 64)
-    replaced = row_losses(model, replace_inputs(rows, seed), 64)
-    sub = first_rows_per_domain(rows, CHOICE_ROWS_PER_DOMAIN)
-    sub_own = row_losses(model, sub, 64)
-    shuffled = row_losses(model, shuffle_inputs(sub, seed), 64)
-    choice = continuation_choice(model, sub, seed=seed, batch_size=64)
-    return {"row_loss_mean": float(np.nanmean(own)), "replaced_row_loss_mean": float(np.nanmean(replaced)),
-            "input_replacement_gap": float(np.nanmean(replaced - own)),
-            "input_shuffle_gap": float(np.nanmean(shuffled - sub_own)),
+    loss, by_dom = token_weighted(own, rows)
+    idx = np.arange(len(own))
+    gap_idx = first_rows_per_domain({"i": idx, "domains": rows["domains"]}, GAP_ROWS_PER_DOMAIN)["i"]
+    gap_rows = {k: v[gap_idx] for k, v in rows.items()}
+    replaced = row_losses(model, replace_inputs(gap_rows, seed), 64)
+    shuf_rows = first_rows_per_domain(rows, SHUFFLE_ROWS_PER_DOMAIN)
+    shuffled = row_losses(model, shuffle_inputs(shuf_rows, seed), 64)
+    shuf_own = own[first_rows_per_domain({"i": idx, "domains": rows["domains"]}, SHUFFLE_ROWS_PER_DOMAIN)["i"]]
+    choice = continuation_choice(model, first_rows_per_domain(rows, CHOICE_ROWS_PER_DOMAIN), seed=seed,
+                                 batch_size=64)
+    return {"val_loss_all": loss, "val_loss_all_by_domain": by_dom, "n_val_rows": len(own),
+            "input_replacement_gap": float(np.nanmean(replaced - own[gap_idx])), "n_gap_rows": len(gap_idx),
+            "input_shuffle_gap": float(np.nanmean(shuffled - shuf_own)), "n_shuffle_rows": len(shuf_own),
             "choice_accuracy": choice["accuracy"], "choice_chance": choice["chance"], "choice_n": choice["n"],
             "choice_correct": choice["correct"]}
 
 
 def summarize(config, arm: str, workdir, seconds: float) -> dict:
-    from train.inputs import eval_rows
+    """The run's result: curves from metrics.jsonl (the in-training subset), final numbers on every window."""
+    from train.inputs import task_cache
 
     train, evals = read_metrics(workdir)
-    last = evals[max(evals)]
     model = open_run(workdir).model
+    p = probes(model, all_rows(config), seed=int(config.train.seed))
+    names = task_cache(config.data, config.data.eval_split).domain_names
     return {"arm": arm, "mask": config.model.mask, "prefix_loss": bool(config.train.prefix_loss),
             "seed": int(config.train.seed), "steps": int(config.train.steps), "fingerprint": fingerprint(config),
             "train_seconds": seconds, "tokens_seen": int(config.train.steps * config.train.batch_size
                                                            * config.data.seq_len),
-            "val_loss": last["val/loss"],
-            "val_loss_by_domain": {k.split("/", 2)[2]: v for k, v in last.items() if k.count("/") == 2},
+            "val_loss": p.pop("val_loss_all"),
+            "val_loss_by_domain": {names[d]: v for d, v in p.pop("val_loss_all_by_domain").items()},
             "train_curve": sorted(train.items()), "val_curve": sorted((s, r["val/loss"]) for s, r in evals.items()),
-            **probes(model, eval_rows(config), seed=int(config.train.seed))}
+            **p}
 
 
 def train_one(config, arm: str, workdir, log=print, run_fn=None) -> dict:
@@ -108,7 +137,7 @@ def train_one(config, arm: str, workdir, log=print, run_fn=None) -> dict:
 def study_references(base, out: Path, log=print) -> dict:
     """OUT/references.json (computed once): n-gram references of the scored validation targets."""
     from analysis.study_refs import references
-    from train.inputs import eval_rows, token_cache_for
+    from train.inputs import token_cache_for
 
     path = out / "references.json"
     key = fingerprint(base)
@@ -118,7 +147,7 @@ def study_references(base, out: Path, log=print) -> dict:
             return refs
     log("computing unigram / bigram references")
     train = token_cache_for(base.data, base.data.split)
-    refs = references(np.asarray(train.tokens), eval_rows(base), base.model.vocab_size, train.domain_names)
+    refs = references(np.asarray(train.tokens), all_rows(base), base.model.vocab_size, train.domain_names)
     refs["fingerprint"] = key
     write_text(path, json.dumps(refs, indent=1))
     return refs

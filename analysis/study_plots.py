@@ -28,7 +28,8 @@ def plot_curves(groups, refs, path):
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("validation loss, output half (nats)")
     axes[0].legend(fontsize=7)
-    fig.suptitle("Validation loss per seed (every validation window)", fontsize=10)
+    fig.suptitle("Validation loss per seed during training (output half of the first 16 validation windows per "
+                 "domain; references: all windows)", fontsize=9)
     save(fig, path)
 
 

@@ -43,8 +43,12 @@ def setup_lines(base, results) -> list[str]:
             f"). Data: {d['name']}, every document cut into {d['seq_len']}-token windows, input = first "
             f"{d['prefix_frac']:.0%} of a window. Batch {t['batch_size']}, {r0['steps']} steps "
             f"({r0['tokens_seen']:,} tokens per run), lr {t['lr']}, warmup {t['warmup_steps']}, {t['schedule']}.",
-            "Validation: every validation window, loss on its output half, for every arm (also causal_all, which "
-            "trains on every token)."]
+            f"Validation: loss on the output half for every arm (also causal_all, which trains on every token). "
+            f"Final losses, references and the gate: every validation window ({r0.get('n_val_rows', '?')}); "
+            f"curves: every {base['eval']['every']} steps on the first {base['eval']['rows_per_domain']} windows of "
+            f"each domain. Probes on the first windows of each domain: input replacement "
+            f"{r0.get('n_gap_rows', '?')}, input shuffle {r0.get('n_shuffle_rows', '?')}, continuation choice "
+            f"{r0.get('choice_n', '?')} (x4 candidates)."]
 
 
 def contrast_table(rows, digits=4) -> list[str]:

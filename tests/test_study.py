@@ -105,7 +105,8 @@ def test_report_files_and_gate_wording(tmp_path):
     base = {"model": {"d_model": 8, "n_layers": 2, "first_k_dense": 1, "n_heads": 2, "n_kv_heads": 1,
                       "head_dim": 4, "n_routed_experts": 4, "top_k": 2, "n_shared_experts": 1, "vocab_size": 64},
             "data": {"tokenizer": "", "name": "x", "seq_len": 16, "prefix_frac": 0.5},
-            "train": {"batch_size": 2, "lr": 1e-3, "warmup_steps": 1, "schedule": "cosine"}}
+            "train": {"batch_size": 2, "lr": 1e-3, "warmup_steps": 1, "schedule": "cosine"},
+            "eval": {"every": 5, "rows_per_domain": 2}}
     path = study_report.write_report(results(causal=4.9), REFS, tmp_path / "r", base)
     text = path.read_text()
     assert "**not interpretable**" in text and "prefix better" not in text
@@ -124,7 +125,8 @@ def test_report_cli_from_a_study_directory(tmp_path, capsys):
     base = {"model": {"d_model": 8, "n_layers": 2, "first_k_dense": 1, "n_heads": 2, "n_kv_heads": 1,
                       "head_dim": 4, "n_routed_experts": 4, "top_k": 2, "n_shared_experts": 1, "vocab_size": 64},
             "data": {"tokenizer": "", "name": "x", "seq_len": 16, "prefix_frac": 0.5},
-            "train": {"batch_size": 2, "lr": 1e-3, "warmup_steps": 1, "schedule": "cosine"}}
+            "train": {"batch_size": 2, "lr": 1e-3, "warmup_steps": 1, "schedule": "cosine"},
+            "eval": {"every": 5, "rows_per_domain": 2}}
     (out / "study.json").write_text(json.dumps({"arms": ["causal", "prefix", "mixed"], "seeds": 4, "config": base}))
     study_report.main(["--out", str(out)])
     text = (out / "report" / "report.md").read_text()
@@ -158,3 +160,13 @@ def test_arm_configs_differ_only_in_mask_and_loss():
 def test_first_rows_per_domain(rows):
     sub = study.first_rows_per_domain(rows, 2)
     assert sub["domains"][:, 0].tolist() == [0, 0, 1, 1]
+
+
+def test_token_weighted_equals_the_pooled_loss(rows):
+    rng = np.random.default_rng(0)
+    ce_BxL = rng.random(rows["loss_mask"].shape) * rows["loss_mask"]
+    n = rows["loss_mask"].sum(-1)
+    loss, by_dom = study.token_weighted(ce_BxL.sum(-1) / n, rows)
+    assert loss == pytest.approx(ce_BxL.sum() / n.sum())
+    d0 = rows["domains"][:, 0] == 0
+    assert by_dom[0] == pytest.approx(ce_BxL[d0].sum() / n[d0].sum())
