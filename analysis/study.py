@@ -34,9 +34,9 @@ ARMS = {"causal": ("causal", False), "prefix": ("prefix", False), "mixed": ("mix
         "causal_all": ("causal", True)}  # arm: (model.mask, train.prefix_loss)
 # Sized by the pilot (docs/decoder-only.md): one pass over all 1,148 validation windows costs ~30 s on the shared
 # 2-core CPU, so the final loss uses all of them and the probes fixed per-domain subsets (the first rows of each).
-GAP_ROWS_PER_DOMAIN = 48  # input-replacement gap (the gate)
-SHUFFLE_ROWS_PER_DOMAIN = 16  # input-shuffle gap
-CHOICE_ROWS_PER_DOMAIN = 12  # 4-way continuation choice (x4 candidate rows)
+GAP_ROWS_PER_DOMAIN = 24  # input-replacement gap (the gate)
+SHUFFLE_ROWS_PER_DOMAIN = 8  # input-shuffle gap
+CHOICE_ROWS_PER_DOMAIN = 8  # 4-way continuation choice (x4 candidate rows)
 
 
 def arm_config(base, arm: str, seed: int, steps: int):
