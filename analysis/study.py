@@ -70,21 +70,23 @@ def token_weighted(row_loss, rows) -> tuple[float, dict]:
     return float(ce.sum() / n.sum()), {int(d): float(ce[dom == d].sum() / n[dom == d].sum()) for d in np.unique(dom)}
 
 
-def probes(model, rows, seed: int = 0) -> dict:
+def probes(model, rows, seed: int = 0, sizes=None) -> dict:
     """Measurements of a finished model on validation rows (analysis.study_probes): the loss on every row, the
-    input-replacement and input-shuffle gaps and 4-way continuation choice on fixed per-domain subsets."""
+    input-replacement and input-shuffle gaps and 4-way continuation choice on fixed per-domain subsets
+    (sizes: rows per domain for (gap, shuffle, choice); default the CPU sizes above)."""
     from analysis.study_probes import continuation_choice, replace_inputs, row_losses, shuffle_inputs
 
+    n_gap, n_shuffle, n_choice = sizes or (GAP_ROWS_PER_DOMAIN, SHUFFLE_ROWS_PER_DOMAIN, CHOICE_ROWS_PER_DOMAIN)
     own = row_losses(model, rows, 64)
     loss, by_dom = token_weighted(own, rows)
     idx = np.arange(len(own))
-    gap_idx = first_rows_per_domain({"i": idx, "domains": rows["domains"]}, GAP_ROWS_PER_DOMAIN)["i"]
+    gap_idx = first_rows_per_domain({"i": idx, "domains": rows["domains"]}, n_gap)["i"]
     gap_rows = {k: v[gap_idx] for k, v in rows.items()}
     replaced = row_losses(model, replace_inputs(gap_rows, seed), 64)
-    shuf_rows = first_rows_per_domain(rows, SHUFFLE_ROWS_PER_DOMAIN)
+    shuf_rows = first_rows_per_domain(rows, n_shuffle)
     shuffled = row_losses(model, shuffle_inputs(shuf_rows, seed), 64)
-    shuf_own = own[first_rows_per_domain({"i": idx, "domains": rows["domains"]}, SHUFFLE_ROWS_PER_DOMAIN)["i"]]
-    choice = continuation_choice(model, first_rows_per_domain(rows, CHOICE_ROWS_PER_DOMAIN), seed=seed,
+    shuf_own = own[first_rows_per_domain({"i": idx, "domains": rows["domains"]}, n_shuffle)["i"]]
+    choice = continuation_choice(model, first_rows_per_domain(rows, n_choice), seed=seed,
                                  batch_size=64)
     return {"val_loss_all": loss, "val_loss_all_by_domain": by_dom, "n_val_rows": len(own),
             "input_replacement_gap": float(np.nanmean(replaced - own[gap_idx])), "n_gap_rows": len(gap_idx),
@@ -93,13 +95,13 @@ def probes(model, rows, seed: int = 0) -> dict:
             "choice_correct": choice["correct"]}
 
 
-def summarize(config, arm: str, workdir, seconds: float) -> dict:
+def summarize(config, arm: str, workdir, seconds: float, sizes=None) -> dict:
     """The run's result: curves from metrics.jsonl (the in-training subset), final numbers on every window."""
     from train.inputs import task_cache
 
     train, evals = read_metrics(workdir)
     model = open_run(workdir).model
-    p = probes(model, all_rows(config), seed=int(config.train.seed))
+    p = probes(model, all_rows(config), seed=int(config.train.seed), sizes=sizes)
     names = task_cache(config.data, config.data.eval_split).domain_names
     return {"arm": arm, "mask": config.model.mask, "prefix_loss": bool(config.train.prefix_loss),
             "seed": int(config.train.seed), "steps": int(config.train.steps), "fingerprint": fingerprint(config),
@@ -111,7 +113,7 @@ def summarize(config, arm: str, workdir, seconds: float) -> dict:
             **p}
 
 
-def train_one(config, arm: str, workdir, log=print, run_fn=None) -> dict:
+def train_one(config, arm: str, workdir, log=print, run_fn=None, sizes=None) -> dict:
     """Train (or resume) one run and cache its result (written atomically); a finished run is returned as is."""
     workdir = Path(workdir)
     cache = workdir / "result.json"
@@ -129,7 +131,7 @@ def train_one(config, arm: str, workdir, log=print, run_fn=None) -> dict:
     done = steps_in(RunDir(workdir).checkpoints)
     if not done or done[-1] < config.train.steps:
         raise Interrupted(f"{workdir} stopped at step {done[-1] if done else 0} of {config.train.steps}")
-    result = summarize(config, arm, workdir, time.perf_counter() - t0)
+    result = summarize(config, arm, workdir, time.perf_counter() - t0, sizes)
     write_text(cache, json.dumps(result))
     return result
 
@@ -153,7 +155,8 @@ def study_references(base, out: Path, log=print) -> dict:
     return refs
 
 
-def run_study(base, arms, seeds: int, steps: int, out, log=print, run_fn=None, report_only=False) -> Path:
+def run_study(base, arms, seeds: int, steps: int, out, log=print, run_fn=None, report_only=False,
+              sizes=None) -> Path:
     from analysis.study_report import write_report
     from train.config import check
 
@@ -175,7 +178,7 @@ def run_study(base, arms, seeds: int, steps: int, out, log=print, run_fn=None, r
             (results if ok else missing).append(res if ok else f"{a} seed {s}")
             continue
         log(f"[{i + 1}/{len(runs)}] {a} seed {s}")
-        results.append(train_one(arm_config(base, a, s, steps), a, workdir, log, run_fn))
+        results.append(train_one(arm_config(base, a, s, steps), a, workdir, log, run_fn, sizes))
     if not results:
         raise UserError(f"no finished runs in {out} for these settings; run without --report_only first")
     return write_report(results, refs, out / "report", base, missing)
@@ -190,6 +193,9 @@ def parser() -> ArgParser:
     p.add_argument("--steps", type=int, default=None, help="training steps per run (default: train.steps)")
     p.add_argument("--out", default="runs/study_masks", help="study directory (runs, references, report/)")
     p.add_argument("--report_only", action="store_true", help="train nothing: report the finished runs")
+    p.add_argument("--probe_rows", default=f"{GAP_ROWS_PER_DOMAIN},{SHUFFLE_ROWS_PER_DOMAIN},{CHOICE_ROWS_PER_DOMAIN}",
+                   help="validation windows per domain for the input-replacement gap, the input-shuffle gap and "
+                        "continuation choice (default: the CPU round's)")
     return p
 
 
@@ -207,7 +213,13 @@ def parse_flags(argv):
         raise UserError(f"--steps must be a positive integer, got {steps}")
     if config.data.task != "prefix":
         raise UserError("the study needs input->output rows: set --config.data.task=prefix")
-    return config, arms, args.seeds, steps, args.out, args.report_only
+    try:
+        sizes = tuple(int(x) for x in args.probe_rows.split(","))
+    except ValueError:
+        sizes = ()
+    if len(sizes) != 3 or min(sizes) < 2:
+        raise UserError(f"--probe_rows takes three integers >= 2 (gap,shuffle,choice), got {args.probe_rows!r}")
+    return config, arms, args.seeds, steps, args.out, args.report_only, sizes
 
 
 def main(argv=None):
@@ -218,12 +230,12 @@ def main(argv=None):
         parser().print_help()
         raise SystemExit(0)
     try:
-        config, arms, seeds, steps, out, report_only = parse_flags(argv)
+        config, arms, seeds, steps, out, report_only, sizes = parse_flags(argv)
         import jax
 
         jax.config.update("jax_compilation_cache_dir", str((Path(out) / ".jax_cache").absolute()))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-        report = run_study(config, arms, seeds, steps, out, report_only=report_only)
+        report = run_study(config, arms, seeds, steps, out, report_only=report_only, sizes=sizes)
     except (UserError, ConfigError) as e:
         exit_with(e)
     except Interrupted as e:

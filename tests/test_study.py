@@ -138,7 +138,8 @@ def test_report_cli_from_a_study_directory(tmp_path, capsys):
 
 @pytest.mark.parametrize("flags,msg", [(["--arms", "prefix,mixed"], "including causal"),
                                        (["--arms", "causal,bidirectional"], "--arms"),
-                                       (["--seeds", "1"], "--seeds"), (["--steps", "0"], "--steps")])
+                                       (["--seeds", "1"], "--seeds"), (["--steps", "0"], "--steps"),
+                                       (["--probe_rows", "4,4"], "--probe_rows")])
 def test_bad_flags_are_one_line_errors(flags, msg, capsys):
     with pytest.raises(SystemExit) as e:
         study.main(["prog", *flags])
@@ -170,3 +171,22 @@ def test_token_weighted_equals_the_pooled_loss(rows):
     assert loss == pytest.approx(ce_BxL.sum() / n.sum())
     d0 = rows["domains"][:, 0] == 0
     assert by_dom[0] == pytest.approx(ce_BxL[d0].sum() / n[d0].sum())
+
+
+@pytest.mark.slow  # trains 2 arms x 2 seeds of the tiny model for 2 steps, probes every validation window
+def test_study_end_to_end_and_cached(tmp_path):
+    from tests.conftest import tiny_config
+
+    base = tiny_config(**{"data.task": "prefix", "data.windows": True, "data.tokenizer": "tokenizer_1k.json",
+                          "model.vocab_size": 1024, "data.seq_len": 32, "eval.every": 1, "eval.output_only": True,
+                          "eval.rows_per_domain": 2, "checkpoint.every": 100})
+    logs = []
+    report = study.run_study(base, ["causal", "causal_all"], 2, 2, tmp_path, log=logs.append, sizes=(2, 2, 2))
+    text = report.read_text()
+    assert "not interpretable" in text  # 2 steps cannot beat a bigram
+    r = json.loads((tmp_path / "causal_all" / "seed1" / "result.json").read_text())
+    assert r["prefix_loss"] and r["n_val_rows"] > 9 * 2 and [s for s, _ in r["val_curve"]] == [1, 2]
+    assert 0 <= r["choice_accuracy"] <= 1 and r["n_gap_rows"] == 18
+    logs.clear()
+    study.run_study(base, ["causal", "causal_all"], 2, 2, tmp_path, log=logs.append, sizes=(2, 2, 2))
+    assert sum("cached" in line for line in logs) == 4
