@@ -4,7 +4,8 @@
         [--steps 100] [--arms causal,prefix,mixed,causal_all] [--report_only] [--config.KEY=VALUE ...]
 
 Arms (ARMS): causal (GPT, loss on the output half), prefix (UniLM: bidirectional input), mixed (Su's
-triangular heads), causal_all (causal, loss on every token: the decoder-only model's practical advantage).
+triangular heads), causal_all (causal, loss on every token: the decoder-only model's practical advantage); opt-in
+causal_nope and prefix_nope (no position encoding; compared with their RoPE twin by the input-shuffle gap).
 Every arm is validated on the output half of every validation window (eval.output_only) every eval.every steps.
 For seed k every arm has the same data order and initial weights (train.seed = k), so arms compare paired by seed.
 
@@ -30,8 +31,12 @@ from train.cli import ArgParser, config_from_argv
 from train.errors import UserError, exit_with, os_error
 
 DEFAULT_CONFIG = "configs/study_masks.py"
-ARMS = {"causal": ("causal", False), "prefix": ("prefix", False), "mixed": ("mixed", False),
-        "causal_all": ("causal", True)}  # arm: (model.mask, train.prefix_loss)
+# arm: (model.mask, train.prefix_loss, model.rope); the NoPE arms (item 7) are opt-in and are compared with their
+# RoPE twin by the input-shuffle gap: a prefix-LM without positions is exactly invariant to shuffling its input
+ARMS = {"causal": ("causal", False, True), "prefix": ("prefix", False, True), "mixed": ("mixed", False, True),
+        "causal_all": ("causal", True, True), "causal_nope": ("causal", False, False),
+        "prefix_nope": ("prefix", False, False)}
+DEFAULT_ARMS = ("causal", "prefix", "mixed", "causal_all")
 # Sized by the pilot (docs/decoder-only.md): one pass over all 1,148 validation windows costs ~30 s on the shared
 # 2-core CPU, so the final loss uses all of them and the probes fixed per-domain subsets (the first rows of each).
 GAP_ROWS_PER_DOMAIN = 24  # input-replacement gap (the gate)
@@ -41,7 +46,7 @@ CHOICE_ROWS_PER_DOMAIN = 8  # 4-way continuation choice (x4 candidate rows)
 
 def arm_config(base, arm: str, seed: int, steps: int):
     c = copy.deepcopy(base)
-    c.model.mask, c.train.prefix_loss = ARMS[arm]
+    c.model.mask, c.train.prefix_loss, c.model.rope = ARMS[arm]
     c.train.seed, c.train.steps = seed, steps
     return c
 
@@ -188,7 +193,8 @@ def parser() -> ArgParser:
     p = ArgParser(prog="python -m analysis.study", description=__doc__.splitlines()[0],
                   epilog="any config key can be overridden with --config.KEY=VALUE (see python -m train --help)")
     p.add_argument("--config", metavar="FILE", default=DEFAULT_CONFIG, help=f"study config (default {DEFAULT_CONFIG})")
-    p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated arms from {','.join(ARMS)}")
+    p.add_argument("--arms", default=",".join(DEFAULT_ARMS),
+                   help=f"comma-separated arms from {','.join(ARMS)} (default {','.join(DEFAULT_ARMS)})")
     p.add_argument("--seeds", type=int, default=4, help="paired seeds per arm (train.seed = 0 .. seeds-1)")
     p.add_argument("--steps", type=int, default=None, help="training steps per run (default: train.steps)")
     p.add_argument("--out", default="runs/study_masks", help="study directory (runs, references, report/)")

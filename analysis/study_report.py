@@ -15,7 +15,7 @@ import numpy as np
 
 from analysis import study_plots
 from analysis.study_stats import GATE_BIGRAM_MARGIN, GATE_INPUT_GAP
-from analysis.study_verdicts import ALPHA, EQUIVALENCE_MARGIN, by_arm, contrasts, study_gate
+from analysis.study_verdicts import ALPHA, EQUIVALENCE_MARGIN, NOPE_TWINS, by_arm, contrasts, study_gate
 from rundir.atomic import write_text
 from train.cli import ArgParser
 from train.errors import UserError, exit_with, os_error
@@ -125,6 +125,13 @@ def write_report(results, refs, out, base, missing=()) -> Path:
               "## Secondary contrasts: 4-way continuation accuracy, arm - causal (own Holm family)", "",
               f"Positive = the arm picks the true continuation more often; equivalence margin +-{ACCURACY_MARGIN}.", ""]
     lines += contrast_table(acc_rows, 3)
+    nope = [(a, ref) for a, ref in NOPE_TWINS.items() if a in groups and ref in groups]
+    if nope:
+        lines += ["", "## NoPE (no position encoding) against its RoPE twin (own Holm family)", "",
+                  "Validation loss, NoPE - RoPE (negative = NoPE better); the input-shuffle gap of each arm is in the "
+                  "table above (a prefix-LM without positions is exactly invariant to shuffling its input: gap 0).",
+                  ""]
+        lines += contrast_table(contrasts(groups, g["passed"], family=nope))
     lines += ["", "![probes](probes.png)", "", "## Per domain (final validation loss, mean over seeds)", "",
               "| domain | unigram | bigram | " + " | ".join(groups) + " |", "|---" * (3 + len(groups)) + "|"]
     for name, ref in refs["by_domain"].items():

@@ -17,6 +17,8 @@ from analysis.study_stats import equivalent, gate, holm, paired_t_interval, pair
 
 EQUIVALENCE_MARGIN = 0.02
 ALPHA = 0.05
+PRIMARY = ("prefix", "mixed", "causal_all")  # the pre-registered family: each against causal
+NOPE_TWINS = {"causal_nope": "causal", "prefix_nope": "prefix"}  # the NoPE family: each against its RoPE twin
 
 
 def by_arm(results) -> dict:
@@ -45,14 +47,16 @@ def study_gate(groups, refs) -> dict:
 
 
 def contrasts(groups, gate_passed: bool, key: str = "val_loss", lower_is_better: bool = True,
-              margin: float = EQUIVALENCE_MARGIN) -> list[dict]:
-    """Every arm - causal on `key`, Holm-corrected over the family of these contrasts."""
+              margin: float = EQUIVALENCE_MARGIN, family=None) -> list[dict]:
+    """Each (arm, reference) of `family` (default: every PRIMARY arm present against causal) on `key`,
+    Holm-corrected over the family."""
+    family = family or [(a, "causal") for a in PRIMARY if a in groups]
     rows = []
-    for a in groups:
-        if a == "causal":
+    for a, ref in family:
+        if a not in groups or ref not in groups:
             continue
-        seeds, d = paired(groups, a, "causal", key)
-        row = {"contrast": f"{a} - causal", "arm": a, "seeds": seeds, "diffs": d, "n": len(d)}
+        seeds, d = paired(groups, a, ref, key)
+        row = {"contrast": f"{a} - {ref}", "arm": a, "seeds": seeds, "diffs": d, "n": len(d)}
         if len(d) >= 2:
             m, lo, hi = paired_t_interval(d)
             row.update(mean=m, lo=lo, hi=hi, p=paired_t_p(d), sign_p=sign_test(d),

@@ -151,10 +151,12 @@ def test_arm_configs_differ_only_in_mask_and_loss():
 
     base = get_config()
     cs = {a: study.arm_config(base, a, 1, 7).to_dict() for a in study.ARMS}
+    assert not cs["prefix_nope"]["model"]["rope"] and cs["prefix"]["model"]["rope"]
     assert cs["causal_all"]["train"]["prefix_loss"] and cs["causal_all"]["model"]["mask"] == "causal"
     for a, c in cs.items():
         c["model"].pop("mask")
         c["train"].pop("prefix_loss")
+        c["model"].pop("rope")
         assert c == cs["causal"], a
 
 
@@ -190,3 +192,26 @@ def test_study_end_to_end_and_cached(tmp_path):
     logs.clear()
     study.run_study(base, ["causal", "causal_all"], 2, 2, tmp_path, log=logs.append, sizes=(2, 2, 2))
     assert sum("cached" in line for line in logs) == 4
+
+
+@pytest.mark.slow  # compiles the tiny NoPE model twice (~30 s each on the shared CPU)
+@pytest.mark.parametrize("mask,invariant", [("prefix", True), ("causal", False)])
+def test_nope_prefix_lm_is_exactly_invariant_to_shuffling_its_input(mask, invariant, rows):
+    """Item 7: without positions, bidirectional attention over the input is permutation-equivariant, so the loss of
+    every output token predicted from an output position cannot depend on the input's order; a causal model's can.
+    (The first output token is predicted from the last input position, whose token the shuffle changes.)"""
+    from analysis.study_probes import row_losses, shuffle_inputs
+    from tests.model_fixtures import tiny_model
+
+    def after_first(r):
+        r = dict(r, loss_mask=r["loss_mask"].copy())
+        r["loss_mask"][np.arange(len(r["prefix_len"])), r["prefix_len"] - 1] = 0.0
+        return r
+
+    model = tiny_model(mask=mask, rope=False)
+    own = row_losses(model, after_first(rows), 8)
+    shuffled = row_losses(model, after_first(shuffle_inputs(rows, seed=3)), 8)
+    if invariant:
+        np.testing.assert_allclose(shuffled, own, rtol=2e-5, atol=2e-5)
+    else:
+        assert np.nanmax(np.abs(shuffled - own)) > 1e-4
