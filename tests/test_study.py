@@ -183,7 +183,8 @@ def test_study_end_to_end_and_cached(tmp_path):
                           "model.vocab_size": 1024, "data.seq_len": 32, "eval.every": 1, "eval.output_only": True,
                           "eval.rows_per_domain": 2, "checkpoint.every": 100})
     logs = []
-    report = study.run_study(base, ["causal", "causal_all"], 2, 2, tmp_path, log=logs.append, sizes=(2, 2, 2))
+    report = study.run_study(base, ["causal", "causal_all"], 2, 2, tmp_path, log=lambda m: (print(m), logs.append(m)),
+                             sizes=(2, 2, 2))
     text = report.read_text()
     assert "not interpretable" in text  # 2 steps cannot beat a bigram
     r = json.loads((tmp_path / "causal_all" / "seed1" / "result.json").read_text())
