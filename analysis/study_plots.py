@@ -15,8 +15,9 @@ def _refs(ax, refs, with_unigram=True):
 def plot_curves(groups, refs, path):
     """One panel per arm: every seed's validation curve, the reference lines; y limits shared."""
     fig, axes = grid(len(groups), 4, 3.4, 3.0)
-    lo = min(v for runs in groups.values() for r in runs.values() for _, v in r["val_curve"])
-    hi = refs["unigram"] + 0.15
+    lo = min(refs["bigram"], min(v for runs in groups.values() for r in runs.values() for _, v in r["val_curve"]))
+    hi = max(refs["unigram"], max(v for runs in groups.values() for r in runs.values() for _, v in r["val_curve"]))
+    hi += 0.15
     for ax, (arm, runs) in zip(axes, groups.items()):
         for s, r in sorted(runs.items()):
             steps, vals = zip(*r["val_curve"])
@@ -59,7 +60,7 @@ def plot_contrasts(rows, path, ylabel, title, margin=None):
 def plot_domains(groups, refs, path):
     """Final validation loss per domain: each arm's seed mean, with that domain's unigram / bigram references."""
     names = list(refs["by_domain"])
-    fig, ax = plt.subplots(figsize=(max(7.0, 0.9 * len(names) + 2), 3.8))
+    fig, ax = plt.subplots(figsize=(max(8.0, 0.9 * len(names) + 3), 3.8))
     x = np.arange(len(names))
     width = 0.8 / max(len(groups), 1)
     for i, (arm, runs) in enumerate(groups.items()):
@@ -79,7 +80,7 @@ def plot_domains(groups, refs, path):
     ax.set_ylabel("validation loss, output half (nats)")
     ax.set_title("Per-domain final validation loss (mean over seeds) and that domain's references", fontsize=9)
     ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=7, ncol=3)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     save(fig, path)
 
 
