@@ -1,7 +1,8 @@
 """The mask study, round 2 (issue 14): four arms x paired seeds on input->output windows, with a gate.
 
     python -m analysis.study --out runs/study_masks [--config configs/study_masks.py] [--seeds 4]
-        [--steps 100] [--arms causal,prefix,mixed,causal_all] [--report_only] [--config.KEY=VALUE ...]
+        [--steps 60] [--arms causal,prefix,mixed,causal_all] [--probe_rows 24,8,8] [--report_only]
+        [--config.KEY=VALUE ...]
 
 Arms (ARMS): causal (GPT, loss on the output half), prefix (UniLM: bidirectional input), mixed (Su's
 triangular heads), causal_all (causal, loss on every token: the decoder-only model's practical advantage); opt-in
