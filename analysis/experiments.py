@@ -66,6 +66,8 @@ def fingerprint(config) -> str:
     # In the layout before the model/execution split, so results cached before it keep their fingerprint.
     d = pre_split_layout(config.to_dict())
     d["log"] = {k: v for k, v in d["log"].items() if k not in ("progress", "tensorboard")}
+    if not d["eval"].get("output_only", True):  # added later with this default: old caches stay valid
+        del d["eval"]["output_only"]
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -62,5 +62,7 @@ def base_config() -> ml_collections.ConfigDict:
     # peak_flops: per device, for MFU; 0 measures a large matmul on this device at start.
     # eval.dispatch: "" evaluates with execution.dispatch; "dropless" (or "capacity", one capacity per sequence)
     # makes a row's evaluation loss independent of the other rows in its batch.
-    c.eval = ml_collections.ConfigDict(dict(every=200, rows_per_domain=8, batch_size=16, dispatch=""))
+    # eval.output_only: prefix task, validation scores the output part even when train.prefix_loss is set (studies)
+    c.eval = ml_collections.ConfigDict(dict(every=200, rows_per_domain=8, batch_size=16, dispatch="",
+                                            output_only=False))
     return c

@@ -139,6 +139,9 @@ CASES = [
     ("min_lr_ratio", train_cli.main, "train.min_lr_ratio", train("--config.train.min_lr_ratio=2")),
     ("checkpoint_every_0", train_cli.main, "checkpoint.every must be > 0", train("--config.checkpoint.every=0")),
     ("prefix_mask_lm", train_cli.main, "needs a per-row prefix", train("--config.model.mask=prefix")),
+    ("mlm_causal", train_cli.main, "needs model.mask bidirectional or mixed", train("--config.data.task=mlm")),
+    ("mlm_no_mask_id", train_cli.main, "[MASK] id",
+     train("--config.data.task=mlm", "--config.model.mask=bidirectional", "--config.model.vocab_size=8192")),
     ("mesh", train_cli.main, "mesh", train("--config.mesh.data=3")),
     # python -m train: the work directory
     ("workdir_empty", train_cli.main, "--workdir is empty", lambda ctx: ["train", f"--config={TINY}", "--workdir="]),

@@ -29,7 +29,7 @@ RANGES = {
     "train.b2": ("[)", (0, 1)), "train.eps": POSITIVE, "train.grad_clip": POSITIVE,
     "train.bias_update_rate": NON_NEGATIVE, "train.bias_update_stop": ("[]", (0, 1)),
     "data.name": ("nonempty", None), "data.split": ("nonempty", None), "data.eval_split": ("nonempty", None),
-    "data.text_field": ("nonempty", None), "data.seq_len": (">", 1), "data.task": ("in", ("lm", "prefix")),
+    "data.text_field": ("nonempty", None), "data.seq_len": (">", 1), "data.task": ("in", ("lm", "prefix", "mlm")),
     "data.prefix_frac": ("()", (0, 1)),
     "checkpoint.every": POSITIVE, "checkpoint.keep": POSITIVE, "log.every": POSITIVE,
     "log.peak_flops": NON_NEGATIVE, "eval.every": POSITIVE, "eval.rows_per_domain": POSITIVE,
@@ -133,7 +133,9 @@ def check(c: ml_collections.ConfigDict) -> ModelConfig:
         raise UserError(f"train.batch_size ({t.batch_size}) must be divisible by train.grad_accum ({t.grad_accum})")
     if c.data.task == "prefix" and mcfg.mask == "bidirectional":
         raise UserError("data.task='prefix' trains next-token prediction: use model.mask causal, prefix or mixed")
-    if mcfg.mask in ("prefix", "mixed") and c.data.task != "prefix":
+    if c.data.task == "mlm" and mcfg.mask not in ("bidirectional", "mixed"):
+        raise UserError(f"data.task='mlm' (masked LM) needs model.mask bidirectional or mixed, got {mcfg.mask!r}")
+    if mcfg.mask == "prefix" and c.data.task != "prefix" or mcfg.mask == "mixed" and c.data.task == "lm":
         raise UserError(f"model.mask={mcfg.mask!r} needs a per-row prefix: set data.task='prefix'")
     if ex.attention_impl == "cudnn" and int(c.data.seq_len) % 2:
         raise UserError(f"execution.attention_impl='cudnn' trains only even sequence lengths (a cuDNN limit with "

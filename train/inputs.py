@@ -30,6 +30,39 @@ class PrefixSampler:
         return self.rows(step * batch_size + process_index * per, per)
 
 
+class MLMSampler:
+    """Masked-LM rows (the encoder task where Su proposed mixed heads): one window per row; each real token is
+    chosen with probability `rate` (at least one per row), replaced by `mask_id` (an id past the tokenizer's
+    vocabulary), and predicted at its own position: targets = the original tokens, loss on the chosen positions.
+    prefix_len = the row's length, so a `mixed` mask splits its heads into lower- and upper-triangular over the
+    whole row. The choice depends only on (seed, row), so validation rows are fixed."""
+
+    def __init__(self, cache, seq_len: int, seed: int, mask_id: int, rate: float = 0.15):
+        self.cache, self.seq_len, self.seed, self.mask_id, self.rate = cache, seq_len, seed, mask_id, rate
+
+    def rows(self, start: int, count: int) -> dict:
+        rows = packing.prefix_rows(self.cache, self.seq_len, self.seed, start, count, 0.5)
+        orig, n_B = rows["tokens"], rows["segment_ids"].sum(-1)
+        chosen = np.zeros(orig.shape, bool)
+        for b in range(count):
+            rng = np.random.default_rng((self.seed, start + b))
+            c = rng.random(n_B[b]) < self.rate
+            c[rng.integers(n_B[b])] = True
+            chosen[b, : n_B[b]] = c
+        rows.update(tokens=np.where(chosen, self.mask_id, orig).astype(orig.dtype), targets=orig,
+                    loss_mask=chosen.astype(np.float32), prefix_len=n_B.astype(np.int32))
+        return rows
+
+    def batch(self, step: int, batch_size: int, process_index: int = 0, process_count: int = 1) -> dict:
+        per = batch_size // process_count
+        return self.rows(step * batch_size + process_index * per, per)
+
+
+def mask_id(data_cfg) -> int:
+    """The masked-LM [MASK] id: the first id past the tokenizer's vocabulary (model.vocab_size must cover it)."""
+    return load_tokenizer(tokenizer_path(data_cfg)).get_vocab_size()
+
+
 def tokenizer_path(data_cfg) -> Path:
     path = Path(data_cfg.tokenizer) if data_cfg.tokenizer else DEFAULT_TOKENIZER
     if not path.exists() and (DEFAULT_TOKENIZER.parent / path).is_file():
@@ -48,9 +81,10 @@ def token_cache_for(data_cfg, split: str):
 
 
 def task_cache(data_cfg, split: str):
-    """The split's token cache as the task reads it: windowed documents for the prefix task with data.windows."""
+    """The split's token cache as the task reads it: windowed documents for the prefix task with data.windows
+    and always for the masked-LM task."""
     cache = token_cache_for(data_cfg, split)
-    if data_cfg.task == "prefix" and data_cfg.get("windows", False):
+    if data_cfg.task == "mlm" or data_cfg.task == "prefix" and data_cfg.get("windows", False):
         cache = packing.window_documents(cache, data_cfg.seq_len)
     return cache
 
@@ -60,6 +94,8 @@ def sampler(config):
     cache = task_cache(d, d.split)
     if d.task == "prefix":
         return PrefixSampler(cache, d.seq_len, t.seed, d.prefix_frac, t.prefix_loss), cache.domain_names
+    if d.task == "mlm":
+        return MLMSampler(cache, d.seq_len, t.seed, mask_id(d)), cache.domain_names
     return packing.PackedSampler(cache, d.seq_len, t.seed), cache.domain_names
 
 
@@ -73,12 +109,17 @@ def domain_subset(cache, domain: int):
                                domains=cache.domains[docs])
 
 
-def domain_sampler(config, sub):
-    """(sampler, rows in one pass) over one domain's documents: one document per row for the prefix task, packed
-    rows of seq_len for LM (at least one row, so a short domain still has a padded row)."""
+def domain_sampler(config, sub, evaluation: bool = False):
+    """(sampler, rows in one pass) over one domain's documents: one window per row for the masked-LM task, one
+    document per row for the prefix task, packed rows of seq_len for LM (at least one row, so a short domain still
+    has a padded row). evaluation: eval.output_only (studies) scores the prefix task's output part whatever
+    train.prefix_loss trains on."""
     d = config.data
+    if d.task == "mlm":
+        return MLMSampler(sub, d.seq_len, 0, mask_id(d)), sub.n_docs
     if d.task == "prefix":
-        return PrefixSampler(sub, d.seq_len, 0, d.prefix_frac, config.train.prefix_loss), sub.n_docs
+        loss_all = config.train.prefix_loss and not (evaluation and config.eval.get("output_only", False))
+        return PrefixSampler(sub, d.seq_len, 0, d.prefix_frac, loss_all), sub.n_docs
     sampler = packing.PackedSampler(sub, d.seq_len, 0)
     return sampler, max(1, sampler.rows_per_epoch)
 
@@ -92,7 +133,7 @@ def eval_rows(config) -> dict:
     cache = task_cache(d, d.eval_split)
     parts = []
     for dom in np.unique(cache.domains):
-        sampler, available = domain_sampler(config, domain_subset(cache, int(dom)))
+        sampler, available = domain_sampler(config, domain_subset(cache, int(dom)), evaluation=True)
         parts.append(sampler.rows(0, min(e.rows_per_domain, available)))
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
@@ -113,6 +154,9 @@ def eval_batches(config, process_index: int = 0, process_count: int = 1) -> list
 
 def check_vocab(data_cfg, vocab_size: int) -> None:
     n = load_tokenizer(tokenizer_path(data_cfg)).get_vocab_size()
+    if data_cfg.task == "mlm" and n >= vocab_size:
+        raise UserError(f"data.task='mlm' needs a [MASK] id past the tokenizer's {n} tokens; set "
+                        f"--config.model.vocab_size={n + 1}")
     if n > vocab_size:
         raise UserError(f"the tokenizer has {n} tokens but model.vocab_size is {vocab_size}; "
                         f"set --config.model.vocab_size={n} or larger")

@@ -1,0 +1,142 @@
+"""Su's mixed heads where he proposed them (issue 14, item 6): mixed vs bidirectional attention on a masked-LM
+(encoder) task, paired by seed.
+
+    python -m analysis.mlm_compare --out runs/mlm [--config configs/study_mlm.py] [--seeds 4] [--steps N]
+
+Both arms train the same model on train.inputs.MLMSampler rows (15% of the tokens replaced by [MASK] and predicted
+in place); `bidirectional` lets every head see the whole row, `mixed` makes half the heads lower- and half
+upper-triangular. Each run lives in OUT/<arm>/seed<k> (train.loop.run: resumable; a finished run's result.json
+is reused). Gate (pre-registered): the bidirectional arm must beat the unigram reference of the masked targets by
+MLM_GATE nats, else the report says "not interpretable". Then the paired t-interval of mixed - bidirectional,
+the sign count and the +-0.02 equivalence test. OUT/report.md holds the result.
+"""
+
+import copy
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from analysis.experiments import Interrupted, fingerprint, read_metrics
+from analysis.study_stats import equivalent, ngram_model, paired_t_interval, paired_t_p, sign_test
+from rundir import RunDir
+from rundir.atomic import write_text
+from rundir.checkpoints import steps_in
+from train.cli import ArgParser, config_from_argv
+from train.errors import UserError, exit_with, os_error
+
+DEFAULT_CONFIG = "configs/study_mlm.py"
+ARMS = ("bidirectional", "mixed")
+MLM_GATE = 0.3  # nats below the unigram reference of the masked targets
+
+
+def unigram_reference(config) -> float:
+    """Cross-entropy of the validation rows' masked targets under the add-one unigram of every training token."""
+    from train.inputs import eval_rows, token_cache_for
+
+    train = token_cache_for(config.data, config.data.split)
+    uni = ngram_model(np.asarray(train.tokens), config.model.vocab_size)[0]
+    rows = eval_rows(config)
+    return float(-np.mean(np.log(uni[rows["targets"][rows["loss_mask"] > 0]])))
+
+
+def verdict(bidir, mixed, reference: float) -> dict:
+    """Gate on the bidirectional arm's mean loss, then the paired comparison mixed - bidirectional."""
+    beats = reference - float(np.mean(bidir))
+    out = {"reference": reference, "beats_unigram_by": beats, "gate_passed": beats >= MLM_GATE}
+    d = np.asarray(mixed) - np.asarray(bidir)
+    out["diffs"] = d.tolist()
+    if len(d) >= 2:
+        m, lo, hi = paired_t_interval(d)
+        out.update(mean=m, lo=lo, hi=hi, p=paired_t_p(d), sign_p=sign_test(d), mixed_wins=int(np.sum(d < 0)),
+                   equivalent=equivalent(d))
+    if not out["gate_passed"]:
+        out["verdict"] = "not interpretable"
+    elif "p" not in out:
+        out["verdict"] = "inconclusive (fewer than 2 paired seeds)"
+    elif out["p"] < 0.05:
+        out["verdict"] = "mixed better" if out["mean"] < 0 else "mixed worse"
+    else:
+        out["verdict"] = "equivalent" if out["equivalent"] else "inconclusive"
+    return out
+
+
+def run_one(config, workdir, log=print) -> dict:
+    from train.loop import run
+
+    workdir = Path(workdir)
+    cache = workdir / "result.json"
+    if cache.exists():
+        r = json.loads(cache.read_text())
+        if r.get("fingerprint") != fingerprint(config):
+            raise UserError(f"{workdir} holds a finished run with a different config; use another --out")
+        return r
+    run(config, workdir, log=log)
+    done = steps_in(RunDir(workdir).checkpoints)
+    if not done or done[-1] < config.train.steps:
+        raise Interrupted(f"{workdir} stopped at step {done[-1] if done else 0} of {config.train.steps}")
+    _, evals = read_metrics(workdir)
+    r = {"mask": config.model.mask, "seed": int(config.train.seed), "fingerprint": fingerprint(config),
+         "val_loss": evals[max(evals)]["val/loss"], "val_curve": sorted((s, e["val/loss"]) for s, e in evals.items())}
+    write_text(cache, json.dumps(r))
+    return r
+
+
+def compare(base, seeds: int, steps: int, out, log=print) -> Path:
+    out = Path(out)
+    res = {}
+    for s in range(seeds):
+        for arm in ARMS:
+            c = copy.deepcopy(base)
+            c.model.mask, c.train.seed, c.train.steps = arm, s, steps
+            log(f"{arm} seed {s}")
+            res[arm, s] = run_one(c, out / arm / f"seed{s}", log)
+    v = verdict([res["bidirectional", s]["val_loss"] for s in range(seeds)],
+                [res["mixed", s]["val_loss"] for s in range(seeds)], unigram_reference(base))
+    lines = ["# Mixed vs bidirectional heads on a masked LM", "",
+             f"{seeds} paired seeds x {steps} steps; validation loss on the masked tokens of fixed validation rows.", "",
+             f"Gate: bidirectional must beat the unigram reference ({v['reference']:.4f}) by >= {MLM_GATE}: "
+             f"beats it by {v['beats_unigram_by']:+.4f} -> **{'passed' if v['gate_passed'] else 'failed'}**.", "",
+             "| seed | bidirectional | mixed | mixed - bidirectional |", "|---|---|---|---|"]
+    for s in range(seeds):
+        b, m = res["bidirectional", s]["val_loss"], res["mixed", s]["val_loss"]
+        lines.append(f"| {s} | {b:.4f} | {m:.4f} | {m - b:+.4f} |")
+    if "mean" in v:
+        lines += ["", f"mixed - bidirectional: {v['mean']:+.4f} [{v['lo']:+.4f}, {v['hi']:+.4f}] (95% paired t), "
+                  f"mixed better in {v['mixed_wins']} / {seeds} seeds (sign p {v['sign_p']:.3f}), t-test p "
+                  f"{v['p']:.3f}, equivalent within +-0.02: {'yes' if v['equivalent'] else 'no'}."]
+    lines += ["", f"Verdict: **{v['verdict']}**", ""]
+    write_text(out / "result.json", json.dumps(v))
+    return write_text(out / "report.md", "\n".join(lines))
+
+
+def main(argv=None):
+    from moe import ConfigError
+
+    argv = sys.argv if argv is None else argv
+    p = ArgParser(prog="python -m analysis.mlm_compare", description=__doc__.splitlines()[0])
+    p.add_argument("--config", metavar="FILE", default=DEFAULT_CONFIG)
+    p.add_argument("--seeds", type=int, default=4)
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--out", default="runs/mlm")
+    try:
+        config, _, rest = config_from_argv(list(argv[1:]), DEFAULT_CONFIG)
+        args = p.parse_args(rest)
+        steps = args.steps if args.steps is not None else int(config.train.steps)
+        if args.seeds < 2 or steps < 1:
+            raise UserError(f"--seeds must be >= 2 and --steps >= 1, got {args.seeds}, {steps}")
+        if config.data.task != "mlm":
+            raise UserError("the comparison needs masked-LM rows: set --config.data.task=mlm")
+        report = compare(config, args.seeds, steps, args.out)
+    except (UserError, ConfigError) as e:
+        exit_with(e)
+    except Interrupted as e:
+        exit_with(UserError(f"{e}; re-run the same command to resume"), 130)
+    except OSError as e:
+        exit_with(os_error(e))
+    print(f"wrote {report}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""The mask study, round 2 (issue 14): four arms x paired seeds on input->output windows, with a gate.
+
+    python -m analysis.study --out runs/study_masks [--config configs/study_masks.py] [--seeds 4]
+        [--steps 60] [--arms causal,prefix,mixed,causal_all] [--probe_rows 24,8,8] [--report_only]
+        [--config.KEY=VALUE ...]
+
+Arms (ARMS): causal (GPT, loss on the output half), prefix (UniLM: bidirectional input), mixed (Su's
+triangular heads), causal_all (causal, loss on every token: the decoder-only model's practical advantage); opt-in
+causal_nope and prefix_nope (no position encoding; compared with their RoPE twin by the input-shuffle gap).
+Every arm is validated on the output half of every validation window (eval.output_only) every eval.every steps.
+For seed k every arm has the same data order and initial weights (train.seed = k), so arms compare paired by seed.
+
+Each run lives in OUT/<arm>/seed<k> (train.loop.run: resumable); a finished run leaves result.json (curves,
+per-domain losses, the input-replacement and input-shuffle gaps, 4-way continuation choice) and is skipped when
+the same command runs again. OUT/references.json holds the unigram / bigram references of the scored targets.
+The report (analysis.study_report) goes to OUT/report/.
+"""
+
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from analysis.experiments import Interrupted, fingerprint, read_metrics
+from rundir import RunDir, open_run
+from rundir.atomic import write_text
+from rundir.checkpoints import steps_in
+from train.cli import ArgParser, config_from_argv
+from train.errors import UserError, exit_with, os_error
+
+DEFAULT_CONFIG = "configs/study_masks.py"
+# arm: (model.mask, train.prefix_loss, model.rope); the NoPE arms (item 7) are opt-in and are compared with their
+# RoPE twin by the input-shuffle gap: a prefix-LM without positions is exactly invariant to shuffling its input
+ARMS = {"causal": ("causal", False, True), "prefix": ("prefix", False, True), "mixed": ("mixed", False, True),
+        "causal_all": ("causal", True, True), "causal_nope": ("causal", False, False),
+        "prefix_nope": ("prefix", False, False)}
+DEFAULT_ARMS = ("causal", "prefix", "mixed", "causal_all")
+# Sized by the pilot (docs/decoder-only.md): one pass over all 1,148 validation windows costs ~30 s on the shared
+# 2-core CPU, so the final loss uses all of them and the probes fixed per-domain subsets (the first rows of each).
+GAP_ROWS_PER_DOMAIN = 24  # input-replacement gap (the gate)
+SHUFFLE_ROWS_PER_DOMAIN = 8  # input-shuffle gap
+CHOICE_ROWS_PER_DOMAIN = 8  # 4-way continuation choice (x4 candidate rows)
+
+
+def arm_config(base, arm: str, seed: int, steps: int):
+    c = copy.deepcopy(base)
+    c.model.mask, c.train.prefix_loss, c.model.rope = ARMS[arm]
+    c.train.seed, c.train.steps = seed, steps
+    return c
+
+
+def first_rows_per_domain(rows, n: int) -> dict:
+    """The first n rows of every domain (rows are grouped by domain in eval_rows)."""
+    dom = rows["domains"][:, 0]
+    keep = np.concatenate([np.nonzero(dom == d)[0][:n] for d in np.unique(dom)])
+    return {k: v[keep] for k, v in rows.items()}
+
+
+def all_rows(config) -> dict:
+    """Every validation window (eval.rows_per_domain only sizes the in-training curve)."""
+    from train.inputs import eval_rows
+
+    c = copy.deepcopy(config)
+    c.eval.rows_per_domain = 1 << 30
+    return eval_rows(c)
+
+
+def token_weighted(row_loss, rows) -> tuple[float, dict]:
+    """(loss over all scored tokens, {domain id: loss}) from per-row mean losses: the trainer's val/loss."""
+    n = rows["loss_mask"].sum(-1)
+    ok = n > 0
+    ce, dom = np.where(ok, row_loss, 0.0) * n, rows["domains"][:, 0]
+    return float(ce.sum() / n.sum()), {int(d): float(ce[dom == d].sum() / n[dom == d].sum()) for d in np.unique(dom)}
+
+
+def probes(model, rows, seed: int = 0, sizes=None) -> dict:
+    """Measurements of a finished model on validation rows (analysis.study_probes): the loss on every row, the
+    input-replacement and input-shuffle gaps and 4-way continuation choice on fixed per-domain subsets
+    (sizes: rows per domain for (gap, shuffle, choice); default the CPU sizes above)."""
+    from analysis.study_probes import continuation_choice, replace_inputs, row_losses, shuffle_inputs
+
+    n_gap, n_shuffle, n_choice = sizes or (GAP_ROWS_PER_DOMAIN, SHUFFLE_ROWS_PER_DOMAIN, CHOICE_ROWS_PER_DOMAIN)
+    own = row_losses(model, rows, 64)
+    loss, by_dom = token_weighted(own, rows)
+    idx = np.arange(len(own))
+    gap_idx = first_rows_per_domain({"i": idx, "domains": rows["domains"]}, n_gap)["i"]
+    gap_rows = {k: v[gap_idx] for k, v in rows.items()}
+    replaced = row_losses(model, replace_inputs(gap_rows, seed), 64)
+    shuf_rows = first_rows_per_domain(rows, n_shuffle)
+    shuffled = row_losses(model, shuffle_inputs(shuf_rows, seed), 64)
+    shuf_own = own[first_rows_per_domain({"i": idx, "domains": rows["domains"]}, n_shuffle)["i"]]
+    choice = continuation_choice(model, first_rows_per_domain(rows, n_choice), seed=seed,
+                                 batch_size=64)
+    return {"val_loss_all": loss, "val_loss_all_by_domain": by_dom, "n_val_rows": len(own),
+            "input_replacement_gap": float(np.nanmean(replaced - own[gap_idx])), "n_gap_rows": len(gap_idx),
+            "input_shuffle_gap": float(np.nanmean(shuffled - shuf_own)), "n_shuffle_rows": len(shuf_own),
+            "choice_accuracy": choice["accuracy"], "choice_chance": choice["chance"], "choice_n": choice["n"],
+            "choice_correct": choice["correct"]}
+
+
+def summarize(config, arm: str, workdir, seconds: float, sizes=None) -> dict:
+    """The run's result: curves from metrics.jsonl (the in-training subset), final numbers on every window."""
+    from train.inputs import task_cache
+
+    train, evals = read_metrics(workdir)
+    model = open_run(workdir).model
+    p = probes(model, all_rows(config), seed=int(config.train.seed), sizes=sizes)
+    names = task_cache(config.data, config.data.eval_split).domain_names
+    return {"arm": arm, "mask": config.model.mask, "prefix_loss": bool(config.train.prefix_loss),
+            "seed": int(config.train.seed), "steps": int(config.train.steps), "fingerprint": fingerprint(config),
+            "train_seconds": seconds, "tokens_seen": int(config.train.steps * config.train.batch_size
+                                                           * config.data.seq_len),
+            "val_loss": p.pop("val_loss_all"),
+            "val_loss_by_domain": {names[d]: v for d, v in p.pop("val_loss_all_by_domain").items()},
+            "train_curve": sorted(train.items()), "val_curve": sorted((s, r["val/loss"]) for s, r in evals.items()),
+            **p}
+
+
+def train_one(config, arm: str, workdir, log=print, run_fn=None, sizes=None) -> dict:
+    """Train (or resume) one run and cache its result (written atomically); a finished run is returned as is."""
+    workdir = Path(workdir)
+    cache = workdir / "result.json"
+    fp = fingerprint(config)
+    if cache.exists():
+        result = json.loads(cache.read_text())
+        if result.get("fingerprint") != fp:
+            raise UserError(f"{workdir} holds a finished run with a different config; use another --out")
+        log(f"{workdir}: cached (val/loss {result['val_loss']:.4f})")
+        return result
+    if run_fn is None:
+        from train.loop import run as run_fn
+    t0 = time.perf_counter()
+    run_fn(config, workdir, log=log)
+    done = steps_in(RunDir(workdir).checkpoints)
+    if not done or done[-1] < config.train.steps:
+        raise Interrupted(f"{workdir} stopped at step {done[-1] if done else 0} of {config.train.steps}")
+    result = summarize(config, arm, workdir, time.perf_counter() - t0, sizes)
+    write_text(cache, json.dumps(result))
+    return result
+
+
+def study_references(base, out: Path, log=print) -> dict:
+    """OUT/references.json (computed once): n-gram references of the scored validation targets."""
+    from analysis.study_refs import references
+    from train.inputs import token_cache_for
+
+    path = out / "references.json"
+    key = fingerprint(base)
+    if path.exists():
+        refs = json.loads(path.read_text())
+        if refs.get("fingerprint") == key:
+            return refs
+    log("computing unigram / bigram references")
+    train = token_cache_for(base.data, base.data.split)
+    refs = references(np.asarray(train.tokens), all_rows(base), base.model.vocab_size, train.domain_names)
+    refs["fingerprint"] = key
+    write_text(path, json.dumps(refs, indent=1))
+    return refs
+
+
+def run_study(base, arms, seeds: int, steps: int, out, log=print, run_fn=None, report_only=False,
+              sizes=None) -> Path:
+    from analysis.study_report import write_report
+    from train.config import check
+
+    out = Path(out)
+    runs = [(a, s) for s in range(seeds) for a in arms]  # seed-major: a cut-short study stays paired
+    for a, s in runs:
+        check(arm_config(base, a, s, steps))
+    out.mkdir(parents=True, exist_ok=True)
+    write_text(out / "study.json", json.dumps({"arms": list(arms), "seeds": seeds, "steps": steps,
+                                               "config": base.to_dict()}, indent=1))
+    refs = study_references(arm_config(base, "causal", 0, steps), out, log)
+    results, missing = [], []
+    for i, (a, s) in enumerate(runs):
+        workdir = out / a / f"seed{s}"
+        if report_only:
+            cache = workdir / "result.json"
+            res = json.loads(cache.read_text()) if cache.exists() else None
+            ok = res is not None and res.get("fingerprint") == fingerprint(arm_config(base, a, s, steps))
+            (results if ok else missing).append(res if ok else f"{a} seed {s}")
+            continue
+        log(f"[{i + 1}/{len(runs)}] {a} seed {s}")
+        results.append(train_one(arm_config(base, a, s, steps), a, workdir, log, run_fn, sizes))
+    if not results:
+        raise UserError(f"no finished runs in {out} for these settings; run without --report_only first")
+    return write_report(results, refs, out / "report", base, missing)
+
+
+def parser() -> ArgParser:
+    p = ArgParser(prog="python -m analysis.study", description=__doc__.splitlines()[0],
+                  epilog="any config key can be overridden with --config.KEY=VALUE (see python -m train --help)")
+    p.add_argument("--config", metavar="FILE", default=DEFAULT_CONFIG, help=f"study config (default {DEFAULT_CONFIG})")
+    p.add_argument("--arms", default=",".join(DEFAULT_ARMS),
+                   help=f"comma-separated arms from {','.join(ARMS)} (default {','.join(DEFAULT_ARMS)})")
+    p.add_argument("--seeds", type=int, default=4, help="paired seeds per arm (train.seed = 0 .. seeds-1)")
+    p.add_argument("--steps", type=int, default=None, help="training steps per run (default: train.steps)")
+    p.add_argument("--out", default="runs/study_masks", help="study directory (runs, references, report/)")
+    p.add_argument("--report_only", action="store_true", help="train nothing: report the finished runs")
+    p.add_argument("--probe_rows", default=f"{GAP_ROWS_PER_DOMAIN},{SHUFFLE_ROWS_PER_DOMAIN},{CHOICE_ROWS_PER_DOMAIN}",
+                   help="validation windows per domain for the input-replacement gap, the input-shuffle gap and "
+                        "continuation choice (default: the CPU round's)")
+    return p
+
+
+def parse_flags(argv):
+    config, _, rest = config_from_argv(list(argv[1:]), DEFAULT_CONFIG)
+    args = parser().parse_args(rest)
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    if not arms or any(a not in ARMS for a in arms) or len(set(arms)) != len(arms) or "causal" not in arms:
+        raise UserError(f"--arms takes distinct names from {','.join(ARMS)} including causal (the gate and every "
+                        f"contrast need it), got {args.arms!r}")
+    if args.seeds < 2:
+        raise UserError(f"--seeds must be at least 2 (paired intervals need two pairs), got {args.seeds}")
+    steps = args.steps if args.steps is not None else int(config.train.steps)
+    if steps < 1:
+        raise UserError(f"--steps must be a positive integer, got {steps}")
+    if config.data.task != "prefix":
+        raise UserError("the study needs input->output rows: set --config.data.task=prefix")
+    try:
+        sizes = tuple(int(x) for x in args.probe_rows.split(","))
+    except ValueError:
+        sizes = ()
+    if len(sizes) != 3 or min(sizes) < 2:
+        raise UserError(f"--probe_rows takes three integers >= 2 (gap,shuffle,choice), got {args.probe_rows!r}")
+    return config, arms, args.seeds, steps, args.out, args.report_only, sizes
+
+
+def main(argv=None):
+    from moe import ConfigError
+
+    argv = sys.argv if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv[1:]):
+        parser().print_help()
+        raise SystemExit(0)
+    try:
+        config, arms, seeds, steps, out, report_only, sizes = parse_flags(argv)
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", str((Path(out) / ".jax_cache").absolute()))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        report = run_study(config, arms, seeds, steps, out, report_only=report_only, sizes=sizes)
+    except (UserError, ConfigError) as e:
+        exit_with(e)
+    except Interrupted as e:
+        exit_with(UserError(f"{e}; re-run the same command to resume the study"), 130)
+    except KeyboardInterrupt:
+        exit_with(UserError("interrupted; re-run the same command to resume the study"), 130)
+    except OSError as e:
+        exit_with(os_error(e))
+    print(f"wrote {report}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""moe/encdec.py: the encoder sees the whole source, the decoder is causal, padding is invisible, and the
+parameter count is the decoder-only model's plus an encoder and cross-attention."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from moe import ModelConfig, Transformer
+from moe.encdec import EncoderDecoder, n_params
+from tests.model_fixtures import TINY
+
+B, S, T = 2, 7, 6
+
+
+@functools.cache
+def model_and_fwd():
+    model = EncoderDecoder(ModelConfig(**TINY), nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def fwd(src, tgt, sseg, tseg):
+        return nnx.merge(graphdef, state)(src, tgt, src_segment_ids_BxS=sseg, tgt_segment_ids_BxT=tseg)[0]
+
+    return model, fwd
+
+
+def inputs(seed=0):
+    rng = np.random.default_rng(seed)
+    src = jnp.asarray(rng.integers(3, TINY["vocab_size"], (B, S)), jnp.int32)
+    tgt = jnp.asarray(rng.integers(3, TINY["vocab_size"], (B, T)), jnp.int32)
+    sseg = jnp.asarray([[1] * S, [1] * (S - 2) + [0, 0]], jnp.int32)  # row 1: 2 padded source tokens
+    tseg = jnp.ones((B, T), jnp.int32)
+    return src, tgt, sseg, tseg
+
+
+@pytest.mark.slow  # compiles the tiny encoder-decoder (~40 s on the shared CPU; shared with the next test)
+def test_decoder_is_causal():
+    _, fwd = model_and_fwd()
+    src, tgt, sseg, tseg = inputs()
+    base = fwd(src, tgt, sseg, tseg)
+    j = 3
+    changed = fwd(src, tgt.at[:, j].set((tgt[:, j] + 1) % TINY["vocab_size"]), sseg, tseg)
+    np.testing.assert_allclose(changed[:, :j], base[:, :j], atol=1e-6)
+    assert np.abs(np.asarray(changed[:, j:] - base[:, j:])).max() > 1e-4
+
+
+@pytest.mark.slow
+def test_every_target_position_sees_the_whole_source_but_not_its_padding():
+    _, fwd = model_and_fwd()
+    src, tgt, sseg, tseg = inputs()
+    base = fwd(src, tgt, sseg, tseg)
+    last = fwd(src.at[0, S - 1].set((src[0, S - 1] + 1) % TINY["vocab_size"]), tgt, sseg, tseg)
+    # the LAST source token changes the FIRST target position's logits: the encoder is not causal
+    assert np.abs(np.asarray(last[0, 0] - base[0, 0])).max() > 1e-5
+    np.testing.assert_allclose(last[1], base[1], atol=1e-6)  # rows are independent
+    padded = fwd(src.at[1, S - 1].set(5), tgt, sseg, tseg)  # row 1's last source token is padding
+    np.testing.assert_allclose(padded, base, atol=1e-6)
+
+
+def test_parameter_count_is_decoder_only_plus_encoder_and_cross_attention():
+    cfg = ModelConfig(**TINY)
+    model, _ = model_and_fwd()
+    dec_only = n_params(Transformer(cfg, nnx.Rngs(0)))
+    D, H, N, Dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    cross = cfg.n_layers * (D * Dh * (2 * H + 2 * N) + D)  # weights + its norm
+    blocks = dec_only - 2 * cfg.vocab_size * D - D  # the decoder-only model's blocks
+    assert n_params(model) == dec_only + cross + blocks + D  # + the encoder's final norm
+
+
+def test_decoder_ignores_cfg_mask():
+    cfg = ModelConfig(**{**TINY, "mask": "prefix"})
+    assert EncoderDecoder(cfg, nnx.Rngs(0), n_encoder_layers=1).cfg.mask == "causal"

@@ -1,0 +1,218 @@
+"""The mask study's runner and report pieces on tiny, synthetic inputs: n-gram references on the scored targets,
+the gate and verdict logic, the report (files, "not interpretable" when the gate fails), the runner's flags."""
+
+import json
+
+import numpy as np
+import pytest
+
+from analysis import study, study_report, study_stats, study_verdicts
+from analysis.study_refs import references, scored_pairs
+from train.data.packing import TokenCache, prefix_rows
+
+
+@pytest.fixture(scope="module")
+def rows():
+    lengths = [12, 5, 30, 9, 7, 20]
+    toks = (np.arange(sum(lengths)) * 7 % 50 + 3).astype(np.uint16)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    cache = TokenCache(toks, offsets, np.array([0, 0, 0, 1, 1, 1], np.int32), ("a", "b"))
+    return prefix_rows(cache, 16, seed=0, start=0, count=6, prefix_frac=0.5)
+
+
+def test_pair_references_equal_stream_references():
+    rng = np.random.default_rng(0)
+    train, val = rng.integers(0, 20, 3000), rng.integers(0, 20, 400)
+    a = study_stats.ngram_references(train, val, 20)
+    b = study_stats.ngram_pair_references(train, val[:-1], val[1:], 20)
+    assert a["bigram"] == pytest.approx(b["bigram"]) and a["bigram_lambda"] == b["bigram_lambda"]
+    # the unigram of the stream scores val[1:] and val[0] too: close, not equal
+    assert a["unigram"] == pytest.approx(b["unigram"], abs=0.05)
+
+
+def test_scored_pairs_are_exactly_the_loss_masked_targets(rows):
+    prev, nxt, dom = scored_pairs(rows)
+    assert len(nxt) == int(rows["loss_mask"].sum())
+    b, i = np.nonzero(rows["loss_mask"])
+    np.testing.assert_array_equal(prev, rows["tokens"][b, i])
+    np.testing.assert_array_equal(nxt, rows["targets"][b, i])
+    assert set(dom.tolist()) == {0, 1}
+
+
+def test_references_per_domain_average_to_the_total(rows):
+    train = (np.arange(5000) * 7 % 50 + 3).astype(np.int64)  # the same periodic text: a bigram predicts it
+    refs = references(train, rows, 64, ("a", "b"))
+    assert refs["bigram"] < refs["unigram"] - 1.0
+    _, _, dom = scored_pairs(rows)
+    w = np.bincount(dom) / len(dom)
+    avg = sum(w[d] * refs["by_domain"][n]["bigram"] for d, n in enumerate(("a", "b")))
+    assert avg == pytest.approx(refs["bigram"], rel=1e-9)
+
+
+def test_paired_t_p_at_the_tables_critical_value():
+    # mean / (sd / sqrt(3)) = 4.303 is the two-sided 5% critical t for df = 2
+    d = np.array([-1.0, 0.0, 1.0]) + 4.302653 / np.sqrt(3)
+    assert study_stats.paired_t_p(d) == pytest.approx(0.05, abs=1e-4)
+    assert study_stats.paired_t_p([0.1, -0.1, 0.2, -0.2]) > 0.9
+
+
+def fake_result(arm, seed, loss, gap=0.3, acc=0.5):
+    return {"arm": arm, "seed": seed, "val_loss": loss, "input_replacement_gap": gap, "input_shuffle_gap": 0.05,
+            "choice_accuracy": acc, "choice_chance": 0.25, "choice_n": 8, "train_seconds": 1.0, "steps": 10,
+            "tokens_seen": 100, "val_curve": [(5, loss + 0.5), (10, loss)],
+            "val_loss_by_domain": {"a": loss - 0.1, "b": loss + 0.1}}
+
+
+REFS = {"unigram": 6.0, "bigram": 5.0, "bigram_lambda": 0.5,
+        "by_domain": {"a": {"unigram": 6.1, "bigram": 4.9}, "b": {"unigram": 5.9, "bigram": 5.1}}}
+OFFSETS = [0.01, -0.012, 0.004, -0.003]
+
+
+def results(causal=4.5, gap=0.3, prefix_shift=-0.2, mixed_shift=0.0):
+    out = []
+    for s, o in enumerate(OFFSETS):
+        out += [fake_result("causal", s, causal + o, gap), fake_result("prefix", s, causal + o + prefix_shift + o / 5, gap),
+                fake_result("mixed", s, causal + o + mixed_shift + o / 5, gap)]
+    return out
+
+
+def test_verdicts_better_equivalent_and_gate():
+    groups = study_verdicts.by_arm(results())
+    g = study_verdicts.study_gate(groups, REFS)
+    assert g["passed"] and all(g["per_seed"].values())
+    rows = {r["arm"]: r for r in study_verdicts.contrasts(groups, g["passed"])}
+    assert rows["prefix"]["verdict"] == "prefix better" and rows["prefix"]["wins"] == 4
+    assert rows["mixed"]["verdict"] == "equivalent"
+    assert rows["prefix"]["p_holm"] >= rows["prefix"]["p"]
+    # the causal model barely beats the bigram: nothing is interpreted, however clear the differences
+    groups = study_verdicts.by_arm(results(causal=4.9))
+    g = study_verdicts.study_gate(groups, REFS)
+    assert not g["passed"]
+    assert {r["verdict"] for r in study_verdicts.contrasts(groups, g["passed"])} == {"not interpretable"}
+    # it beats the bigram but ignores its input
+    g = study_verdicts.study_gate(study_verdicts.by_arm(results(gap=0.05)), REFS)
+    assert not g["passed"] and g["beats_bigram_by"] > 0.3
+
+
+def test_noisy_small_difference_is_inconclusive():
+    rs = [fake_result("causal", s, 4.5) for s in range(4)]
+    rs += [fake_result("prefix", s, 4.5 + d) for s, d in enumerate([0.05, -0.04, 0.03, -0.01])]
+    (row,) = study_verdicts.contrasts(study_verdicts.by_arm(rs), True)
+    assert row["verdict"] == "inconclusive" and not row["equivalent"]
+
+
+def test_report_files_and_gate_wording(tmp_path):
+    base = {"model": {"d_model": 8, "n_layers": 2, "first_k_dense": 1, "n_heads": 2, "n_kv_heads": 1,
+                      "head_dim": 4, "n_routed_experts": 4, "top_k": 2, "n_shared_experts": 1, "vocab_size": 64},
+            "data": {"tokenizer": "", "name": "x", "seq_len": 16, "prefix_frac": 0.5},
+            "train": {"batch_size": 2, "lr": 1e-3, "warmup_steps": 1, "schedule": "cosine"},
+            "eval": {"every": 5, "rows_per_domain": 2}}
+    path = study_report.write_report(results(causal=4.9), REFS, tmp_path / "r", base)
+    text = path.read_text()
+    assert "**not interpretable**" in text and "prefix better" not in text
+    for png in ("val_curves", "paired_loss", "domains", "probes"):
+        assert (tmp_path / "r" / f"{png}.png").stat().st_size > 1000
+    text = study_report.write_report(results(), REFS, tmp_path / "r2", base).read_text()
+    assert "**interpretable**" in text and "**prefix better**" in text
+
+
+def test_report_cli_from_a_study_directory(tmp_path, capsys):
+    out = tmp_path / "study"
+    for r in results()[:6]:
+        (out / r["arm"] / f"seed{r['seed']}").mkdir(parents=True)
+        (out / r["arm"] / f"seed{r['seed']}" / "result.json").write_text(json.dumps(r))
+    (out / "references.json").write_text(json.dumps(REFS))
+    base = {"model": {"d_model": 8, "n_layers": 2, "first_k_dense": 1, "n_heads": 2, "n_kv_heads": 1,
+                      "head_dim": 4, "n_routed_experts": 4, "top_k": 2, "n_shared_experts": 1, "vocab_size": 64},
+            "data": {"tokenizer": "", "name": "x", "seq_len": 16, "prefix_frac": 0.5},
+            "train": {"batch_size": 2, "lr": 1e-3, "warmup_steps": 1, "schedule": "cosine"},
+            "eval": {"every": 5, "rows_per_domain": 2}}
+    (out / "study.json").write_text(json.dumps({"arms": ["causal", "prefix", "mixed"], "seeds": 4, "config": base}))
+    study_report.main(["--out", str(out)])
+    text = (out / "report" / "report.md").read_text()
+    assert "Partial study" in text and "mixed seed 3" in text
+    with pytest.raises(SystemExit) as e:
+        study_report.main(["--out", str(tmp_path / "nothing")])
+    assert e.value.code == 2 and "not a study directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,msg", [(["--arms", "prefix,mixed"], "including causal"),
+                                       (["--arms", "causal,bidirectional"], "--arms"),
+                                       (["--seeds", "1"], "--seeds"), (["--steps", "0"], "--steps"),
+                                       (["--probe_rows", "4,4"], "--probe_rows")])
+def test_bad_flags_are_one_line_errors(flags, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        study.main(["prog", *flags])
+    assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_arm_configs_differ_only_in_mask_and_loss():
+    from configs.study_masks import get_config
+
+    base = get_config()
+    cs = {a: study.arm_config(base, a, 1, 7).to_dict() for a in study.ARMS}
+    assert not cs["prefix_nope"]["model"]["rope"] and cs["prefix"]["model"]["rope"]
+    assert cs["causal_all"]["train"]["prefix_loss"] and cs["causal_all"]["model"]["mask"] == "causal"
+    for a, c in cs.items():
+        c["model"].pop("mask")
+        c["train"].pop("prefix_loss")
+        c["model"].pop("rope")
+        assert c == cs["causal"], a
+
+
+def test_first_rows_per_domain(rows):
+    sub = study.first_rows_per_domain(rows, 2)
+    assert sub["domains"][:, 0].tolist() == [0, 0, 1, 1]
+
+
+def test_token_weighted_equals_the_pooled_loss(rows):
+    rng = np.random.default_rng(0)
+    ce_BxL = rng.random(rows["loss_mask"].shape) * rows["loss_mask"]
+    n = rows["loss_mask"].sum(-1)
+    loss, by_dom = study.token_weighted(ce_BxL.sum(-1) / n, rows)
+    assert loss == pytest.approx(ce_BxL.sum() / n.sum())
+    d0 = rows["domains"][:, 0] == 0
+    assert by_dom[0] == pytest.approx(ce_BxL[d0].sum() / n[d0].sum())
+
+
+@pytest.mark.slow  # trains 2 arms x 2 seeds of the tiny model for 2 steps, probes every validation window
+def test_study_end_to_end_and_cached(tmp_path):
+    from tests.conftest import tiny_config
+
+    base = tiny_config(**{"data.task": "prefix", "data.windows": True, "data.tokenizer": "tokenizer_1k.json",
+                          "model.vocab_size": 1024, "data.seq_len": 32, "eval.every": 1, "eval.output_only": True,
+                          "eval.rows_per_domain": 2, "checkpoint.every": 100})
+    logs = []
+    report = study.run_study(base, ["causal", "causal_all"], 2, 2, tmp_path, log=lambda m: (print(m), logs.append(m)),
+                             sizes=(2, 2, 2))
+    text = report.read_text()
+    assert "not interpretable" in text  # 2 steps cannot beat a bigram
+    r = json.loads((tmp_path / "causal_all" / "seed1" / "result.json").read_text())
+    assert r["prefix_loss"] and r["n_val_rows"] > 9 * 2 and [s for s, _ in r["val_curve"]] == [1, 2]
+    assert 0 <= r["choice_accuracy"] <= 1 and r["n_gap_rows"] == 18
+    logs.clear()
+    study.run_study(base, ["causal", "causal_all"], 2, 2, tmp_path, log=logs.append, sizes=(2, 2, 2))
+    assert sum("cached" in line for line in logs) == 4
+
+
+@pytest.mark.slow  # compiles the tiny NoPE model twice (~30 s each on the shared CPU)
+@pytest.mark.parametrize("mask,invariant", [("prefix", True), ("causal", False)])
+def test_nope_prefix_lm_is_exactly_invariant_to_shuffling_its_input(mask, invariant, rows):
+    """Item 7: without positions, bidirectional attention over the input is permutation-equivariant, so the loss of
+    every output token predicted from an output position cannot depend on the input's order; a causal model's can.
+    (The first output token is predicted from the last input position, whose token the shuffle changes.)"""
+    from analysis.study_probes import row_losses, shuffle_inputs
+    from tests.model_fixtures import tiny_model
+
+    def after_first(r):
+        r = dict(r, loss_mask=r["loss_mask"].copy())
+        r["loss_mask"][np.arange(len(r["prefix_len"])), r["prefix_len"] - 1] = 0.0
+        return r
+
+    model = tiny_model(mask=mask, rope=False)
+    own = row_losses(model, after_first(rows), 8)
+    shuffled = row_losses(model, after_first(shuffle_inputs(rows, seed=3)), 8)
+    if invariant:
+        np.testing.assert_allclose(shuffled, own, rtol=2e-5, atol=2e-5)
+    else:
+        assert np.nanmax(np.abs(shuffled - own)) > 1e-4
