@@ -169,6 +169,10 @@ class MLP(nnx.Module):
 
     def __call__(self, x_BxLxD, ex: Execution):
         dt = x_BxLxD.dtype
-        h_BxLxF = jax.nn.silu(x_BxLxD @ self.w_gate.value.astype(dt)) * (x_BxLxD @ self.w_up.value.astype(dt))
-        h_BxLxF = ex.constrain(h_BxLxF, ("batch", "length", "act_mlp"))
-        return h_BxLxF @ self.w_down.value.astype(dt)
+        B, L, D = x_BxLxD.shape
+        # 2-D matmuls over all B*L rows: XLA:CPU runs the backward of the 3-D form (weight gradients contracted
+        # over b and l) ~3x slower (docs/performance.md); the same math on every backend.
+        x_NxD = x_BxLxD.reshape(B * L, D)
+        h_NxF = jax.nn.silu(x_NxD @ self.w_gate.value.astype(dt)) * (x_NxD @ self.w_up.value.astype(dt))
+        h_BxLxF = ex.constrain(h_NxF.reshape(B, L, -1), ("batch", "length", "act_mlp"))
+        return (h_BxLxF.reshape(B * L, -1) @ self.w_down.value.astype(dt)).reshape(B, L, D)
