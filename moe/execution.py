@@ -75,14 +75,6 @@ class Execution:
             return x
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, logical_to_spec(names, self.rules)))
 
-    def xla_partitioned_grouped(self) -> str:
-        """The grouped matmul for `dropless`, which XLA partitions over the mesh. `slab` (a lax.switch around a
-        custom VJP) computes wrong values under XLA's automatic partitioning on XLA:CPU (tests/test_sharding.py),
-        so on a multi-device mesh `auto` takes `blocked` there (an explicit `slab` is refused by validate)."""
-        if self.grouped_matmul == "auto" and _multi_device(self.mesh) and jax.default_backend() == "cpu":
-            return "blocked"
-        return self.grouped_matmul
-
     @property
     def expert_shards(self) -> int:
         return self.mesh.shape["expert"] if self.mesh is not None else 1
@@ -91,10 +83,6 @@ class Execution:
     def token_shards(self) -> int:
         """Devices the tokens are split over in expert parallelism (data * fsdp * expert)."""
         return 1 if self.mesh is None else token_shards(self.mesh)
-
-
-def _multi_device(mesh) -> bool:
-    return mesh is not None and mesh.size > 1
 
 
 def execution_fields() -> dict:
@@ -125,9 +113,6 @@ def validate(ex: Execution) -> None:
                                "attention_impl=xla")
     if not isinstance(ex.remat, bool):
         fail("remat", f"must be true or false, got {ex.remat!r}")
-    if ex.dispatch == "dropless" and ex.grouped_matmul == "slab" and _multi_device(ex.mesh):
-        fail("grouped_matmul", "slab is wrong under XLA's automatic partitioning (dispatch=dropless on a mesh of "
-                               "several devices); use auto or blocked, or dispatch=expert_parallel_dropless")
     if ex.dispatch in EXPERT_PARALLEL and ex.mesh is not None and "expert" not in ex.mesh.shape:
         fail("dispatch", f"{ex.dispatch} needs a mesh with an 'expert' axis, got axes {tuple(ex.mesh.shape)}")
 

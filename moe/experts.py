@@ -109,15 +109,20 @@ def grouped_swiglu_for(grouped_matmul: str = "auto"):
     return GROUPED_SWIGLU[grouped_matmul]
 
 
-def dropless(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, grouped="auto"):
+def dropless(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, grouped="auto",
+             constrain=lambda a, names: a):
     """Sort the T*K token copies by expert and run each expert on exactly its tokens (no capacity, no drops).
-    grouped: a `grouped_swiglu_for` name, or the grouped SwiGLU function itself."""
+    grouped: a `grouped_swiglu_for` name, or the grouped SwiGLU function itself. constrain: `Execution.constrain`
+    when XLA partitions this over a mesh."""
     T, K = ids_TxK.shape
     E = w_gate_ExDxF.shape[0]
     flat_ids_N = ids_TxK.reshape(-1)  # N = T*K token copies
     order_N = jnp.argsort(flat_ids_N, stable=True)
     x_NxD = jnp.take(x_TxD, order_N // K, axis=0)
-    group_sizes_E = jnp.bincount(flat_ids_N, length=E).astype(jnp.int32)
+    # Every device needs every group size. Left to XLA's sharding propagation they may come out split along
+    # `expert` (like the weights they index), and XLA:CPU then partitioned the padded-block fallback inside slab's
+    # lax.switch wrongly (the last expert's rows came out 0; tests/test_sharding.py): pinned replicated.
+    group_sizes_E = constrain(jnp.bincount(flat_ids_N, length=E).astype(jnp.int32), (None,))
     grouped_fn = grouped if callable(grouped) else grouped_swiglu_for(grouped)
     y_sorted_NxD = grouped_fn(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
     # Undo the sort with a gather by the inverse permutation (its transpose is a scatter-add, cheap in bwd); the

@@ -36,8 +36,8 @@ def routed_experts(ex: Execution, x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_dow
         return y_TxD, keep_TxK if cf is not None else None
     if ex.dispatch == "reference":
         return experts.reference(x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_down), None
-    return experts.dropless(x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_down,
-                            grouped=ex.xla_partitioned_grouped()), None
+    return experts.dropless(x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_down, grouped=ex.grouped_matmul,
+                            constrain=ex.constrain), None
 
 
 class RoutingBias(nnx.Variable):

@@ -2,7 +2,6 @@
 
 import dataclasses
 
-import jax
 import pytest
 
 from configs.base import base_config
@@ -66,11 +65,6 @@ def test_execution_checks_against_the_model():
     with pytest.raises(ConfigError, match="data\\*fsdp\\*expert = 8"):
         check_tokens(Execution(dispatch="expert_parallel_dropless", mesh=mesh), 12)
     check_tokens(Execution(dispatch="dropless", mesh=mesh), 12)  # the auto-sharded path takes any count
-    with pytest.raises(ConfigError, match="execution.grouped_matmul: slab"):
-        Execution(dispatch="dropless", grouped_matmul="slab", mesh=mesh)
-    one = sharding.make_mesh(1, 1, 1, 1, devices=jax.devices()[:1])
-    assert Execution(grouped_matmul="slab", mesh=one).xla_partitioned_grouped() == "slab"
-    assert Execution(mesh=mesh).xla_partitioned_grouped() == ("blocked" if jax.default_backend() == "cpu" else "auto")
 
 
 def test_valid_default():

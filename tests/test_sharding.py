@@ -11,8 +11,9 @@ from moe import Execution, sharding
 from tests.model_fixtures import forward_fn, tiny_model
 
 
-@pytest.mark.parametrize("dispatch", ["dropless", "expert_parallel_dropless"])
-def test_sharded_forward_matches_single_device(dispatch):
+@pytest.mark.parametrize("dispatch,grouped", [("dropless", "slab"), ("dropless", "blocked"),
+                                              ("expert_parallel_dropless", "auto")])
+def test_sharded_forward_matches_single_device(dispatch, grouped):
     assert jax.device_count() == 8, "tests/conftest.py must set 8 fake CPU devices before jax is imported"
     mesh = sharding.make_mesh(2, 2, 2, 1)
     graphdef, state = nnx.split(tiny_model())
@@ -23,7 +24,9 @@ def test_sharded_forward_matches_single_device(dispatch):
     assert w.sharding.spec[0] == "expert"
     assert {s.data.shape[0] for s in w.addressable_shards} == {w.shape[0] // 2}
 
-    ex = Execution(dispatch=dispatch, mesh=mesh)
+    # slab: XLA partitions its lax.switch; its padded-block fallback runs in one of the tiny model's two MoE
+    # layers (groups of 32 and 52 copies for slabs of 32-48 rows), its slab branch in the other.
+    ex = Execution(dispatch=dispatch, grouped_matmul=grouped, mesh=mesh)
 
     @jax.jit
     def fwd(state, tokens):
