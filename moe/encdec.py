@@ -104,12 +104,14 @@ class EncoderDecoder(nnx.Module):
     def __call__(self, src_BxS, tgt_BxT, *, src_segment_ids_BxS=None, tgt_segment_ids_BxT=None,
                  execution: Execution = DEFAULT_EXECUTION):
         """Logits [B,T,V] (fp32) for the next target token at every target position, and the aux dict of
-        moe.Transformer (balance_loss unweighted, expert_load over the encoder's then the decoder's MoE layers)."""
+        moe.Transformer (balance_loss unweighted; expert_load and dropped_frac over the decoder's then the
+        encoder's MoE layers)."""
         ex = execution
         cfg, dt = self.cfg, jnp.dtype(ex.dtype)
         B, T = tgt_BxT.shape
         S = src_BxS.shape[1]
-        mem, routing = self.encode(src_BxS, src_segment_ids_BxS, ex)
+        mem, enc_routing = self.encode(src_BxS, src_segment_ids_BxS, ex)
+        routing = []
         tseg = jnp.ones((B, T), jnp.int32) if tgt_segment_ids_BxT is None else tgt_segment_ids_BxT
         sseg = jnp.ones((B, S), jnp.int32) if src_segment_ids_BxS is None else src_segment_ids_BxS
         idx = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -121,9 +123,13 @@ class EncoderDecoder(nnx.Module):
             routing += [r] if r is not None else []
         logits = jnp.einsum("btd,dv->btv", self.final_norm(x), self.lm_head[...].astype(dt),
                             preferred_element_type=jnp.float32)
+        # Decoder layers first: the order of the model's RoutingBias leaves (nnx orders attributes by name), which
+        # the train step pairs with these rows to update each layer's bias from its own load.
+        routing += enc_routing
         E = cfg.n_routed_experts
         aux = {"balance_loss": sum((r["balance_loss"] for r in routing), jnp.float32(0)),
-               "expert_load": jnp.stack([r["load"] for r in routing]) if routing else jnp.zeros((0, E))}
+               "expert_load": jnp.stack([r["load"] for r in routing]) if routing else jnp.zeros((0, E)),
+               "dropped_frac": jnp.stack([r["dropped_frac"] for r in routing]) if routing else jnp.zeros((0,))}
         return logits, aux
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moe import ModelConfig, Transformer
+from moe import ModelConfig, RoutingBias, Transformer
 from moe.encdec import EncoderDecoder, n_params
 from tests.model_fixtures import TINY
 
@@ -74,3 +74,20 @@ def test_parameter_count_is_decoder_only_plus_encoder_and_cross_attention():
 def test_decoder_ignores_cfg_mask():
     cfg = ModelConfig(**{**TINY, "mask": "prefix"})
     assert EncoderDecoder(cfg, nnx.Rngs(0), n_encoder_layers=1).cfg.mask == "causal"
+
+
+@pytest.mark.slow  # compiles a second tiny encoder-decoder
+def test_expert_load_rows_follow_the_routing_bias_leaves():
+    """The train step updates bias leaf i from load row i: rows must come in the leaves' order (decoder first)."""
+    cfg = ModelConfig(**{**TINY, "n_layers": 2, "first_k_dense": 0})
+    model = EncoderDecoder(cfg, nnx.Rngs(1), n_encoder_layers=3)
+    _, _, bias = nnx.split(model, nnx.Param, RoutingBias)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(bias)]
+    assert [p.split("'")[1] for p in paths] == ["decoder"] * 2 + ["encoder"] * 3
+    src, tgt, sseg, tseg = inputs()
+    tseg = tseg.at[1, T - 2:].set(0)  # 10 valid target tokens against 12 valid source tokens
+    _, aux = model(src, tgt, src_segment_ids_BxS=sseg, tgt_segment_ids_BxT=tseg)
+    per_row = np.asarray(aux["expert_load"]).sum(-1)  # every valid token's top-k choices
+    K = cfg.top_k
+    np.testing.assert_allclose(per_row, [int(tseg.sum()) * K] * 2 + [int(sseg.sum()) * K] * 3)
+    assert aux["dropped_frac"].shape == (5,)

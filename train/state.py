@@ -22,18 +22,19 @@ def merge_model(graphdef, params, bias) -> Transformer:
     return nnx.merge(graphdef, params, bias)
 
 
-def abstract_model(mcfg) -> Transformer:
-    return nnx.eval_shape(lambda: Transformer(mcfg, nnx.Rngs(0)))
+def abstract_model(mcfg, build=Transformer) -> Transformer:
+    return nnx.eval_shape(lambda: build(mcfg, nnx.Rngs(0)))
 
 
-def init_state(mcfg, tx, seed: int, mesh):
-    """(graphdef, state, shardings): the state is initialized under jit straight into its shardings."""
+def init_state(mcfg, tx, seed: int, mesh, build=Transformer):
+    """(graphdef, state, shardings): the state is initialized under jit straight into its shardings.
+    build(mcfg, rngs): the model class (the 2x2 study also builds moe.encdec.EncoderDecoder here)."""
 
     def init():
-        graphdef, params, bias = split_model(Transformer(mcfg, nnx.Rngs(seed)))
+        graphdef, params, bias = split_model(build(mcfg, nnx.Rngs(seed)))
         return {"params": params, "bias": bias, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
-    graphdef = split_model(abstract_model(mcfg))[0]
+    graphdef = split_model(abstract_model(mcfg, build))[0]
     abstract = jax.eval_shape(init)
     shardings = state_shardings(abstract, mesh)
     check_divisible(abstract, shardings)

@@ -26,14 +26,16 @@ def _micro_batches(batch, n: int):
     return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1), batch)
 
 
-def make_train_step(graphdef, tx, lr_schedule, t, ex: Execution):
+def make_train_step(graphdef, tx, lr_schedule, t, ex: Execution, forward_fn=forward):
+    """forward_fn(graphdef, params, bias, batch, ex) -> (masked ce [B, T], aux): `forward` for the decoder-only
+    model; analysis.encdec_task.forward for the encoder-decoder of the 2x2 study, trained by this same step."""
     gamma_stop = int(t.bias_update_stop * t.steps)
 
     def train_step(state, batch):
         n_targets = jnp.maximum(batch["loss_mask"].sum(), 1.0)
 
         def loss_fn(params, bias, mb):
-            ce_BxL, aux = forward(graphdef, params, bias, mb, ex)
+            ce_BxL, aux = forward_fn(graphdef, params, bias, mb, ex)
             balance = t.balance_loss_weight * aux["balance_loss"]
             loss = ce_BxL.sum() / n_targets + balance / t.grad_accum
             return loss, (ce_BxL.sum(), balance, aux["expert_load"], aux["dropped_frac"])
@@ -77,9 +79,9 @@ def make_train_step(graphdef, tx, lr_schedule, t, ex: Execution):
     return train_step
 
 
-def make_eval_step(graphdef, n_domains: int, ex: Execution):
+def make_eval_step(graphdef, n_domains: int, ex: Execution, forward_fn=forward):
     def eval_step(state, batch):
-        ce_BxL, aux = forward(graphdef, state["params"], state["bias"], batch, ex)
+        ce_BxL, aux = forward_fn(graphdef, state["params"], state["bias"], batch, ex)
         mask_BxL = batch["loss_mask"]
         ids = batch["domains"].reshape(-1)
         return {

@@ -1,0 +1,307 @@
+"""Encoder-decoder vs decoder-only, 2x2 at P and 2P parameters (issue 14, item 8): is the encoder-decoder's edge
+on an input->output task only its extra parameters?
+
+    python -m analysis.encdec_study --out runs/encdec_study [--config configs/study_masks.py] [--seeds 2]
+        [--steps N] [--decoder_mask causal|prefix] [--report_only] [--config.KEY=VALUE ...]
+
+Cells, from the study config's model (L = model.n_layers, even; every layer MoE, model.first_k_dense = 0):
+  decoder_P    decoder-only, L layers                      decoder_2P   decoder-only, 2L layers
+  encdec_P     L/2 encoder + L/2 decoder layers            encdec_2P    L encoder + L decoder layers
+The decoder-only cells use --decoder_mask (causal: the GPT the page argues for; prefix: the non-causal decoder).
+The encoder-decoder (moe/encdec.py) is built from the same blocks; its cross-attention is its only extra weight.
+Every cell trains with the same step (train.step.make_train_step), optimizer, schedule and data order for a seed,
+on the same targets (analysis.encdec_task: the output half of every window), and is scored on every validation
+window; the input-replacement gap says whether it uses its input. Exact parameter counts go in the report.
+
+A run is minutes (no checkpoints): OUT/<cell>/seed<k>/result.json is written atomically when it ends, and a
+finished run is skipped when the same command runs again; a stopped run starts over. The report is
+OUT/report/report.md, with the mask study's gate (the decoder_P cell against the bigram reference).
+"""
+
+import copy
+import dataclasses
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from analysis import encdec_task
+from analysis.experiments import fingerprint
+from analysis.study import all_rows, first_rows_per_domain, study_references, token_weighted
+from analysis.study_probes import replace_inputs
+from analysis.study_stats import gate, holm, paired_t_interval, paired_t_p, sign_test
+from moe import ConfigError, Transformer
+from moe.encdec import EncoderDecoder, n_params
+from moe.sharding import make_mesh
+from rundir.atomic import write_text
+from train import optim, step
+from train.cli import ArgParser, config_from_argv
+from train.config import check, execution, model_config
+from train.errors import UserError, exit_with, os_error
+from train.inputs import sampler as make_sampler
+from train.inputs import task_cache
+from train.state import init_state
+
+DEFAULT_CONFIG = "configs/study_masks.py"
+CELLS = ("decoder_P", "decoder_2P", "encdec_P", "encdec_2P")
+# (name, a, b): a - b, negative = a has the lower loss. The question is the third: at equal parameters, and
+# against a decoder-only model with as many parameters as the larger encoder-decoder.
+CONTRASTS = (("encdec_P", "decoder_P"), ("encdec_2P", "decoder_2P"), ("encdec_P", "decoder_2P"),
+             ("decoder_2P", "decoder_P"), ("encdec_2P", "encdec_P"))
+GAP_ROWS_PER_DOMAIN = 24
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    name: str
+    encoder_layers: int  # 0: decoder-only; else model.n_layers is the decoder's depth
+
+
+def cell_config(base, cell: str, seed: int, steps: int, decoder_mask: str):
+    """(config, Cell) of one run: model.n_layers is the decoder-only depth, or the encoder-decoder's decoder
+    depth (its encoder has as many layers)."""
+    c = copy.deepcopy(base)
+    kind, scale = cell.split("_")
+    depth = int(base.model.n_layers) * (2 if scale == "2P" else 1)
+    c.model.n_layers = depth if kind == "decoder" else depth // 2
+    # Every layer MoE in every cell: with first_k_dense = 1 the encoder-decoder would have a dense layer per
+    # stack, i.e. fewer MoE layers and fewer parameters than the decoder-only model of the same depth.
+    c.model.first_k_dense = 0
+    c.model.mask = decoder_mask if kind == "decoder" else "causal"
+    c.train.seed, c.train.steps, c.train.prefix_loss = seed, steps, False
+    return c, Cell(cell, 0 if kind == "decoder" else depth // 2)
+
+
+def run_key(c, cell: Cell) -> str:
+    """Names a finished run: the config's fingerprint and the cell (the encoder is not a config key)."""
+    return f"{cell.name}/{cell.encoder_layers}/{fingerprint(c)}"
+
+
+def build_fn(c, cell: Cell):
+    """(build(mcfg, rngs), forward_fn, rows -> batch) of a cell."""
+    n_enc = cell.encoder_layers
+    if not n_enc:
+        return Transformer, step.forward, lambda rows: rows
+    S, T = encdec_task.lengths(int(c.data.seq_len), float(c.data.prefix_frac))
+    return (functools.partial(EncoderDecoder, n_encoder_layers=n_enc), encdec_task.forward,
+            lambda rows: encdec_task.encdec_rows(rows, S, T))
+
+
+def _counts(build, mcfg) -> dict:
+    model = nnx.eval_shape(lambda: build(mcfg, nnx.Rngs(0)))
+    total = n_params(model)
+    embed = 2 * mcfg.vocab_size * mcfg.d_model  # the embedding table and the LM head
+    return {"params": int(total), "params_non_embedding": int(total - embed)}
+
+
+def row_losses(loss_fn, state, to_batch, rows, batch_size: int) -> np.ndarray:
+    out = []
+    for i in range(0, len(rows["tokens"]), batch_size):
+        part = {k: v[i:i + batch_size] for k, v in rows.items()}
+        n = len(part["tokens"])
+        if n < batch_size:  # one compiled shape: pad with copies of the last row, dropped below
+            part = {k: np.concatenate([v, np.repeat(v[-1:], batch_size - n, 0)]) for k, v in part.items()}
+        out.append(np.asarray(loss_fn(state, to_batch(part)))[:n])
+    return np.concatenate(out)
+
+
+def train_cell(c, cell: Cell, log=print) -> dict:
+    """Train one cell from scratch and measure it: curves, final loss on every validation window, the gap."""
+    mcfg = model_config(c)
+    build, forward_fn, to_batch = build_fn(c, cell)
+    t = c.train
+    mesh = make_mesh(1, 1, 1, 1, devices=jax.devices()[:1])
+    ex = execution(c, mesh)
+    tx = optim.optimizer(t)
+    graphdef, state, _ = init_state(mcfg, tx, int(t.seed), mesh, build)
+    train_step = jax.jit(step.make_train_step(graphdef, tx, optim.schedule(t), t, ex, forward_fn),
+                         donate_argnums=0)
+    loss_fn = encdec_task.row_loss_fn(forward_fn, graphdef, ex)
+    sampler, _ = make_sampler(c)
+    val = all_rows(c)
+    curve_rows = first_rows_per_domain(val, int(c.eval.rows_per_domain))
+    eb = int(c.eval.batch_size)
+    curve, train_curve = [], []
+    t0 = time.perf_counter()
+    for i in range(int(t.steps)):
+        state, m = train_step(state, to_batch(sampler.batch(i, int(t.batch_size))))
+        done = i + 1
+        if done % int(c.log.every) == 0 or done == t.steps:
+            train_curve.append((done, float(m["loss"])))
+        if done % int(c.eval.every) == 0 or done == t.steps:
+            loss, _ = token_weighted(row_losses(loss_fn, state, to_batch, curve_rows, eb), curve_rows)
+            curve.append((done, loss))
+            log(f"  step {done}/{t.steps}: val loss {loss:.4f} ({time.perf_counter() - t0:.0f} s)")
+    seconds = time.perf_counter() - t0
+    rl = row_losses(loss_fn, state, to_batch, val, eb)
+    val_loss, by_dom = token_weighted(rl, val)
+    gap_rows = first_rows_per_domain(val, GAP_ROWS_PER_DOMAIN)
+    own = row_losses(loss_fn, state, to_batch, gap_rows, eb)
+    other = row_losses(loss_fn, state, to_batch, replace_inputs(gap_rows, seed=int(t.seed)), eb)
+    names = task_cache(c.data, c.data.eval_split).domain_names
+    return {"cell": cell.name, "seed": int(t.seed), "steps": int(t.steps), "key": run_key(c, cell),
+            "decoder_mask": None if cell.encoder_layers else c.model.mask,
+            "n_layers": int(c.model.n_layers), "encoder_layers": cell.encoder_layers,
+            **_counts(build, mcfg), "train_seconds": seconds,
+            "tokens_seen": int(t.steps * t.batch_size * c.data.seq_len),
+            "val_loss": val_loss, "val_loss_by_domain": {names[d]: v for d, v in by_dom.items()},
+            "input_replacement_gap": float(np.nanmean(other) - np.nanmean(own)),
+            "val_curve": curve, "train_curve": train_curve}
+
+
+def run_cell(c, cell: Cell, workdir: Path, log=print) -> dict:
+    cache = workdir / "result.json"
+    if cache.exists():
+        result = json.loads(cache.read_text())
+        if result.get("key") != run_key(c, cell):
+            raise UserError(f"{workdir} holds a finished run with a different config; use another --out")
+        log(f"{workdir}: cached (val/loss {result['val_loss']:.4f})")
+        return result
+    result = train_cell(c, cell, log)
+    workdir.mkdir(parents=True, exist_ok=True)
+    write_text(cache, json.dumps(result))
+    return result
+
+
+def contrast_rows(results) -> list[dict]:
+    by = {(r["cell"], r["seed"]): r["val_loss"] for r in results}
+    rows = []
+    for a, b in CONTRASTS:
+        seeds = sorted(s for (c, s) in by if c == a and (b, s) in by)
+        d = [by[(a, s)] - by[(b, s)] for s in seeds]
+        if len(d) < 2:
+            continue
+        mean, lo, hi = paired_t_interval(d)
+        rows.append({"contrast": f"{a} - {b}", "n": len(d), "mean": mean, "lo": lo, "hi": hi,
+                     "better": sum(x < 0 for x in d), "sign_p": sign_test(d), "t_p": paired_t_p(d)})
+    for r, p in zip(rows, holm([r["t_p"] for r in rows])):
+        r["holm_p"] = p
+    return rows
+
+
+def write_report(results, refs, out: Path, base, decoder_mask: str) -> Path:
+    base_cells = [r for r in results if r["cell"] == "decoder_P"]
+    g = gate(float(np.mean([r["val_loss"] for r in base_cells])), refs["bigram"],
+             float(np.mean([r["val_loss"] + r["input_replacement_gap"] for r in base_cells])))
+    lines = ["# Encoder-decoder vs decoder-only, 2x2 (issue 14, item 8)", "",
+             f"{len(results)} runs. Decoder-only cells use the {decoder_mask} mask. Model d_model "
+             f"{base.model.d_model}, {base.model.n_routed_experts} routed experts top-{base.model.top_k} + "
+             f"{base.model.n_shared_experts} shared; {base.data.seq_len}-token windows, input = first "
+             f"{base.data.prefix_frac:.0%}, loss on the output; batch {base.train.batch_size}, "
+             f"{results[0]['steps']} steps ({results[0]['tokens_seen']:,} tokens per run), lr {base.train.lr}.",
+             "", "## Gate (the mask study's, on decoder_P)", "",
+             "| quantity | value |", "|---|---|",
+             f"| bigram reference | {refs['bigram']:.4f} |",
+             f"| decoder_P val loss, mean over seeds | {np.mean([r['val_loss'] for r in base_cells]):.4f} |",
+             f"| beats bigram by | {g['beats_bigram_by']:+.4f} (need >= 0.3) |",
+             f"| input-replacement gap | {g['input_replacement_gap']:+.4f} (need >= 0.1) |",
+             f"| **verdict** | **{'interpretable' if g['passed'] else 'not interpretable'}** |", "",
+             "## Cells", "", "| cell | layers (enc + dec) | params (non-embedding) | val loss per seed | mean | "
+             "input-replacement gap | train s |", "|---|---|---|---|---|---|---|"]
+    for cell in CELLS:
+        rs = sorted((r for r in results if r["cell"] == cell), key=lambda r: r["seed"])
+        if not rs:
+            continue
+        r0, per_seed = rs[0], ", ".join(f"{r['val_loss']:.4f}" for r in rs)
+        lines.append(f"| {cell} | {r0['encoder_layers']} + {r0['n_layers']} | {r0['params']:,} "
+                     f"({r0['params_non_embedding']:,}) | {per_seed} | "
+                     f"{np.mean([r['val_loss'] for r in rs]):.4f} | "
+                     f"{np.mean([r['input_replacement_gap'] for r in rs]):+.4f} | "
+                     f"{np.mean([r['train_seconds'] for r in rs]):.0f} |")
+    lines += ["", "## Contrasts (validation loss, paired by seed; Holm over these contrasts)", "",
+              "Negative = the first cell has the lower loss. A difference is claimed only when the gate passes and "
+              "the Holm-adjusted paired t-test p < 0.05.", "",
+              "| contrast | mean [95% paired t-interval] | better / n | sign p | Holm p | verdict |",
+              "|---|---|---|---|---|---|"]
+    for r in contrast_rows(results):
+        verdict = ("not interpretable" if not g["passed"] else
+                   "difference" if r["holm_p"] < 0.05 else "inconclusive")
+        lines.append(f"| {r['contrast']} | {r['mean']:+.4f} [{r['lo']:+.4f}, {r['hi']:+.4f}] | {r['better']} / "
+                     f"{r['n']} | {r['sign_p']:.3f} | {r['holm_p']:.3f} | **{verdict}** |")
+    out.mkdir(parents=True, exist_ok=True)
+    write_text(out / "results.json", json.dumps({"results": results, "references": refs, "gate": g}, indent=1))
+    path = out / "report.md"
+    write_text(path, "\n".join(lines) + "\n")
+    return path
+
+
+def run_study(base, seeds: int, steps: int, out, decoder_mask: str, log=print, report_only=False) -> Path:
+    out = Path(out)
+    runs = [(cell, s) for s in range(seeds) for cell in CELLS]  # seed-major: a cut-short study stays paired
+    configs = {(cell, s): cell_config(base, cell, s, steps, decoder_mask) for cell, s in runs}
+    for c, _ in configs.values():
+        check(c)
+    out.mkdir(parents=True, exist_ok=True)
+    refs = study_references(cell_config(base, "decoder_P", 0, steps, "causal")[0], out, log)
+    results = []
+    for i, (cell, s) in enumerate(runs):
+        workdir = out / cell / f"seed{s}"
+        if report_only:
+            cache = workdir / "result.json"
+            res = json.loads(cache.read_text()) if cache.exists() else None
+            if res is not None and res.get("key") == run_key(*configs[(cell, s)]):
+                results.append(res)
+            continue
+        log(f"[{i + 1}/{len(runs)}] {cell} seed {s}")
+        results.append(run_cell(*configs[(cell, s)], workdir, log))
+    if not any(r["cell"] == "decoder_P" for r in results):
+        raise UserError(f"no finished decoder_P runs in {out} for these settings; run without --report_only first")
+    return write_report(results, refs, out / "report", base, decoder_mask)
+
+
+def parser() -> ArgParser:
+    p = ArgParser(prog="python -m analysis.encdec_study", description=__doc__.splitlines()[0],
+                  epilog="any config key can be overridden with --config.KEY=VALUE (see python -m train --help)")
+    p.add_argument("--config", metavar="FILE", default=DEFAULT_CONFIG, help=f"study config (default {DEFAULT_CONFIG})")
+    p.add_argument("--seeds", type=int, default=2, help="paired seeds per cell (train.seed = 0 .. seeds-1)")
+    p.add_argument("--steps", type=int, default=None, help="training steps per run (default: train.steps)")
+    p.add_argument("--decoder_mask", default="causal", help="the decoder-only cells' mask: causal or prefix")
+    p.add_argument("--out", default="runs/encdec_study", help="study directory (runs, references, report/)")
+    p.add_argument("--report_only", action="store_true", help="train nothing: report the finished runs")
+    return p
+
+
+def parse_flags(argv):
+    config, _, rest = config_from_argv(list(argv[1:]), DEFAULT_CONFIG)
+    args = parser().parse_args(rest)
+    if args.seeds < 2:
+        raise UserError(f"--seeds must be at least 2 (paired intervals need two pairs), got {args.seeds}")
+    steps = args.steps if args.steps is not None else int(config.train.steps)
+    if steps < 1:
+        raise UserError(f"--steps must be a positive integer, got {steps}")
+    if args.decoder_mask not in ("causal", "prefix"):
+        raise UserError(f"--decoder_mask takes causal or prefix, got {args.decoder_mask!r}")
+    if config.data.task != "prefix":
+        raise UserError("the 2x2 needs input->output rows: set --config.data.task=prefix")
+    if int(config.model.n_layers) % 2:
+        raise UserError(f"model.n_layers must be even (encdec_P splits it into encoder and decoder halves), got "
+                        f"{config.model.n_layers}")
+    return config, args
+
+
+def main(argv=None):
+    argv = sys.argv if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv[1:]):
+        parser().print_help()
+        raise SystemExit(0)
+    try:
+        config, args = parse_flags(argv)
+        steps = args.steps if args.steps is not None else int(config.train.steps)
+        report = run_study(config, args.seeds, steps, args.out, args.decoder_mask, report_only=args.report_only)
+    except (UserError, ConfigError) as e:
+        exit_with(e)
+    except KeyboardInterrupt:
+        exit_with(UserError("interrupted; re-run the same command to resume the study (finished runs are kept)"),
+                  130)
+    except OSError as e:
+        exit_with(os_error(e))
+    print(f"wrote {report}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""The study's input->output task for the encoder-decoder (moe/encdec.py), scored on exactly the decoder-only
+model's targets (issue 14, item 8).
+
+A prefix row (packing.prefix_rows) has n real tokens, the first p of them the input, and scores targets
+tokens[p .. n-1] at positions p-1 .. n-2, each from tokens[0 .. i]. Its encoder-decoder form:
+  source   tokens[0 : p]            (the input, padded to S)
+  decoder  tokens[p-1 : n-1]        (starts with the last input token, as a BOS that carries no new information)
+  targets  targets[p-1 : n-1]       (= tokens[p : n]: the same targets, in the same order)
+so decoder position j predicts tokens[p+j] from the whole input and tokens[p .. p+j-1]: the information a
+prefix-LM has at position p-1+j. Row losses and validation losses therefore compare token for token.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from train.data.tokenizer import PAD_ID
+from train.state import merge_model
+
+ROW_KEYS = ("src", "src_segment_ids", "tokens", "targets", "segment_ids", "loss_mask", "domains")
+
+
+def lengths(seq_len: int, prefix_frac: float) -> tuple[int, int]:
+    """(S, T): the source and decoder lengths that hold every prefix row of seq_len (prefix_rows takes
+    p = round(frac * n), clipped to [1, n-1], for n <= seq_len + 1 real tokens)."""
+    n = seq_len + 1
+    S = min(seq_len, math.ceil(prefix_frac * n + 0.5))
+    T = min(seq_len, math.ceil((1 - prefix_frac) * n + 0.5))
+    return S, T
+
+
+def encdec_rows(rows: dict, S: int, T: int) -> dict:
+    """Prefix rows (tokens, targets, segment_ids, loss_mask, prefix_len, domains; [B, L]) in encoder-decoder
+    form (ROW_KEYS; source [B, S], decoder [B, T]). Only the scored targets are kept: loss_mask decides, so a row
+    that trains on every token (train.prefix_loss) still scores the output here."""
+    B = len(rows["tokens"])
+    # n real tokens per row: positions with a real target are 0 .. n-2 (a row cut at seq_len holds its last
+    # token only as the last target)
+    end_B = ((rows["segment_ids"] > 0) & (rows["targets"] != PAD_ID)).sum(-1).astype(np.int64)
+    n_B = end_B + 1
+    p_B = rows["prefix_len"].astype(np.int64)
+    if (p_B > S).any() or (n_B - p_B > T).any():
+        raise ValueError(f"a row does not fit S={S}, T={T} (max input {p_B.max()}, max output {(n_B - p_B).max()})")
+    out = {"src": np.full((B, S), PAD_ID, np.int32), "src_segment_ids": np.zeros((B, S), np.int32),
+           "tokens": np.full((B, T), PAD_ID, np.int32), "targets": np.full((B, T), PAD_ID, np.int32),
+           "segment_ids": np.zeros((B, T), np.int32), "loss_mask": np.zeros((B, T), np.float32),
+           "domains": np.zeros((B, T), np.int32)}
+    for b in range(B):
+        p, n = int(p_B[b]), int(n_B[b])
+        out["src"][b, :p] = rows["tokens"][b, :p]
+        out["src_segment_ids"][b, :p] = 1
+        m = n - p  # decoder positions: rows' positions p-1 .. n-2
+        out["tokens"][b, :m] = rows["tokens"][b, p - 1:n - 1]
+        out["targets"][b, :m] = rows["targets"][b, p - 1:n - 1]
+        out["segment_ids"][b, :m] = 1
+        out["loss_mask"][b, :m] = rows["loss_mask"][b, p - 1:n - 1]
+        out["domains"][b, :m] = rows["domains"][b, p - 1:n - 1]
+    return out
+
+
+def forward(graphdef, params, bias, batch, ex):
+    """train.step's forward contract for the encoder-decoder: (masked ce [B, T], aux)."""
+    model = merge_model(graphdef, params, bias)
+    logits, aux = model(batch["src"], batch["tokens"], src_segment_ids_BxS=batch["src_segment_ids"],
+                        tgt_segment_ids_BxT=batch["segment_ids"], execution=ex)
+    ce_BxT = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    return ce_BxT * batch["loss_mask"], aux
+
+
+def row_loss_fn(forward_fn, graphdef, ex):
+    """jitted (state, batch) -> per-row mean scored cross-entropy [B] (nan for a row with no scored token)."""
+
+    @jax.jit
+    def losses(state, batch):
+        ce_BxT, _ = forward_fn(graphdef, state["params"], state["bias"], batch, ex)
+        n_B = batch["loss_mask"].sum(-1)
+        return jnp.where(n_B > 0, ce_BxT.sum(-1) / jnp.maximum(n_B, 1), jnp.nan)
+
+    return losses
