@@ -278,6 +278,9 @@ def parse_flags(argv):
         raise UserError(f"--decoder_mask takes causal or prefix, got {args.decoder_mask!r}")
     if config.data.task != "prefix":
         raise UserError("the 2x2 needs input->output rows: set --config.data.task=prefix")
+    if config.model.tie_embeddings:
+        raise UserError("model.tie_embeddings is not supported by the encoder-decoder (it has its own LM head); "
+                        "run the 2x2 with --config.model.tie_embeddings=false")
     if int(config.model.n_layers) % 2:
         raise UserError(f"model.n_layers must be even (encdec_P splits it into encoder and decoder halves), got "
                         f"{config.model.n_layers}")

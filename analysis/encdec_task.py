@@ -50,6 +50,8 @@ def encdec_rows(rows: dict, S: int, T: int) -> dict:
            "domains": np.zeros((B, T), np.int32)}
     for b in range(B):
         p, n = int(p_B[b]), int(n_B[b])
+        if p < 1 or n - p < 1:  # an empty document (prefix_rows gives it no input and no scored target)
+            continue
         out["src"][b, :p] = rows["tokens"][b, :p]
         out["src_segment_ids"][b, :p] = 1
         m = n - p  # decoder positions: rows' positions p-1 .. n-2

@@ -71,7 +71,8 @@ def test_cells_have_the_stated_depths():
 
 @pytest.mark.parametrize("flags,msg", [(["--seeds", "1"], "--seeds must be at least 2"),
                                        (["--decoder_mask", "mixed"], "--decoder_mask takes causal or prefix"),
-                                       (["--config.model.n_layers=3"], "model.n_layers must be even")])
+                                       (["--config.model.n_layers=3"], "model.n_layers must be even"),
+                                       (["--config.model.tie_embeddings=true"], "tie_embeddings is not supported")])
 def test_bad_flags_are_one_line_errors(flags, msg, capsys):
     with pytest.raises(SystemExit) as e:
         encdec_study.main(["prog", "--config", "configs/tiny.py", "--config.data.task=prefix", *flags])
