@@ -33,6 +33,7 @@ from flax import nnx
 from analysis import encdec_task
 from analysis.experiments import fingerprint
 from analysis.study import all_rows, first_rows_per_domain, study_references, token_weighted
+from analysis.study_cli import seeds_and_steps, study_parser, use_compilation_cache
 from analysis.study_probes import replace_inputs
 from analysis.study_stats import gate, holm, paired_t_interval, paired_t_p, sign_test
 from moe import ConfigError, Transformer
@@ -255,25 +256,15 @@ def run_study(base, seeds: int, steps: int, out, decoder_mask: str, log=print, r
 
 
 def parser() -> ArgParser:
-    p = ArgParser(prog="python -m analysis.encdec_study", description=__doc__.splitlines()[0],
-                  epilog="any config key can be overridden with --config.KEY=VALUE (see python -m train --help)")
-    p.add_argument("--config", metavar="FILE", default=DEFAULT_CONFIG, help=f"study config (default {DEFAULT_CONFIG})")
-    p.add_argument("--seeds", type=int, default=2, help="paired seeds per cell (train.seed = 0 .. seeds-1)")
-    p.add_argument("--steps", type=int, default=None, help="training steps per run (default: train.steps)")
-    p.add_argument("--decoder_mask", default="causal", help="the decoder-only cells' mask: causal or prefix")
-    p.add_argument("--out", default="runs/encdec_study", help="study directory (runs, references, report/)")
-    p.add_argument("--report_only", action="store_true", help="train nothing: report the finished runs")
-    return p
+    mask = (("--decoder_mask",), {"default": "causal", "help": "the decoder-only cells' mask: causal or prefix"})
+    return study_parser("python -m analysis.encdec_study", __doc__, DEFAULT_CONFIG, "runs/encdec_study", 2,
+                        "paired seeds per cell (train.seed = 0 .. seeds-1)", extra=(mask,))
 
 
 def parse_flags(argv):
     config, _, rest = config_from_argv(list(argv[1:]), DEFAULT_CONFIG)
     args = parser().parse_args(rest)
-    if args.seeds < 2:
-        raise UserError(f"--seeds must be at least 2 (paired intervals need two pairs), got {args.seeds}")
-    steps = args.steps if args.steps is not None else int(config.train.steps)
-    if steps < 1:
-        raise UserError(f"--steps must be a positive integer, got {steps}")
+    steps = seeds_and_steps(args, config, min_seeds=2)
     if args.decoder_mask not in ("causal", "prefix"):
         raise UserError(f"--decoder_mask takes causal or prefix, got {args.decoder_mask!r}")
     if config.data.task != "prefix":
@@ -284,7 +275,7 @@ def parse_flags(argv):
     if int(config.model.n_layers) % 2:
         raise UserError(f"model.n_layers must be even (encdec_P splits it into encoder and decoder halves), got "
                         f"{config.model.n_layers}")
-    return config, args
+    return config, args, steps
 
 
 def main(argv=None):
@@ -293,8 +284,8 @@ def main(argv=None):
         parser().print_help()
         raise SystemExit(0)
     try:
-        config, args = parse_flags(argv)
-        steps = args.steps if args.steps is not None else int(config.train.steps)
+        config, args, steps = parse_flags(argv)
+        use_compilation_cache(args.out)  # the seeds of a cell compile the same programs
         report = run_study(config, args.seeds, steps, args.out, args.decoder_mask, report_only=args.report_only)
     except (UserError, ConfigError) as e:
         exit_with(e)

@@ -21,12 +21,12 @@ import sys
 import time
 from pathlib import Path
 
-import jax
 import numpy as np
 from ml_collections import ConfigDict
 
 from analysis.experiments_report import write_report
 from analysis.rank import analyse, select_rows
+from analysis.study_cli import seeds_and_steps, study_parser, use_compilation_cache
 from moe import ConfigError, param_counts, train_flops_per_token
 from rundir import RunDir, open_run
 from rundir.checkpoints import steps_in
@@ -184,16 +184,12 @@ def compare_masks(base, masks, seeds: int, steps: int, nope: bool, out, log=prin
 
 
 def parser() -> ArgParser:
-    p = ArgParser(prog="python -m analysis.experiments", description=__doc__.splitlines()[0],
-                  epilog="any config key can be overridden with --config.KEY=VALUE (see python -m train --help)")
-    p.add_argument("command", choices=["compare-masks"], help="the study to run")
-    p.add_argument("--config", metavar="FILE", default=DEFAULT_CONFIG, help=f"study config (default {DEFAULT_CONFIG})")
-    p.add_argument("--masks", default="causal,prefix,mixed", help="comma-separated masks to compare")
-    p.add_argument("--seeds", type=int, default=3, help="seeds per variant (train.seed = 0 .. seeds-1)")
-    p.add_argument("--steps", type=int, default=None, help="training steps per run (default: train.steps)")
+    extra = ((("command",), {"choices": ["compare-masks"], "help": "the study to run"}),
+             (("--masks",), {"default": "causal,prefix,mixed", "help": "comma-separated masks to compare"}))
+    p = study_parser("python -m analysis.experiments", __doc__, DEFAULT_CONFIG, "runs/compare_masks", 3,
+                     "seeds per variant (train.seed = 0 .. seeds-1)", "study directory (runs, caches, report/)",
+                     extra=extra)
     p.add_argument("--nope", action="store_true", help="also train every mask without position encoding")
-    p.add_argument("--out", default="runs/compare_masks", help="study directory (runs, caches, report/)")
-    p.add_argument("--report_only", action="store_true", help="train nothing: report the finished runs")
     return p
 
 
@@ -206,11 +202,7 @@ def parse_flags(argv):
     if not masks or bad or len(set(masks)) != len(masks):
         raise UserError(f"--masks takes distinct names from causal,prefix,mixed (input->output rows need a "
                         f"next-token mask), got {args.masks!r}")
-    if args.seeds < 1:
-        raise UserError(f"--seeds must be at least 1, got {args.seeds}")
-    steps = args.steps if args.steps is not None else int(config.train.steps)
-    if steps < 1:
-        raise UserError(f"--steps must be a positive integer, got {steps}")
+    steps = seeds_and_steps(args, config, min_seeds=1)
     config.data.task = "prefix"
     return config, masks, args.seeds, steps, args.nope, args.out, args.report_only
 
@@ -223,10 +215,7 @@ def main(argv=None):
         raise SystemExit(0)
     try:
         config, masks, seeds, steps, nope, out, report_only = parse_flags(argv)
-        cache_dir = Path(out) / ".jax_cache"  # the same mask's graph is compiled once for all seeds
-
-        jax.config.update("jax_compilation_cache_dir", str(cache_dir.absolute()))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        use_compilation_cache(out)  # the same mask's graph is compiled once for all seeds
         report = compare_masks(config, masks, seeds, steps, nope, out, report_only=report_only)
     except (UserError, ConfigError) as e:
         exit_with(e)

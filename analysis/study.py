@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from analysis.experiments import Interrupted, fingerprint, read_metrics
+from analysis.study_cli import seeds_and_steps, study_parser, use_compilation_cache
 from rundir import RunDir, open_run
 from rundir.atomic import write_text
 from rundir.checkpoints import steps_in
@@ -191,15 +192,10 @@ def run_study(base, arms, seeds: int, steps: int, out, log=print, run_fn=None, r
 
 
 def parser() -> ArgParser:
-    p = ArgParser(prog="python -m analysis.study", description=__doc__.splitlines()[0],
-                  epilog="any config key can be overridden with --config.KEY=VALUE (see python -m train --help)")
-    p.add_argument("--config", metavar="FILE", default=DEFAULT_CONFIG, help=f"study config (default {DEFAULT_CONFIG})")
-    p.add_argument("--arms", default=",".join(DEFAULT_ARMS),
-                   help=f"comma-separated arms from {','.join(ARMS)} (default {','.join(DEFAULT_ARMS)})")
-    p.add_argument("--seeds", type=int, default=4, help="paired seeds per arm (train.seed = 0 .. seeds-1)")
-    p.add_argument("--steps", type=int, default=None, help="training steps per run (default: train.steps)")
-    p.add_argument("--out", default="runs/study_masks", help="study directory (runs, references, report/)")
-    p.add_argument("--report_only", action="store_true", help="train nothing: report the finished runs")
+    arms = (("--arms",), {"default": ",".join(DEFAULT_ARMS), "help": f"comma-separated arms from {','.join(ARMS)} "
+                                                                    f"(default {','.join(DEFAULT_ARMS)})"})
+    p = study_parser("python -m analysis.study", __doc__, DEFAULT_CONFIG, "runs/study_masks", 4,
+                     "paired seeds per arm (train.seed = 0 .. seeds-1)", extra=(arms,))
     p.add_argument("--probe_rows", default=f"{GAP_ROWS_PER_DOMAIN},{SHUFFLE_ROWS_PER_DOMAIN},{CHOICE_ROWS_PER_DOMAIN}",
                    help="validation windows per domain for the input-replacement gap, the input-shuffle gap and "
                         "continuation choice (default: the CPU round's)")
@@ -213,11 +209,7 @@ def parse_flags(argv):
     if not arms or any(a not in ARMS for a in arms) or len(set(arms)) != len(arms) or "causal" not in arms:
         raise UserError(f"--arms takes distinct names from {','.join(ARMS)} including causal (the gate and every "
                         f"contrast need it), got {args.arms!r}")
-    if args.seeds < 2:
-        raise UserError(f"--seeds must be at least 2 (paired intervals need two pairs), got {args.seeds}")
-    steps = args.steps if args.steps is not None else int(config.train.steps)
-    if steps < 1:
-        raise UserError(f"--steps must be a positive integer, got {steps}")
+    steps = seeds_and_steps(args, config, min_seeds=2)
     if config.data.task != "prefix":
         raise UserError("the study needs input->output rows: set --config.data.task=prefix")
     try:
@@ -238,10 +230,7 @@ def main(argv=None):
         raise SystemExit(0)
     try:
         config, arms, seeds, steps, out, report_only, sizes = parse_flags(argv)
-        import jax
-
-        jax.config.update("jax_compilation_cache_dir", str((Path(out) / ".jax_cache").absolute()))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        use_compilation_cache(out)
         report = run_study(config, arms, seeds, steps, out, report_only=report_only, sizes=sizes)
     except (UserError, ConfigError) as e:
         exit_with(e)
