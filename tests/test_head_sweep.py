@@ -1,0 +1,100 @@
+"""The head-size sweep (analysis.head_sweep) on synthetic results: configs with equal parameters across d_head, the
+per-d_head contrasts with Holm over the sweep and the gate, the trend's slope, the report from finished runs."""
+
+import json
+
+import numpy as np
+import pytest
+
+from analysis import head_sweep, study
+from analysis.experiments import fingerprint
+from moe.accounting import param_counts
+from tests.test_study import REFS, fake_result
+from train.config import model_config
+from train.errors import UserError
+
+
+def study_base():
+    from configs.study_masks import get_config
+
+    return get_config()
+
+
+def test_head_configs_keep_parameters_and_group_ratio():
+    base = study_base()
+    counts = set()
+    for d in head_sweep.HEAD_DIMS:
+        c = head_sweep.head_config(base, d)
+        m = c.model
+        assert m.head_dim == d and m.n_heads * d == 128 and m.n_heads == 2 * m.n_kv_heads
+        counts.add(param_counts(model_config(c))["total"])
+        c.model.head_dim = base.model.head_dim  # the only changes: the head split
+        c.model.n_heads, c.model.n_kv_heads = base.model.n_heads, base.model.n_kv_heads
+        assert c.to_dict() == base.to_dict()
+    assert len(counts) == 1
+    with pytest.raises(UserError, match="--head_dims"):
+        head_sweep.head_config(base, 128)  # one head: not a multiple of the group of 2
+
+
+def test_slope_recovers_a_line_and_refuses_one_point():
+    x = np.log2([2, 2, 4, 4, 8, 8])
+    fit = head_sweep.slope(x, 0.03 * x - 0.01 + np.array([1, -1, 1, -1, 1, -1]) * 1e-3)
+    assert fit["slope"] == pytest.approx(0.03, abs=1e-3) and fit["lo"] > 0 and fit["n"] == 6
+    assert head_sweep.slope([1, 1, 1], [0.1, 0.2, 0.3]) is None
+
+
+def cell(d, shift, passed=True, seeds=4):
+    rs = []
+    for s in range(seeds):
+        o = 0.01 * (s - 1.5)
+        rs += [fake_result("causal", s, 3.5 + o), fake_result("prefix", s, 3.5 + o + shift + o / 4)]
+    return {"d_head": d, "n_over_d": 128 / d, "results": rs, "ranks": {"causal": [0.3], "prefix": [0.2, 0.4]},
+            "gate": {"passed": passed, "verdict": "interpretable" if passed else "not interpretable"}}
+
+
+def test_rows_holm_over_the_sweep_gate_and_trend():
+    cells = [cell(64, 0.0), cell(32, 0.05), cell(16, 0.10), cell(8, 0.5, passed=False)]
+    rows = head_sweep.sweep_rows(cells)
+    by_d = {r["d_head"]: r for r in rows}
+    assert by_d[8]["verdict"] == "not interpretable"
+    assert by_d[16]["verdict"] == "prefix worse" and by_d[16]["p_holm"] >= by_d[16]["p"]
+    assert by_d[64]["verdict"] == "equivalent"
+    assert by_d[32]["erank"] == {"causal": pytest.approx(0.3), "prefix": pytest.approx(0.3)}
+    fit = head_sweep.trend(rows)  # d_head 8 (gate failed) left out: 3 d_heads x 4 seeds
+    assert fit["n"] == 12 and fit["verdict"] == "rises with n/d_head"
+    assert fit["slope"] == pytest.approx(0.05, abs=0.01)
+
+
+def test_sweep_report_from_finished_runs(tmp_path):
+    """--report_only over fabricated finished runs (the runner's own fingerprints): one study per d_head, the
+    sweep's table, plot and json."""
+    base, steps, dims = study_base(), 1500, (64, 16)
+    for d, shift in zip(dims, (0.0, 0.08)):
+        cfg = head_sweep.head_config(base, d)
+        out = tmp_path / f"d{d}"
+        for s in range(2):
+            for arm in head_sweep.ARMS:
+                r = fake_result(arm, s, 3.5 + 0.01 * s + (shift if arm == "prefix" else 0.0) + 0.002 * s * (arm == "prefix"))
+                r["fingerprint"] = fingerprint(study.arm_config(cfg, arm, s, steps))
+                (out / arm / f"seed{s}").mkdir(parents=True)
+                (out / arm / f"seed{s}" / "result.json").write_text(json.dumps(r))
+        refs = dict(REFS, fingerprint=fingerprint(study.arm_config(cfg, "causal", 0, steps)))
+        (out / "references.json").write_text(json.dumps(refs))
+    ranks = []
+    report = head_sweep.run_sweep(base, dims, 2, steps, tmp_path, log=lambda m: None, report_only=True,
+                                  rank_fn=lambda w, mask: ranks.append((w.parent.name, mask)) or 0.5)
+    assert sorted(ranks) == sorted([(a, a) for a in head_sweep.ARMS] * 2 * len(dims))
+    text = report.read_text()
+    assert "| 64 | 2 | interpretable |" in text and "| 16 | 8 | interpretable |" in text
+    saved = json.loads((tmp_path / "head_sweep.json").read_text())
+    assert [r["mean"] for r in saved["rows"]] == pytest.approx([0.001, 0.081])
+    assert (tmp_path / "head_sweep.png").stat().st_size > 1000
+    assert (tmp_path / "d16" / "report" / "report.md").is_file()
+
+
+@pytest.mark.parametrize("flags,msg", [(["--head_dims", "32"], "at least 2"), (["--head_dims", "32,x"], "integers"),
+                                       (["--head_dims", "32,128"], "divide"), (["--seeds", "1"], "--seeds")])
+def test_bad_flags_are_one_line_errors(flags, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        head_sweep.main(["prog", *flags])
+    assert e.value.code == 2 and msg in capsys.readouterr().err
