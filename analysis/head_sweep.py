@@ -91,10 +91,15 @@ def trend(rows) -> dict:
     return fit
 
 
-def input_erank(workdir, mask: str) -> float:
-    """Effective rank / n of the trained model's input block under its own mask, mean over layers and rows."""
+def input_erank(workdir, mask: str) -> float | None:
+    """Effective rank / n of the trained model's input block under its own mask, mean over layers and rows; None
+    for a run kept as result.json alone (a finished run copied without its checkpoint)."""
     from analysis.rank_logits import measure_run
+    from rundir import RunDir
+    from rundir.checkpoints import steps_in
 
+    if not steps_in(RunDir(workdir).checkpoints):
+        return None
     return measure_run(workdir)[f"{mask}_input"]["erank"]
 
 
@@ -140,7 +145,7 @@ def write_report(rows, fit, out: Path, steps: int) -> Path:
              "run, equal parameters and attention FLOPs across d_head. A difference is claimed when the Holm-adjusted "
              f"(over the d_heads) paired t-test p < {ALPHA}; \"equivalent\" only inside +-0.02 nats.", "",
              "| d_head | n_in / d_head | gate | prefix - causal [95% t-interval] | per seed | Holm p | verdict | "
-             "input-block erank/n: causal, prefix |", "|---|---|---|---|---|---|---|---|"]
+             "input-block erank/n: causal, prefix (runs with a checkpoint) |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ci = f"{r['mean']:+.4f} [{r['lo']:+.4f}, {r['hi']:+.4f}]" if "mean" in r else "-"
         holm_p = f"{r['p_holm']:.3f}" if "p_holm" in r else "-"
@@ -169,6 +174,7 @@ def run_sweep(base, head_dims, seeds: int, steps: int, out, log=print, run_fn=No
         saved = json.loads((report.parent / "results.json").read_text())
         ranks = {a: [rank_fn(cell_out / a / f"seed{r['seed']}", a) for r in saved["results"] if r["arm"] == a]
                  for a in ARMS}
+        ranks = {a: [v for v in vs if v is not None] for a, vs in ranks.items()}
         cells.append({"d_head": d, "n_over_d": n_in / d, "results": saved["results"], "gate": saved["gate"],
                       "ranks": ranks})
     rows = sweep_rows(cells)

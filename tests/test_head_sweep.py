@@ -81,13 +81,19 @@ def test_sweep_report_from_finished_runs(tmp_path):
         refs = dict(REFS, fingerprint=fingerprint(study.arm_config(cfg, "causal", 0, steps)))
         (out / "references.json").write_text(json.dumps(refs))
     ranks = []
+
+    def rank_fn(workdir, mask):  # seed 0 stands for a run kept without its checkpoint
+        ranks.append((workdir.parent.name, mask))
+        return None if workdir.name == "seed0" else {"causal": 0.3, "prefix": 0.6}[mask]
+
     report = head_sweep.run_sweep(base, dims, 2, steps, tmp_path, log=lambda m: None, report_only=True,
-                                  rank_fn=lambda w, mask: ranks.append((w.parent.name, mask)) or 0.5)
+                                  rank_fn=rank_fn)
     assert sorted(ranks) == sorted([(a, a) for a in head_sweep.ARMS] * 2 * len(dims))
     text = report.read_text()
     assert "| 64 | 2 | interpretable |" in text and "| 16 | 8 | interpretable |" in text
     saved = json.loads((tmp_path / "head_sweep.json").read_text())
     assert [r["mean"] for r in saved["rows"]] == pytest.approx([0.001, 0.081])
+    assert saved["rows"][0]["erank"] == {"causal": pytest.approx(0.3), "prefix": pytest.approx(0.6)}
     assert (tmp_path / "head_sweep.png").stat().st_size > 1000
     assert (tmp_path / "d16" / "report" / "report.md").is_file()
 
