@@ -98,7 +98,7 @@ def input_erank(workdir, mask: str) -> float | None:
     from rundir import RunDir
     from rundir.checkpoints import steps_in
 
-    if not steps_in(RunDir(workdir).checkpoints):
+    if not steps_in(RunDir(Path(workdir)).checkpoints):
         return None
     return measure_run(workdir)[f"{mask}_input"]["erank"]
 
