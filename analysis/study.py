@@ -6,14 +6,15 @@
 
 Arms (ARMS): causal (GPT, loss on the output half), prefix (UniLM: bidirectional input), mixed (Su's
 triangular heads), causal_all (causal, loss on every token: the decoder-only model's practical advantage); opt-in
-causal_nope and prefix_nope (no position encoding; compared with their RoPE twin by the input-shuffle gap).
+causal_nope and prefix_nope (no position encoding; compared with their RoPE twin, and by the input-order gap).
 Every arm is validated on the output half of every validation window (eval.output_only) every eval.every steps.
 For seed k every arm has the same data order and initial weights (train.seed = k), so arms compare paired by seed.
 
 Each run lives in OUT/<arm>/seed<k> (train.loop.run: resumable); a finished run leaves result.json (curves,
-per-domain losses, the input-replacement and input-shuffle gaps, 4-way continuation choice) and is skipped when
-the same command runs again. OUT/references.json holds the unigram / bigram references of the scored targets.
-The report (analysis.study_report) goes to OUT/report/.
+per-domain losses, the input-replacement, input-shuffle and input-order gaps, 4-way continuation choice) and is
+skipped when the same command runs again (probes added since are computed then from its checkpoint, if kept).
+OUT/references.json holds the unigram / bigram references of the scored targets. The report
+(analysis.study_report) goes to OUT/report/.
 """
 
 import copy
@@ -93,13 +94,42 @@ def probes(model, rows, seed: int = 0, sizes=None) -> dict:
     shuf_rows = first_rows_per_domain(rows, n_shuffle)
     shuffled = row_losses(model, shuffle_inputs(shuf_rows, seed), 64)
     shuf_own = own[first_rows_per_domain({"i": idx, "domains": rows["domains"]}, n_shuffle)["i"]]
+    order = order_gap(model, shuf_rows, shuf_own, seed)
     choice = continuation_choice(model, first_rows_per_domain(rows, n_choice), seed=seed,
                                  batch_size=64)
     return {"val_loss_all": loss, "val_loss_all_by_domain": by_dom, "n_val_rows": len(own),
             "input_replacement_gap": float(np.nanmean(replaced - own[gap_idx])), "n_gap_rows": len(gap_idx),
             "input_shuffle_gap": float(np.nanmean(shuffled - shuf_own)), "n_shuffle_rows": len(shuf_own),
+            "input_order_gap": order,
             "choice_accuracy": choice["accuracy"], "choice_chance": choice["chance"], "choice_n": choice["n"],
             "choice_correct": choice["correct"]}
+
+
+def order_gap(model, shuf_rows, own, seed: int) -> float:
+    """Loss change when the input is shuffled but its last token kept (study_probes.shuffle_inputs keep_last):
+    the use of the input's order alone; exactly 0 for a prefix-LM without positions. `own`: the rows' losses."""
+    from analysis.study_probes import row_losses, shuffle_inputs
+
+    return float(np.nanmean(row_losses(model, shuffle_inputs(shuf_rows, seed, keep_last=True), 64) - own))
+
+
+def reprobe(config, workdir, sizes=None, log=print) -> bool:
+    """Add the probes a finished run's result.json predates (input_order_gap), from its checkpoint; False when
+    there is nothing to add or no checkpoint (a run kept as result.json alone). Rewrites result.json atomically."""
+    from analysis.study_probes import row_losses
+
+    cache = Path(workdir) / "result.json"
+    result = json.loads(cache.read_text())
+    if "input_order_gap" in result or not steps_in(RunDir(Path(workdir)).checkpoints):
+        return False
+    model = open_run(workdir).model
+    n_shuffle = (sizes or (GAP_ROWS_PER_DOMAIN, SHUFFLE_ROWS_PER_DOMAIN, CHOICE_ROWS_PER_DOMAIN))[1]
+    shuf_rows = first_rows_per_domain(all_rows(config), n_shuffle)
+    result["input_order_gap"] = order_gap(model, shuf_rows, row_losses(model, shuf_rows, 64),
+                                          int(config.train.seed))
+    write_text(cache, json.dumps(result))
+    log(f"{workdir}: input_order_gap {result['input_order_gap']:+.4f}")
+    return True
 
 
 def summarize(config, arm: str, workdir, seconds: float, sizes=None) -> dict:
@@ -130,6 +160,8 @@ def train_one(config, arm: str, workdir, log=print, run_fn=None, sizes=None) -> 
         if result.get("fingerprint") != fp:
             raise UserError(f"{workdir} holds a finished run with a different config; use another --out")
         log(f"{workdir}: cached (val/loss {result['val_loss']:.4f})")
+        if reprobe(config, workdir, sizes, log):  # a result from before a probe was added
+            result = json.loads(cache.read_text())
         return result
     if run_fn is None:
         from train.loop import run as run_fn

@@ -85,15 +85,19 @@ def plot_domains(groups, refs, path):
 
 
 def plot_probes(groups, path):
-    """Per arm and seed: the input-replacement gap, the input-shuffle gap and 4-way continuation accuracy."""
-    fig, axes = grid(3, 3, 3.6, 3.2)
+    """Per arm and seed: the input-replacement, input-shuffle and input-order gaps and 4-way continuation
+    accuracy (runs from before the input-order probe are left out of that panel)."""
+    fig, axes = grid(4, 4, 3.4, 3.2)
     panels = [("input_replacement_gap", "input replaced (nats)", 0.1, "gate 0.1"),
               ("input_shuffle_gap", "input shuffled (nats)", None, None),
+              ("input_order_gap", "input shuffled, last token kept (nats)", None, None),
               ("choice_accuracy", "4-way continuation accuracy", 0.25, "chance 0.25")]
     arms = list(groups)
     for ax, (key, title, line, line_label) in zip(axes, panels):
         for i, arm in enumerate(arms):
-            v = [r[key] for _, r in sorted(groups[arm].items())]
+            v = [r[key] for _, r in sorted(groups[arm].items()) if key in r]
+            if not v:
+                continue
             ax.scatter(np.full(len(v), i) + np.linspace(-0.1, 0.1, len(v)), v, color=f"C{i}", s=18)
             ax.hlines(np.mean(v), i - 0.25, i + 0.25, color=f"C{i}")
         if line is not None:

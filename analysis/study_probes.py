@@ -4,7 +4,7 @@ PrefixSampler / packing.prefix_rows: one document per row, `prefix_len` input to
     losses = row_losses(model, rows)               # per-row mean output cross-entropy (nats / token)
     gap = row_losses(model, replace_inputs(rows)).mean() - losses.mean()
                                                    # > 0 iff the model uses its input at all (the gate)
-    shuffled = shuffle_inputs(rows, seed=0)        # NoPE prefix-LMs are exactly invariant to this
+    shuffled = shuffle_inputs(rows, seed=0, keep_last=True)  # NoPE prefix-LMs are exactly invariant to this
     acc = continuation_choice(model, rows)         # zero-shot: the true output among 4 same-domain candidates
 
 Rows are spliced, never re-tokenized: a new row is the input tokens of one row followed by the output tokens of
@@ -79,12 +79,16 @@ def replace_inputs(rows, seed: int = 0) -> dict:
     return splice([split[d[i]][0] for i in range(B)], [split[i][1] for i in range(B)], L, _row_domains(rows))
 
 
-def shuffle_inputs(rows, seed: int = 0) -> dict:
-    """Every row's input tokens in a random order, its output kept (order of the output unchanged)."""
+def shuffle_inputs(rows, seed: int = 0, keep_last: bool = False) -> dict:
+    """Every row's input tokens in a random order, its output kept (order of the output unchanged). keep_last
+    leaves the last input token in place: the first output token keeps its true predecessor, so the change of
+    the loss measures the use of the input's ORDER alone, and a prefix-LM without positions is exactly
+    invariant on every output token (without keep_last, on every output token but the first)."""
     B, L = rows["tokens"].shape
     rng = np.random.default_rng(seed)
     split = [parts(rows, b) for b in range(B)]
-    return splice([rng.permutation(a) for a, _ in split], [b for _, b in split], L, _row_domains(rows))
+    shuffled = [np.append(rng.permutation(a[:-1]), a[-1:]) if keep_last else rng.permutation(a) for a, _ in split]
+    return splice(shuffled, [b for _, b in split], L, _row_domains(rows))
 
 
 @functools.lru_cache(maxsize=8)

@@ -51,6 +51,14 @@ def setup_lines(base, results) -> list[str]:
             f"{r0.get('choice_n', '?')} (x4 candidates)."]
 
 
+def order_gap_cell(rs) -> str:
+    """Mean input-order gap over the runs that have it (results from before the probe may lack it)."""
+    v = [r["input_order_gap"] for r in rs if "input_order_gap" in r]
+    if not v:
+        return "-"
+    return f"{np.mean(v):+.4f}" + ("" if len(v) == len(rs) else f" ({len(v)} of {len(rs)} seeds)")
+
+
 def contrast_table(rows, digits=4) -> list[str]:
     out = ["| contrast | mean [95% paired t-interval] | seeds better / n | sign p | t p | Holm p | "
            "equivalent | verdict |", "|---|---|---|---|---|---|---|---|"]
@@ -103,15 +111,15 @@ def write_report(results, refs, out, base, missing=()) -> Path:
               f"| per-seed gate | {', '.join(f'seed {s}: {p}' for s, p in g['per_seed'].items())} |",
               f"| **verdict** | **{g['verdict']}** |", ""]
     lines += ["## Validation loss per arm", "", "| arm | mean [95% t-interval over seeds] | per seed | "
-              "input-replacement gap | input-shuffle gap | 4-way choice accuracy | train s/run |",
-              "|---|---|---|---|---|---|---|"]
+              "input-replacement gap | input-shuffle gap | input-order gap | 4-way choice accuracy | train s/run |",
+              "|---|---|---|---|---|---|---|---|"]
     for arm, runs in groups.items():
         rs = [runs[s] for s in sorted(runs)]
         m, lo, hi = _mean_t(r["val_loss"] for r in rs)
         per_seed = ", ".join(f"{r['val_loss']:.4f}" for r in rs)
         lines.append(f"| {arm} | {m:.4f} [{lo:.4f}, {hi:.4f}] | {per_seed} | "
                      f"{np.mean([r['input_replacement_gap'] for r in rs]):+.4f} | "
-                     f"{np.mean([r['input_shuffle_gap'] for r in rs]):+.4f} | "
+                     f"{np.mean([r['input_shuffle_gap'] for r in rs]):+.4f} | {order_gap_cell(rs)} | "
                      f"{np.mean([r['choice_accuracy'] for r in rs]):.3f} (chance {rs[0]['choice_chance']:.2f}, "
                      f"n {rs[0]['choice_n']}) | {np.mean([r['train_seconds'] for r in rs]):.0f} |")
     lines += ["", "![validation curves](val_curves.png)", "",
@@ -128,8 +136,10 @@ def write_report(results, refs, out, base, missing=()) -> Path:
     nope = [(a, ref) for a, ref in NOPE_TWINS.items() if a in groups and ref in groups]
     if nope:
         lines += ["", "## NoPE (no position encoding) against its RoPE twin (own Holm family)", "",
-                  "Validation loss, NoPE - RoPE (negative = NoPE better); the input-shuffle gap of each arm is in the "
-                  "table above (a prefix-LM without positions is exactly invariant to shuffling its input: gap 0).",
+                  "Validation loss, NoPE - RoPE (negative = NoPE better). The input-order gap of each arm is in the "
+                  "table above: the loss change when the input is shuffled but its last token kept, exactly 0 for a "
+                  "prefix-LM without positions (the input-shuffle gap is not: the first output token loses its true "
+                  "predecessor).",
                   ""]
         lines += contrast_table(contrasts(groups, g["passed"], family=nope))
     lines += ["", "![probes](probes.png)", "", "## Per domain (final validation loss, mean over seeds)", "",

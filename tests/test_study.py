@@ -110,6 +110,7 @@ def test_report_files_and_gate_wording(tmp_path):
     path = study_report.write_report(results(causal=4.9), REFS, tmp_path / "r", base)
     text = path.read_text()
     assert "**not interpretable**" in text and "prefix better" not in text
+    assert "| +0.0500 | - |" in text  # input-shuffle gap, then no input-order gap in these older results
     for png in ("val_curves", "paired_loss", "domains", "probes"):
         assert (tmp_path / "r" / f"{png}.png").stat().st_size > 1000
     text = study_report.write_report(results(), REFS, tmp_path / "r2", base).read_text()
@@ -190,9 +191,16 @@ def test_study_end_to_end_and_cached(tmp_path):
     r = json.loads((tmp_path / "causal_all" / "seed1" / "result.json").read_text())
     assert r["prefix_loss"] and r["n_val_rows"] > 9 * 2 and [s for s, _ in r["val_curve"]] == [1, 2]
     assert 0 <= r["choice_accuracy"] <= 1 and r["n_gap_rows"] == 18
+    assert np.isfinite(r["input_order_gap"])
+    # a result from before the input-order probe: re-running adds it from the checkpoint, the same number
+    old = dict(r)
+    del old["input_order_gap"]
+    (tmp_path / "causal_all" / "seed1" / "result.json").write_text(json.dumps(old))
     logs.clear()
     study.run_study(base, ["causal", "causal_all"], 2, 2, tmp_path, log=logs.append, sizes=(2, 2, 2))
-    assert sum("cached" in line for line in logs) == 4
+    assert sum("cached" in line for line in logs) == 4 and sum("input_order_gap" in line for line in logs) == 1
+    again = json.loads((tmp_path / "causal_all" / "seed1" / "result.json").read_text())
+    assert again["input_order_gap"] == pytest.approx(r["input_order_gap"], abs=1e-6)
 
 
 @pytest.mark.slow  # compiles the tiny NoPE model twice (~30 s each on the shared CPU)
@@ -212,7 +220,26 @@ def test_nope_prefix_lm_is_exactly_invariant_to_shuffling_its_input(mask, invari
     model = tiny_model(mask=mask, rope=False)
     own = row_losses(model, after_first(rows), 8)
     shuffled = row_losses(model, after_first(shuffle_inputs(rows, seed=3)), 8)
+    # with the last input token kept in place (the input-order probe), on every output token, the first included
+    own_all = row_losses(model, rows, 8)
+    kept = row_losses(model, shuffle_inputs(rows, seed=3, keep_last=True), 8)
     if invariant:
         np.testing.assert_allclose(shuffled, own, rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(kept, own_all, rtol=2e-5, atol=2e-5)
     else:
-        assert np.nanmax(np.abs(shuffled - own)) > 1e-4
+        assert np.nanmax(np.abs(shuffled - own)) > 1e-4 and np.nanmax(np.abs(kept - own_all)) > 1e-4
+
+
+def test_shuffle_keeping_the_last_input_token(rows):
+    from analysis.study_probes import parts, shuffle_inputs
+
+    for keep_last in (False, True):
+        s = shuffle_inputs(rows, seed=1, keep_last=keep_last)
+        moved_last = False
+        for b in range(len(rows["tokens"])):
+            (a, out), (a2, out2) = parts(rows, b), parts(s, b)
+            assert sorted(a) == sorted(a2) and list(out) == list(out2)
+            moved_last |= a[-1] != a2[-1]
+            if keep_last:
+                assert a[-1] == a2[-1]
+        assert keep_last or moved_last
