@@ -15,7 +15,15 @@ import numpy as np
 
 from analysis import study_plots
 from analysis.study_stats import GATE_BIGRAM_MARGIN, GATE_INPUT_GAP
-from analysis.study_verdicts import ALPHA, EQUIVALENCE_MARGIN, NOPE_TWINS, by_arm, contrasts, study_gate
+from analysis.study_verdicts import (
+    ALPHA,
+    EQUIVALENCE_MARGIN,
+    NOPE_TWINS,
+    by_arm,
+    contrasts,
+    nope_interaction,
+    study_gate,
+)
 from rundir.atomic import write_text
 from train.cli import ArgParser
 from train.errors import UserError, exit_with, os_error
@@ -142,6 +150,12 @@ def write_report(results, refs, out, base, missing=()) -> Path:
                   "predecessor).",
                   ""]
         lines += contrast_table(contrasts(groups, g["passed"], family=nope))
+        inter = nope_interaction(groups, g["passed"])
+        if inter is not None:
+            lines += ["", "Mask x position interaction (added after the NoPE arms were designed, so not pre-registered): "
+                      "does dropping positions cost the causal model less than the prefix-LM, as \"the causal mask "
+                      "carries position information\" predicts? Negative = it does.", ""]
+            lines += contrast_table([inter])
     lines += ["", "![probes](probes.png)", "", "## Per domain (final validation loss, mean over seeds)", "",
               "| domain | unigram | bigram | " + " | ".join(groups) + " |", "|---" * (3 + len(groups)) + "|"]
     for name, ref in refs["by_domain"].items():

@@ -71,6 +71,27 @@ def contrasts(groups, gate_passed: bool, key: str = "val_loss", lower_is_better:
     return rows
 
 
+def nope_interaction(groups, gate_passed: bool) -> dict | None:
+    """Does the causal mask make dropping positions cost less? Per seed (causal_nope - causal) - (prefix_nope -
+    prefix), negative = the causal model loses less; tested like a contrast (its own family of one). None unless
+    all four arms are present."""
+    arms = ("causal_nope", "causal", "prefix_nope", "prefix")
+    if any(a not in groups for a in arms):
+        return None
+    seeds = sorted(set.intersection(*(set(groups[a]) for a in arms)))
+    d = [(groups["causal_nope"][s]["val_loss"] - groups["causal"][s]["val_loss"])
+         - (groups["prefix_nope"][s]["val_loss"] - groups["prefix"][s]["val_loss"]) for s in seeds]
+    row = {"contrast": "(causal_nope - causal) - (prefix_nope - prefix)", "arm": "causal mask", "seeds": seeds,
+           "diffs": d, "n": len(d)}
+    if len(d) >= 2:
+        m, lo, hi = paired_t_interval(d)
+        p = paired_t_p(d)
+        row.update(mean=m, lo=lo, hi=hi, p=p, p_holm=p, sign_p=sign_test(d), wins=int(np.sum(np.asarray(d) < 0)),
+                   equivalent=equivalent(d))
+    row["verdict"] = verdict(row, gate_passed)
+    return row
+
+
 def verdict(row, gate_passed: bool, lower_is_better: bool = True) -> str:
     if not gate_passed:
         return "not interpretable"

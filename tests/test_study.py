@@ -243,3 +243,23 @@ def test_shuffle_keeping_the_last_input_token(rows):
             if keep_last:
                 assert a[-1] == a2[-1]
         assert keep_last or moved_last
+
+
+def test_nope_interaction_contrast_and_report(tmp_path):
+    rs = []
+    for s, o in enumerate(OFFSETS):
+        rs += [fake_result("causal", s, 4.5 + o), fake_result("prefix", s, 4.5 + o / 2),
+               fake_result("causal_nope", s, 4.6 + o + o / 3), fake_result("prefix_nope", s, 4.8 + o / 2)]
+    groups = study_verdicts.by_arm(rs)
+    row = study_verdicts.nope_interaction(groups, True)
+    # per seed (0.1 + o/3) - 0.3: the causal model loses 0.2 less without positions
+    assert row["diffs"] == pytest.approx([0.1 + o / 3 - 0.3 for o in OFFSETS])
+    assert row["verdict"] == "causal mask better" and row["wins"] == 4
+    assert study_verdicts.nope_interaction(study_verdicts.by_arm([r for r in rs if r["arm"] != "prefix"]), True) is None
+    base = {"model": {"d_model": 8, "n_layers": 2, "first_k_dense": 1, "n_heads": 2, "n_kv_heads": 1,
+                      "head_dim": 4, "n_routed_experts": 4, "top_k": 2, "n_shared_experts": 1, "vocab_size": 64},
+            "data": {"tokenizer": "", "name": "x", "seq_len": 16, "prefix_frac": 0.5},
+            "train": {"batch_size": 2, "lr": 1e-3, "warmup_steps": 1, "schedule": "cosine"},
+            "eval": {"every": 5, "rows_per_domain": 2}}
+    text = study_report.write_report(rs, REFS, tmp_path / "r", base).read_text()
+    assert "(causal_nope - causal) - (prefix_nope - prefix) | -0.2" in text and "**causal mask better**" in text
