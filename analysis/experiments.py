@@ -26,23 +26,19 @@ from ml_collections import ConfigDict
 
 from analysis.experiments_report import write_report
 from analysis.rank import analyse, select_rows
-from analysis.study_cli import seeds_and_steps, study_parser, use_compilation_cache
-from moe import ConfigError, param_counts, train_flops_per_token
+from analysis.study_cli import Interrupted, run_cli, seeds_and_steps, study_parser, use_compilation_cache
+from moe import param_counts, train_flops_per_token
 from rundir import RunDir, open_run
 from rundir.checkpoints import steps_in
 from rundir.metrics import read_rows
 from train.cli import ArgParser, config_from_argv, pre_split_layout
 from train.config import check, model_config
-from train.errors import UserError, exit_with, os_error
+from train.errors import UserError
 from train.inputs import eval_rows
 from train.loop import run as train_run
 
 RANK_SEQUENCES = 8
 DEFAULT_CONFIG = "configs/compare_masks.py"
-
-
-class Interrupted(Exception):
-    """A run stopped before its last step (SIGTERM / preemption); its checkpoint is kept for resuming."""
 
 
 def variant_name(mask: str, rope: bool) -> str:
@@ -208,24 +204,12 @@ def parse_flags(argv):
 
 
 def main(argv=None):
-
-    argv = sys.argv if argv is None else argv
-    if any(a in ("-h", "--help") for a in argv[1:]):
-        parser().print_help()
-        raise SystemExit(0)
-    try:
+    def run(argv):
         config, masks, seeds, steps, nope, out, report_only = parse_flags(argv)
         use_compilation_cache(out)  # the same mask's graph is compiled once for all seeds
-        report = compare_masks(config, masks, seeds, steps, nope, out, report_only=report_only)
-    except (UserError, ConfigError) as e:
-        exit_with(e)
-    except Interrupted as e:
-        exit_with(UserError(f"{e}; re-run the same command to resume the study"), 130)
-    except KeyboardInterrupt:
-        exit_with(UserError("interrupted; re-run the same command to resume the study"), 130)
-    except OSError as e:
-        exit_with(os_error(e))
-    print(f"wrote {report}")
+        return compare_masks(config, masks, seeds, steps, nope, out, report_only=report_only)
+
+    run_cli(sys.argv if argv is None else argv, parser, run)
 
 
 if __name__ == "__main__":

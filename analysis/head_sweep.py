@@ -23,14 +23,13 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis.experiments import Interrupted
-from analysis.study import DEFAULT_CONFIG, run_study
-from analysis.study_cli import seeds_and_steps, study_parser, use_compilation_cache
+from analysis.study import DEFAULT_CONFIG, DEFAULT_PROBE_ROWS, probe_sizes, run_study
+from analysis.study_cli import run_cli, seeds_and_steps, study_parser, use_compilation_cache
 from analysis.study_stats import holm, t_quantile
 from analysis.study_verdicts import ALPHA, contrasts, verdict
 from rundir.atomic import write_text
 from train.cli import ArgParser, config_from_argv
-from train.errors import UserError, exit_with, os_error
+from train.errors import UserError
 
 ARMS = ("causal", "prefix")
 HEAD_DIMS = (64, 32, 16, 8)  # with the study's 128-token input block: n_in / d_head = 2, 4, 8, 16
@@ -186,7 +185,7 @@ def parser() -> ArgParser:
                                 "help": f"comma-separated d_head values (default {','.join(map(str, HEAD_DIMS))})"})
     p = study_parser("python -m analysis.head_sweep", __doc__, DEFAULT_CONFIG, "runs/head_sweep", 2,
                      "paired seeds per arm and d_head", extra=(dims,))
-    p.add_argument("--probe_rows", default="24,8,8", help="as in analysis.study")
+    p.add_argument("--probe_rows", default=DEFAULT_PROBE_ROWS, help="as in analysis.study")
     return p
 
 
@@ -195,14 +194,11 @@ def parse_flags(argv):
     args = parser().parse_args(rest)
     try:
         dims = [int(x) for x in args.head_dims.split(",") if x.strip()]
-        sizes = tuple(int(x) for x in args.probe_rows.split(","))
     except ValueError:
-        raise UserError(f"--head_dims and --probe_rows take comma-separated integers, got {args.head_dims!r}, "
-                        f"{args.probe_rows!r}") from None
+        raise UserError(f"--head_dims takes comma-separated integers, got {args.head_dims!r}") from None
     if len(dims) < 2 or len(set(dims)) != len(dims):
         raise UserError(f"--head_dims needs at least 2 distinct values, got {args.head_dims!r}")
-    if len(sizes) != 3 or min(sizes) < 2:
-        raise UserError(f"--probe_rows takes three integers >= 2 (gap,shuffle,choice), got {args.probe_rows!r}")
+    sizes = probe_sizes(args.probe_rows)
     if config.data.task != "prefix":
         raise UserError("the sweep needs input->output rows: set --config.data.task=prefix")
     for d in dims:
@@ -212,25 +208,12 @@ def parse_flags(argv):
 
 
 def main(argv=None):
-    from moe import ConfigError
-
-    argv = sys.argv if argv is None else argv
-    if any(a in ("-h", "--help") for a in argv[1:]):
-        parser().print_help()
-        raise SystemExit(0)
-    try:
+    def run(argv):
         config, dims, seeds, steps, out, report_only, sizes = parse_flags(argv)
         use_compilation_cache(out)
-        report = run_sweep(config, dims, seeds, steps, out, report_only=report_only, sizes=sizes)
-    except (UserError, ConfigError) as e:
-        exit_with(e)
-    except Interrupted as e:
-        exit_with(UserError(f"{e}; re-run the same command to resume the sweep"), 130)
-    except KeyboardInterrupt:
-        exit_with(UserError("interrupted; re-run the same command to resume the sweep"), 130)
-    except OSError as e:
-        exit_with(os_error(e))
-    print(f"wrote {report}")
+        return run_sweep(config, dims, seeds, steps, out, report_only=report_only, sizes=sizes)
+
+    run_cli(sys.argv if argv is None else argv, parser, run, "sweep")
 
 
 if __name__ == "__main__":

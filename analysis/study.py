@@ -25,13 +25,13 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis.experiments import Interrupted, fingerprint, read_metrics
-from analysis.study_cli import seeds_and_steps, study_parser, use_compilation_cache
+from analysis.experiments import fingerprint, read_metrics
+from analysis.study_cli import Interrupted, run_cli, seeds_and_steps, study_parser, use_compilation_cache
 from rundir import RunDir, open_run
 from rundir.atomic import write_text
 from rundir.checkpoints import steps_in
 from train.cli import ArgParser, config_from_argv
-from train.errors import UserError, exit_with, os_error
+from train.errors import UserError
 
 DEFAULT_CONFIG = "configs/study_masks.py"
 # arm: (model.mask, train.prefix_loss, model.rope); the NoPE arms (item 7) are opt-in and are compared with their
@@ -45,6 +45,7 @@ DEFAULT_ARMS = ("causal", "prefix", "mixed", "causal_all")
 GAP_ROWS_PER_DOMAIN = 24  # input-replacement gap (the gate)
 SHUFFLE_ROWS_PER_DOMAIN = 8  # input-shuffle gap
 CHOICE_ROWS_PER_DOMAIN = 8  # 4-way continuation choice (x4 candidate rows)
+DEFAULT_PROBE_ROWS = f"{GAP_ROWS_PER_DOMAIN},{SHUFFLE_ROWS_PER_DOMAIN},{CHOICE_ROWS_PER_DOMAIN}"
 
 
 def arm_config(base, arm: str, seed: int, steps: int):
@@ -228,7 +229,7 @@ def parser() -> ArgParser:
                                                                     f"(default {','.join(DEFAULT_ARMS)})"})
     p = study_parser("python -m analysis.study", __doc__, DEFAULT_CONFIG, "runs/study_masks", 4,
                      "paired seeds per arm (train.seed = 0 .. seeds-1)", extra=(arms,))
-    p.add_argument("--probe_rows", default=f"{GAP_ROWS_PER_DOMAIN},{SHUFFLE_ROWS_PER_DOMAIN},{CHOICE_ROWS_PER_DOMAIN}",
+    p.add_argument("--probe_rows", default=DEFAULT_PROBE_ROWS,
                    help="validation windows per domain for the input-replacement gap, the input-shuffle gap and "
                         "continuation choice (default: the CPU round's)")
     return p
@@ -244,35 +245,27 @@ def parse_flags(argv):
     steps = seeds_and_steps(args, config, min_seeds=2)
     if config.data.task != "prefix":
         raise UserError("the study needs input->output rows: set --config.data.task=prefix")
+    return config, arms, args.seeds, steps, args.out, args.report_only, probe_sizes(args.probe_rows)
+
+
+def probe_sizes(text: str) -> tuple[int, int, int]:
+    """--probe_rows: validation windows per domain for (gap, shuffle, choice)."""
     try:
-        sizes = tuple(int(x) for x in args.probe_rows.split(","))
+        sizes = tuple(int(x) for x in text.split(","))
     except ValueError:
         sizes = ()
     if len(sizes) != 3 or min(sizes) < 2:
-        raise UserError(f"--probe_rows takes three integers >= 2 (gap,shuffle,choice), got {args.probe_rows!r}")
-    return config, arms, args.seeds, steps, args.out, args.report_only, sizes
+        raise UserError(f"--probe_rows takes three integers >= 2 (gap,shuffle,choice), got {text!r}")
+    return sizes
 
 
 def main(argv=None):
-    from moe import ConfigError
-
-    argv = sys.argv if argv is None else argv
-    if any(a in ("-h", "--help") for a in argv[1:]):
-        parser().print_help()
-        raise SystemExit(0)
-    try:
+    def run(argv):
         config, arms, seeds, steps, out, report_only, sizes = parse_flags(argv)
         use_compilation_cache(out)
-        report = run_study(config, arms, seeds, steps, out, report_only=report_only, sizes=sizes)
-    except (UserError, ConfigError) as e:
-        exit_with(e)
-    except Interrupted as e:
-        exit_with(UserError(f"{e}; re-run the same command to resume the study"), 130)
-    except KeyboardInterrupt:
-        exit_with(UserError("interrupted; re-run the same command to resume the study"), 130)
-    except OSError as e:
-        exit_with(os_error(e))
-    print(f"wrote {report}")
+        return run_study(config, arms, seeds, steps, out, report_only=report_only, sizes=sizes)
+
+    run_cli(sys.argv if argv is None else argv, parser, run)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,18 @@
-"""What the study runners' command lines share (analysis.experiments, analysis.study, analysis.encdec_study):
-the common flags, their checks, and the compilation cache that lets every seed reuse one compiled program."""
+"""What the study runners' command lines share (analysis.experiments, analysis.study, analysis.encdec_study,
+analysis.head_sweep): the common flags, their checks, the compilation cache that lets every seed reuse one
+compiled program, and the main that turns bad input and interruptions into one-line errors."""
 
 from pathlib import Path
 
 import jax
 
 from train.cli import ArgParser
-from train.errors import UserError
+from train.errors import UserError, exit_with, os_error
+
+
+class Interrupted(Exception):
+    """A run stopped before its last step (SIGTERM / preemption); its checkpoint is kept for resuming."""
+
 
 EPILOG = "any config key can be overridden with --config.KEY=VALUE (see python -m train --help)"
 
@@ -41,3 +47,24 @@ def use_compilation_cache(out) -> None:
     """Persist compiled programs under OUT/.jax_cache: the seeds of one arm or cell compile the same program."""
     jax.config.update("jax_compilation_cache_dir", str((Path(out) / ".jax_cache").absolute()))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+def run_cli(argv, parser, run, noun: str = "study") -> None:
+    """A runner's main: --help, else run(argv) -> the report's path, printed. Bad input is a one-line error (exit
+    2); a run stopped early or Ctrl-C says how to resume (exit 130)."""
+    from moe import ConfigError
+
+    if any(a in ("-h", "--help") for a in argv[1:]):
+        parser().print_help()
+        raise SystemExit(0)
+    try:
+        report = run(argv)
+    except (UserError, ConfigError) as e:
+        exit_with(e)
+    except Interrupted as e:
+        exit_with(UserError(f"{e}; re-run the same command to resume the {noun}"), 130)
+    except KeyboardInterrupt:
+        exit_with(UserError(f"interrupted; re-run the same command to resume the {noun}"), 130)
+    except OSError as e:
+        exit_with(os_error(e))
+    print(f"wrote {report}")
