@@ -6,8 +6,8 @@
 
 MaxText (PyPI `maxtext`; it needs Python >= 3.12 and a newer JAX than this project pins) runs as a subprocess in
 its own virtual environment, so neither project's JAX changes (`--maxtext_python`, default $MAXTEXT_PYTHON or
-/work/venv-maxtext/bin/python). Setup used here: `python3.12 -m venv venv-maxtext`, then `pip install` of
-maxtext 0.2.5 with its `tpu` extra's requirements minus libtpu / nvidia / linters, plus `pathwaysutils`.
+/work/venv-maxtext/bin/python). `bash benchmarks/setup_maxtext.sh` builds that venv: maxtext 0.2.5 with its `tpu`
+extra's requirements minus libtpu / NVIDIA wheels / linters (benchmarks/maxtext_requirements.py).
 
 Matched: widths, depth, first dense layers, experts, top-k, shared experts, vocabulary, sequence, batch, dtype,
 synthetic tokens, one device, AdamW. Not matched: attention. MaxText's DeepSeek block is MLA (low-rank q/kv with

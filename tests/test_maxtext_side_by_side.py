@@ -24,3 +24,26 @@ def test_maxtext_args_match_the_shared_preset():
     assert args["sparse_matmul"] == "False" and args["hardware"] == "cpu"
     gpu = dict(a.split("=", 1) for a in sbs.maxtext_args("gpu", 6, "tokamax", "/tmp/x"))
     assert gpu["use_tokamax_gmm"] == "True" and gpu["dtype"] == "bfloat16" and gpu["weight_dtype"] == "float32"
+
+
+def test_setup_keeps_the_tpu_extra_minus_runtimes_and_linters_with_other_markers(tmp_path):
+    import zipfile
+
+    from benchmarks.maxtext_requirements import requirements, wheel_metadata
+
+    meta = "\n".join([
+        "Name: maxtext", "Requires-Dist: absl-py>=2.5.0; extra == 'tpu'", "Requires-Dist: jax>=0.11.1; extra == 'tpu'",
+        "Requires-Dist: jax>=0.11.1; extra == 'cuda12'",  # another extra
+        "Requires-Dist: numpy>=2",  # no extra: not MaxText's tested pin set
+        "Requires-Dist: libtpu>=0.0.46; (platform_machine == 'x86_64' and sys_platform == 'linux') and extra == 'tpu'",
+        "Requires-Dist: nvidia-cuda-cccl>=13.3; (sys_platform == 'linux') and extra == 'tpu'",
+        "Requires-Dist: pylint>=4.0.8; extra == 'tpu'", "Requires-Dist: blackjax>=1; extra == 'tpu'",
+        "Requires-Dist: tzdata>=2026.4; (sys_platform == 'win32') and extra == 'tpu'",
+        "Requires-Dist: uvloop>=0.22; extra == \"tpu\" and python_version >= '3.12'",
+    ])
+    assert requirements(meta) == ["absl-py>=2.5.0", "jax>=0.11.1", "blackjax>=1",
+                                  "tzdata>=2026.4; (sys_platform == 'win32')", "uvloop>=0.22; python_version >= '3.12'"]
+    wheel = tmp_path / "maxtext-0.0.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("maxtext-0.0.0.dist-info/METADATA", meta)
+    assert wheel_metadata(str(wheel)) == meta
