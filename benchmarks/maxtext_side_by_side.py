@@ -75,7 +75,7 @@ def parse_maxtext_log(text: str, warmup: int = 2) -> dict:
 
 def run_maxtext(python: str, shape: str, steps: int, moe: str, timeout: int) -> dict:
     if not os.path.exists(python):
-        raise FileNotFoundError(f"no MaxText Python at {python}: create the venv (see this file's docstring) or "
+        raise FileNotFoundError(f"no MaxText Python at {python}: build it with `bash benchmarks/setup_maxtext.sh` or "
                                 "pass --maxtext_python")
     pkg = subprocess.run([python, "-c", "import maxtext, os; print(os.path.dirname(maxtext.__file__))"],
                          capture_output=True, text=True, check=True).stdout.strip()
