@@ -30,7 +30,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from analysis import encdec_task
+from analysis import encdec_task, study_plots
 from analysis.experiments import fingerprint
 from analysis.study import all_rows, first_rows_per_domain, study_references, token_weighted
 from analysis.study_cli import seeds_and_steps, study_parser, use_compilation_cache
@@ -178,11 +178,21 @@ def contrast_rows(results) -> list[dict]:
         if len(d) < 2:
             continue
         mean, lo, hi = paired_t_interval(d)
-        rows.append({"contrast": f"{a} - {b}", "n": len(d), "mean": mean, "lo": lo, "hi": hi,
+        rows.append({"contrast": f"{a} - {b}", "n": len(d), "diffs": d, "mean": mean, "lo": lo, "hi": hi,
                      "better": sum(x < 0 for x in d), "sign_p": sign_test(d), "t_p": paired_t_p(d)})
     for r, p in zip(rows, holm([r["t_p"] for r in rows])):
         r["holm_p"] = p
     return rows
+
+
+def write_figures(results, refs, contrasts, out: Path) -> None:
+    groups = {cell: {r["seed"]: r for r in results if r["cell"] == cell} for cell in CELLS}
+    groups = {cell: runs for cell, runs in groups.items() if runs}
+    study_plots.plot_curves(groups, refs, out / "val_curves.png")
+    if contrasts:
+        study_plots.plot_contrasts(contrasts, out / "paired_loss.png", "validation loss difference (nats)",
+                                   "Paired by seed: first cell - second cell (negative: the first is better)")
+    study_plots.plot_domains(groups, refs, out / "domains.png")
 
 
 def write_report(results, refs, out: Path, base, decoder_mask: str) -> Path:
@@ -219,12 +229,17 @@ def write_report(results, refs, out: Path, base, decoder_mask: str) -> Path:
               "the Holm-adjusted paired t-test p < 0.05.", "",
               "| contrast | mean [95% paired t-interval] | better / n | sign p | Holm p | verdict |",
               "|---|---|---|---|---|---|"]
-    for r in contrast_rows(results):
+    contrasts = contrast_rows(results)
+    for r in contrasts:
         verdict = ("not interpretable" if not g["passed"] else
                    "difference" if r["holm_p"] < 0.05 else "inconclusive")
         lines.append(f"| {r['contrast']} | {r['mean']:+.4f} [{r['lo']:+.4f}, {r['hi']:+.4f}] | {r['better']} / "
                      f"{r['n']} | {r['sign_p']:.3f} | {r['holm_p']:.3f} | **{verdict}** |")
+    lines += ["", "Figures: `val_curves.png` (every seed's validation curve per cell, with the unigram and bigram "
+              "references), `paired_loss.png` (the contrasts' per-seed differences and intervals), `domains.png` "
+              "(final loss per domain against that domain's references)."]
     out.mkdir(parents=True, exist_ok=True)
+    write_figures(results, refs, contrasts, out)
     write_text(out / "results.json", json.dumps({"results": results, "references": refs, "gate": g}, indent=1))
     path = out / "report.md"
     write_text(path, "\n".join(lines) + "\n")

@@ -97,6 +97,8 @@ def test_two_by_two_end_to_end_and_cached(tmp_path, monkeypatch):
     assert "not interpretable" in text and "encdec_P - decoder_2P" in text  # 2 steps cannot beat a bigram
     res = {(r["cell"], r["seed"]): r for r in json.loads((tmp_path / "report" / "results.json").read_text())["results"]}
     assert len(res) == 8
+    for name in ("val_curves.png", "paired_loss.png", "domains.png"):
+        assert (tmp_path / "report" / name).stat().st_size > 10_000, name
     p = {cell: res[(cell, 0)]["params_non_embedding"] for cell in encdec_study.CELLS}
     # 2P doubles the layers (one final norm either way); the encoder-decoder adds only cross-attention (and
     # the encoder's norm) to the same number of blocks

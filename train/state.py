@@ -30,15 +30,18 @@ def init_state(mcfg, tx, seed: int, mesh, build=Transformer):
     """(graphdef, state, shardings): the state is initialized under jit straight into its shardings.
     build(mcfg, rngs): the model class (the 2x2 study also builds moe.encdec.EncoderDecoder here)."""
 
-    def init():
-        graphdef, params, bias = split_model(build(mcfg, nnx.Rngs(seed)))
+    # The seed is an argument, not a constant baked into the program: every seed then runs the same compiled
+    # init (the persistent compilation cache serves a study's later seeds).
+    def init(seed_):
+        graphdef, params, bias = split_model(build(mcfg, nnx.Rngs(jax.random.key(seed_))))
         return {"params": params, "bias": bias, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
+    seed_ = jnp.asarray(seed, jnp.uint32)
     graphdef = split_model(abstract_model(mcfg, build))[0]
-    abstract = jax.eval_shape(init)
+    abstract = jax.eval_shape(init, seed_)
     shardings = state_shardings(abstract, mesh)
     check_divisible(abstract, shardings)
-    return graphdef, jax.jit(init, out_shardings=shardings)(), shardings
+    return graphdef, jax.jit(init, out_shardings=shardings)(seed_), shardings
 
 
 def check_divisible(abstract, shardings) -> None:

@@ -222,20 +222,23 @@ def window_documents(cache: TokenCache, seq_len: int) -> TokenCache:
     so a document of k * seq_len + 1 tokens loses its EOS target (one target in seq_len + 1).
     """
     L1 = seq_len + 1
-    starts, ends, doms = [], [], []
-    for d, (lo, hi) in enumerate(zip(cache.offsets[:-1], cache.offsets[1:])):
-        s = np.arange(lo, max(hi - 1, lo + 1), seq_len)
-        e = np.minimum(s + L1, hi)
-        keep = e - s >= 2 if len(s) > 1 else np.ones(len(s), bool)
-        starts.append(s[keep])
-        ends.append(e[keep])
-        doms.append(np.full(int(keep.sum()), cache.domains[d], np.int32))
-    starts, ends = np.concatenate(starts), np.concatenate(ends)
-    pieces = [np.asarray(cache.tokens[a:b]) for a, b in zip(starts, ends)]
-    offsets = np.zeros(len(pieces) + 1, np.int64)
-    np.cumsum([len(p) for p in pieces], out=offsets[1:])
-    tokens = np.concatenate(pieces) if pieces else np.zeros(0, cache.tokens.dtype)
-    return TokenCache(tokens, offsets, np.concatenate(doms), cache.domain_names, cache.eos_id, cache.pad_id)
+    lo, hi = cache.offsets[:-1], cache.offsets[1:]
+    # document d has k[d] windows starting at lo + j * seq_len (at least one, even for a 1-token document)
+    k = np.maximum(-(-(hi - lo - 1) // seq_len), 1)
+    doc = np.repeat(np.arange(len(k)), k)
+    j = np.arange(len(doc)) - np.repeat(np.cumsum(k) - k, k)
+    starts = lo[doc] + j * seq_len
+    ends = np.minimum(starts + L1, hi[doc])
+    keep = (ends - starts >= 2) | (k[doc] == 1)
+    starts, ends, doc = starts[keep], ends[keep], doc[keep]
+    lengths = ends - starts
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    # one gather instead of a slice per window: window w's tokens are tokens[starts[w] : ends[w]]
+    index = np.repeat(starts - offsets[:-1], lengths) + np.arange(offsets[-1])
+    tokens = np.asarray(cache.tokens[index]) if len(index) else np.zeros(0, cache.tokens.dtype)
+    doms = np.asarray(cache.domains[doc], np.int32)
+    return TokenCache(tokens, offsets, doms, cache.domain_names, cache.eos_id, cache.pad_id)
 
 
 def prefix_rows(cache: TokenCache, seq_len: int, seed: int, start: int, count: int,
