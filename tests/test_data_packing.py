@@ -183,3 +183,32 @@ def test_window_documents_train_on_every_target_once():
     assert sorted(pairs) == sorted(want)
     eos_rows = [b for b in range(win.n_docs) if EOS_ID in rows["targets"][b]]
     assert len(eos_rows) == 3  # only true document ends (the 9-token document's EOS has no window of its own)
+
+
+def _window_documents_loop(cache, L):
+    """The plain reference: one slice per window, document by document."""
+    windows, doms = [], []
+    for d, (lo, hi) in enumerate(zip(cache.offsets[:-1], cache.offsets[1:])):
+        starts = list(range(lo, max(hi - 1, lo + 1), L))
+        for s in starts:
+            if min(s + L + 1, hi) - s >= 2 or len(starts) == 1:
+                windows.append(cache.tokens[s:min(s + L + 1, hi)])
+                doms.append(cache.domains[d])
+    return windows, doms
+
+
+def test_window_documents_equals_the_plain_loop_on_random_documents():
+    from train.data.packing import window_documents
+
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        lengths = rng.integers(0, 30, rng.integers(1, 9))  # empty and 1-token documents included
+        toks = rng.integers(2, 60, lengths.sum()).astype(np.uint16)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        cache = TokenCache(toks, offsets, rng.integers(0, 3, len(lengths)).astype(np.int32), ("a", "b", "c"))
+        for L in (1, 2, 5, 16):
+            win = window_documents(cache, L)
+            want, doms = _window_documents_loop(cache, L)
+            got = [win.tokens[a:b] for a, b in zip(win.offsets[:-1], win.offsets[1:])]
+            assert len(got) == len(want) and all(np.array_equal(g, w) for g, w in zip(got, want))
+            assert win.domains.tolist() == doms and win.tokens.dtype == toks.dtype
