@@ -195,7 +195,19 @@ def write_figures(results, refs, contrasts, out: Path) -> None:
     study_plots.plot_domains(groups, refs, out / "domains.png")
 
 
+def block_passes(result, seq_len: int, prefix_frac: float) -> int:
+    """Tokens x blocks per window, the cells table's compute proxy: a decoder-only block runs on every token of
+    the window, the encoder's on the padded source and the decoder's on the padded output."""
+    if not result["encoder_layers"]:
+        return result["n_layers"] * seq_len
+    S, T = encdec_task.lengths(seq_len, prefix_frac)
+    return result["encoder_layers"] * S + result["n_layers"] * T
+
+
 def write_report(results, refs, out: Path, base, decoder_mask: str) -> Path:
+    L, frac = int(base.data.seq_len), float(base.data.prefix_frac)
+    S, T = encdec_task.lengths(L, frac)
+    reference = int(base.model.n_layers) * L  # decoder_P
     base_cells = [r for r in results if r["cell"] == "decoder_P"]
     g = gate(float(np.mean([r["val_loss"] for r in base_cells])), refs["bigram"],
              float(np.mean([r["val_loss"] + r["input_replacement_gap"] for r in base_cells])))
@@ -212,15 +224,20 @@ def write_report(results, refs, out: Path, base, decoder_mask: str) -> Path:
              f"| beats bigram by | {g['beats_bigram_by']:+.4f} (need >= 0.3) |",
              f"| input-replacement gap | {g['input_replacement_gap']:+.4f} (need >= 0.1) |",
              f"| **verdict** | **{'interpretable' if g['passed'] else 'not interpretable'}** |", "",
-             "## Cells", "", "| cell | layers (enc + dec) | params (non-embedding) | val loss per seed | mean | "
-             "input-replacement gap | train s |", "|---|---|---|---|---|---|---|"]
+             "## Cells", "",
+             "Compute per window: token x block passes (a decoder-only block runs on all "
+             f"{base.data.seq_len} tokens; the encoder's on the {S}-token source, the decoder's on the {T}-token "
+             "output), relative to decoder_P: the encoder-decoder spends about half the compute of a decoder-only "
+             "model with as many blocks.", "",
+             "| cell | layers (enc + dec) | params (non-embedding) | compute per window | val loss per seed | mean | "
+             "input-replacement gap | train s |", "|---|---|---|---|---|---|---|---|"]
     for cell in CELLS:
         rs = sorted((r for r in results if r["cell"] == cell), key=lambda r: r["seed"])
         if not rs:
             continue
         r0, per_seed = rs[0], ", ".join(f"{r['val_loss']:.4f}" for r in rs)
         lines.append(f"| {cell} | {r0['encoder_layers']} + {r0['n_layers']} | {r0['params']:,} "
-                     f"({r0['params_non_embedding']:,}) | {per_seed} | "
+                     f"({r0['params_non_embedding']:,}) | x{block_passes(r0, L, frac) / reference:.2f} | {per_seed} | "
                      f"{np.mean([r['val_loss'] for r in rs]):.4f} | "
                      f"{np.mean([r['input_replacement_gap'] for r in rs]):+.4f} | "
                      f"{np.mean([r['train_seconds'] for r in rs]):.0f} |")
@@ -235,9 +252,12 @@ def write_report(results, refs, out: Path, base, decoder_mask: str) -> Path:
                    "difference" if r["holm_p"] < 0.05 else "inconclusive")
         lines.append(f"| {r['contrast']} | {r['mean']:+.4f} [{r['lo']:+.4f}, {r['hi']:+.4f}] | {r['better']} / "
                      f"{r['n']} | {r['sign_p']:.3f} | {r['holm_p']:.3f} | **{verdict}** |")
-    lines += ["", "Figures: `val_curves.png` (every seed's validation curve per cell, with the unigram and bigram "
-              "references), `paired_loss.png` (the contrasts' per-seed differences and intervals), `domains.png` "
-              "(final loss per domain against that domain's references)."]
+    lines += ["", "## Figures", "", "Every seed's validation curve per cell, with the unigram and bigram references:",
+              "", "![validation curves](val_curves.png)", ""]
+    if contrasts:  # none before two seeds of a pair have finished
+        lines += ["The contrasts' per-seed differences and their paired intervals:", "",
+                  "![paired differences](paired_loss.png)", ""]
+    lines += ["Final loss per domain against that domain's references:", "", "![per-domain loss](domains.png)"]
     out.mkdir(parents=True, exist_ok=True)
     write_figures(results, refs, contrasts, out)
     write_text(out / "results.json", json.dumps({"results": results, "references": refs, "gate": g}, indent=1))

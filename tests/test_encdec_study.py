@@ -69,6 +69,14 @@ def test_cells_have_the_stated_depths():
     assert len(keys) == 4  # every cell is its own cached run
 
 
+def test_block_passes_count_the_compute_of_each_cell():
+    cells = {"decoder_P": (0, 4), "decoder_2P": (0, 8), "encdec_P": (2, 2), "encdec_2P": (4, 4)}
+    n = {c: encdec_study.block_passes({"encoder_layers": e, "n_layers": d}, 256, 0.5) for c, (e, d) in cells.items()}
+    assert n["decoder_P"] == 4 * 256 and n["decoder_2P"] == 2 * n["decoder_P"]
+    # the encoder-decoder's blocks each see about half the window (129 padded tokens of 257)
+    assert n["encdec_P"] == 4 * 129 and n["encdec_2P"] == 2 * n["encdec_P"]
+
+
 @pytest.mark.parametrize("flags,msg", [(["--seeds", "1"], "--seeds must be at least 2"),
                                        (["--decoder_mask", "mixed"], "--decoder_mask takes causal or prefix"),
                                        (["--config.model.n_layers=3"], "model.n_layers must be even"),
