@@ -104,6 +104,7 @@ def input_erank(workdir, mask: str) -> float | None:
 
 def plot(rows, path):
     from analysis.figures import grid, save
+    from analysis.study_plots import fit_axis_to_seeds
 
     fig, (ax, ax_r) = grid(2, 2, 4.6, 3.6)
     x = np.array([r["n_over_d"] for r in rows])
@@ -120,13 +121,8 @@ def plot(rows, path):
                    edgecolors="C3", zorder=4, label="gate failed: not interpretable")
     ax.axhline(0, color="0.2", linewidth=0.8)
     ax.axhspan(-0.02, 0.02, color="C2", alpha=0.15, label="equivalence margin +-0.02")
-    # With few seeds a t-interval can be ~10x the spread of the seeds themselves (t_0.975 = 12.7 at 2 seeds):
-    # scale the axis to the seeds and means, and say where an interval runs past it.
-    pts = [d for r in rows for d in r["diffs"]] + [r["mean"] for r in have] + [0.0]
-    pad = max(0.05, 0.3 * (max(pts) - min(pts)))
-    lo, hi = min(pts) - pad, max(pts) + pad
+    lo, hi = fit_axis_to_seeds(ax, rows)
     clipped = any(r["lo"] < lo or r["hi"] > hi for r in have)
-    ax.set_ylim(lo, hi)
     ax.set_ylabel("val loss, prefix - causal (nats)")
     ax.set_title("loss difference (grey: single seeds; > 0: causal better)"
                  + ("\nsome intervals run past the axis: see the table" if clipped else ""), fontsize=9)

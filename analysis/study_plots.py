@@ -34,6 +34,17 @@ def plot_curves(groups, refs, path):
     save(fig, path)
 
 
+def fit_axis_to_seeds(ax, rows, extra=()) -> tuple[float, float]:
+    """Set the y limits to the rows' per-seed differences, their means, 0 and `extra`, with a margin: with 2
+    seeds a t-interval is ~10x the seeds' own spread (t_0.975 = 12.7 at 1 degree of freedom) and would flatten
+    them into a line. Returns the limits; the caller says where an interval runs past them."""
+    pts = [float(d) for r in rows for d in r["diffs"]] + [r["mean"] for r in rows if "mean" in r] + [0.0, *extra]
+    pad = max(0.05, 0.3 * (max(pts) - min(pts)))
+    lo, hi = min(pts) - pad, max(pts) + pad
+    ax.set_ylim(lo, hi)
+    return lo, hi
+
+
 def plot_contrasts(rows, path, ylabel, title, margin=None):
     """Per-seed paired differences (arm - causal), the mean with its 95% t-interval, the equivalence band."""
     fig, ax = plt.subplots(figsize=(1.8 * len(rows) + 2.5, 3.6))
@@ -47,25 +58,20 @@ def plot_contrasts(rows, path, ylabel, title, margin=None):
         if "mean" in r:
             ax.errorbar([i], [r["mean"]], yerr=[[r["mean"] - r["lo"]], [r["hi"] - r["mean"]]], fmt="o",
                         color="C0", capsize=6, ms=7, label="mean, 95% paired t-interval" if i == 0 else None)
-    # With 2 seeds a t-interval is ~10x the seeds' own spread (t_0.975 = 12.7 at 1 degree of freedom): scale the
-    # axis to the seeds, the means and the margin, and say when an interval runs past it.
-    pts = [float(d) for r in rows for d in r["diffs"]] + [r["mean"] for r in rows if "mean" in r] + [0.0]
-    pts += [-margin, margin] if margin is not None else []
-    pad = max(0.05, 0.3 * (max(pts) - min(pts)))
-    lo, hi = min(pts) - pad, max(pts) + pad
-    clipped = any(r["lo"] < lo or r["hi"] > hi for r in rows if "mean" in r)
-    ax.set_ylim(lo, hi)
+    extra = [-margin, margin] if margin is not None else []
+    lo, hi = fit_axis_to_seeds(ax, rows, extra)
+    clipped = False
+    for i, r in enumerate(rows):
+        for past, y, dy in ((r.get("lo", lo) < lo, lo, 1), (r.get("hi", hi) > hi, hi, -1)):
+            if past:  # an arrow at the axis edge where the interval goes on
+                clipped = True
+                ax.annotate("", xy=(i, y), xytext=(i, y + dy * 0.08 * (hi - lo)),
+                            arrowprops={"arrowstyle": "->", "color": "C0"})
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels([r["contrast"] for r in rows], fontsize=8)
     ax.set_xlim(-0.6, len(rows) - 0.4)
     ax.set_ylabel(ylabel)
     ax.set_title(title + ("\nsome intervals run past the axis (arrows): see the table" if clipped else ""), fontsize=9)
-    for i, r in enumerate(rows):
-        if "mean" in r and (r["lo"] < lo or r["hi"] > hi):
-            for end, y, dy in ((r["lo"] < lo, lo, 1), (r["hi"] > hi, hi, -1)):
-                if end:
-                    ax.annotate("", xy=(i, y), xytext=(i, y + dy * 0.08 * (hi - lo)),
-                                arrowprops={"arrowstyle": "->", "color": "C0"})
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=7)
     save(fig, path)
