@@ -2,7 +2,8 @@
 on an input->output task only its extra parameters?
 
     python -m analysis.encdec_study --out runs/encdec_study [--config configs/study_masks.py] [--seeds 2]
-        [--steps N] [--decoder_mask causal|prefix] [--report_only] [--config.KEY=VALUE ...]
+        [--steps N] [--decoder_mask causal|prefix] [--cells decoder_P,encdec_P,...] [--report_only]
+        [--config.KEY=VALUE ...]
 
 Cells, from the study config's model (L = model.n_layers, even; every layer MoE, model.first_k_dense = 0):
   decoder_P    decoder-only, L layers                      decoder_2P   decoder-only, 2L layers
@@ -11,7 +12,8 @@ The decoder-only cells use --decoder_mask (causal: the GPT the page argues for; 
 The encoder-decoder (moe/encdec.py) is built from the same blocks; its cross-attention is its only extra weight.
 Every cell trains with the same step (train.step.make_train_step), optimizer, schedule and data order for a seed,
 on the same targets (analysis.encdec_task: the output half of every window), and is scored on every validation
-window; the input-replacement gap says whether it uses its input. Exact parameter counts go in the report.
+window, also by output position (the first output token depends most on the input's end); the input-replacement
+gap says whether it uses its input. Exact parameter counts go in the report.
 
 A run is minutes (no checkpoints): OUT/<cell>/seed<k>/result.json is written atomically when it ends, and a
 finished run is skipped when the same command runs again; a stopped run starts over. The report is
@@ -123,6 +125,7 @@ def train_cell(c, cell: Cell, log=print) -> dict:
     train_step = jax.jit(step.make_train_step(graphdef, tx, optim.schedule(t), t, ex, forward_fn),
                          donate_argnums=0)
     loss_fn = encdec_task.row_loss_fn(forward_fn, graphdef, ex)
+    position_fn = encdec_task.output_position_loss_fn(forward_fn, graphdef, ex)
     sampler, _ = make_sampler(c)
     val = all_rows(c)
     curve_rows = first_rows_per_domain(val, int(c.eval.rows_per_domain))
@@ -141,6 +144,7 @@ def train_cell(c, cell: Cell, log=print) -> dict:
     seconds = time.perf_counter() - t0
     rl = row_losses(loss_fn, state, to_batch, val, eb)
     val_loss, by_dom = token_weighted(rl, val)
+    by_position = encdec_task.by_output_position(row_losses(position_fn, state, to_batch, val, eb))
     gap_rows = first_rows_per_domain(val, GAP_ROWS_PER_DOMAIN)
     own = row_losses(loss_fn, state, to_batch, gap_rows, eb)
     other = row_losses(loss_fn, state, to_batch, replace_inputs(gap_rows, seed=int(t.seed)), eb)
@@ -152,6 +156,7 @@ def train_cell(c, cell: Cell, log=print) -> dict:
             "tokens_seen": int(t.steps * t.batch_size * c.data.seq_len),
             "val_loss": val_loss, "val_loss_by_domain": {names[d]: v for d, v in by_dom.items()},
             "input_replacement_gap": float(np.nanmean(other) - np.nanmean(own)),
+            "val_loss_by_output_position": by_position,
             "val_curve": curve, "train_curve": train_curve}
 
 
@@ -185,6 +190,43 @@ def contrast_rows(results) -> list[dict]:
     return rows
 
 
+def position_labels(edges) -> list[str]:
+    """1-based output-token ranges of the buckets [e_i, e_i+1): 1, 2, 3-4, ..., 65+."""
+    ends = [*edges[1:], None]
+    return [f"{a + 1}+" if b is None else str(b) if b == a + 1 else f"{a + 1}-{b}" for a, b in zip(edges, ends)]
+
+
+def position_table(results) -> tuple[list[str], dict]:
+    """(bucket labels, {cell: (mean loss per bucket over the seeds that measured it, n seeds)}); runs from before
+    the measurement have no `val_loss_by_output_position` and are left out."""
+    table, edges = {}, None
+    for cell in CELLS:
+        rs = [r["val_loss_by_output_position"] for r in results
+              if r["cell"] == cell and "val_loss_by_output_position" in r]
+        if rs:
+            edges = rs[0]["edges"]
+            loss = [None if any(r["loss"][k] is None for r in rs) else float(np.mean([r["loss"][k] for r in rs]))
+                    for k in range(len(edges))]
+            table[cell] = (loss, len(rs))
+    return (position_labels(edges) if edges else []), table
+
+
+def position_lines(results) -> list[str]:
+    labels, table = position_table(results)
+    if not table:
+        return []
+    cells = list(table)
+    lines = ["## Loss by output position", "",
+             "Validation loss of every validation window by the output token's position (1 = the first token "
+             "after the input, which depends most on the input's end), mean over the seeds that measured it.", "",
+             "| output token | " + " | ".join(f"{c} ({table[c][1]})" for c in cells) + " |",
+             "|---|" + "---|" * len(cells)]
+    for k, label in enumerate(labels):
+        vals = [table[c][0][k] for c in cells]
+        lines.append(f"| {label} | " + " | ".join("-" if v is None else f"{v:.4f}" for v in vals) + " |")
+    return lines + ["", "![loss by output position](output_position.png)", ""]
+
+
 def write_figures(results, refs, contrasts, out: Path) -> None:
     groups = {cell: {r["seed"]: r for r in results if r["cell"] == cell} for cell in CELLS}
     groups = {cell: runs for cell, runs in groups.items() if runs}
@@ -193,6 +235,10 @@ def write_figures(results, refs, contrasts, out: Path) -> None:
         study_plots.plot_contrasts(contrasts, out / "paired_loss.png", "validation loss difference (nats)",
                                    "Paired by seed: first cell - second cell (negative: the first is better)")
     study_plots.plot_domains(groups, refs, out / "domains.png")
+    labels, table = position_table(results)
+    if table:
+        study_plots.plot_output_position(labels, table, out / "output_position.png",
+                                         "Validation loss by output position (mean over seeds)")
 
 
 def block_passes(result, seq_len: int, prefix_frac: float) -> int:
@@ -252,7 +298,8 @@ def write_report(results, refs, out: Path, base, decoder_mask: str) -> Path:
                    "difference" if r["holm_p"] < 0.05 else "inconclusive")
         lines.append(f"| {r['contrast']} | {r['mean']:+.4f} [{r['lo']:+.4f}, {r['hi']:+.4f}] | {r['better']} / "
                      f"{r['n']} | {r['sign_p']:.3f} | {r['holm_p']:.3f} | **{verdict}** |")
-    lines += ["", "## Figures", "", "Every seed's validation curve per cell, with the unigram and bigram references:",
+    lines += ["", *position_lines(results)]
+    lines += ["## Figures", "", "Every seed's validation curve per cell, with the unigram and bigram references:",
               "", "![validation curves](val_curves.png)", ""]
     if contrasts:  # none before two seeds of a pair have finished
         lines += ["The contrasts' per-seed differences and their paired intervals:", "",
@@ -266,9 +313,10 @@ def write_report(results, refs, out: Path, base, decoder_mask: str) -> Path:
     return path
 
 
-def run_study(base, seeds: int, steps: int, out, decoder_mask: str, log=print, report_only=False) -> Path:
+def run_study(base, seeds: int, steps: int, out, decoder_mask: str, log=print, report_only=False,
+              cells=CELLS) -> Path:
     out = Path(out)
-    runs = [(cell, s) for s in range(seeds) for cell in CELLS]  # seed-major: a cut-short study stays paired
+    runs = [(cell, s) for s in range(seeds) for cell in cells]  # seed-major: a cut-short study stays paired
     configs = {(cell, s): cell_config(base, cell, s, steps, decoder_mask) for cell, s in runs}
     for c, _ in configs.values():
         check(c)
@@ -292,8 +340,11 @@ def run_study(base, seeds: int, steps: int, out, decoder_mask: str, log=print, r
 
 def parser() -> ArgParser:
     mask = (("--decoder_mask",), {"default": "causal", "help": "the decoder-only cells' mask: causal or prefix"})
+    cells = (("--cells",), {"default": ",".join(CELLS),
+                            "help": "comma-separated cells to train and report (decoder_P, which the gate is "
+                                    "measured on, always among them)"})
     return study_parser("python -m analysis.encdec_study", __doc__, DEFAULT_CONFIG, "runs/encdec_study", 2,
-                        "paired seeds per cell (train.seed = 0 .. seeds-1)", extra=(mask,))
+                        "paired seeds per cell (train.seed = 0 .. seeds-1)", extra=(mask, cells))
 
 
 def parse_flags(argv):
@@ -302,6 +353,12 @@ def parse_flags(argv):
     steps = seeds_and_steps(args, config, min_seeds=2)
     if args.decoder_mask not in ("causal", "prefix"):
         raise UserError(f"--decoder_mask takes causal or prefix, got {args.decoder_mask!r}")
+    cells = tuple(args.cells.split(","))
+    unknown = sorted(set(cells) - set(CELLS))
+    if unknown or "decoder_P" not in cells:
+        raise UserError(f"--cells takes a comma-separated subset of {','.join(CELLS)} that includes decoder_P "
+                        f"(the gate's cell), got {args.cells!r}")
+    args.cells = tuple(c for c in CELLS if c in cells)
     if config.data.task != "prefix":
         raise UserError("the 2x2 needs input->output rows: set --config.data.task=prefix")
     if config.model.tie_embeddings:
@@ -321,7 +378,8 @@ def main(argv=None):
     try:
         config, args, steps = parse_flags(argv)
         use_compilation_cache(args.out)  # the seeds of a cell compile the same programs
-        report = run_study(config, args.seeds, steps, args.out, args.decoder_mask, report_only=args.report_only)
+        report = run_study(config, args.seeds, steps, args.out, args.decoder_mask, report_only=args.report_only,
+                           cells=args.cells)
     except (UserError, ConfigError) as e:
         exit_with(e)
     except KeyboardInterrupt:

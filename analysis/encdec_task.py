@@ -20,6 +20,9 @@ import optax
 from train.data.tokenizer import PAD_ID
 from train.state import merge_model
 
+# Output-position buckets [e_i, e_i+1) (the last open): position 0 is the first output token, the one that
+# depends most on the end of the input.
+POSITION_EDGES = (0, 1, 2, 4, 8, 16, 32, 64)
 ROW_KEYS = ("src", "src_segment_ids", "tokens", "targets", "segment_ids", "loss_mask", "domains")
 
 
@@ -82,3 +85,29 @@ def row_loss_fn(forward_fn, graphdef, ex):
         return jnp.where(n_B > 0, ce_BxT.sum(-1) / jnp.maximum(n_B, 1), jnp.nan)
 
     return losses
+
+
+def output_position_loss_fn(forward_fn, graphdef, ex, edges=POSITION_EDGES):
+    """jitted (state, batch) -> [B, 2, len(edges)]: per row and output-position bucket, the summed scored
+    cross-entropy and the number of scored tokens. A token's output position is its rank among the row's scored
+    tokens (0 = the first output token), so a prefix row and its encoder-decoder form (encdec_rows) put every
+    target in the same bucket."""
+    edges_K = jnp.asarray(edges)
+
+    @jax.jit
+    def losses(state, batch):
+        ce_BxT, _ = forward_fn(graphdef, state["params"], state["bias"], batch, ex)
+        scored_BxT = batch["loss_mask"] > 0
+        rank_BxT = jnp.cumsum(scored_BxT, axis=-1) - 1
+        bucket_BxTxK = jax.nn.one_hot(jnp.searchsorted(edges_K, rank_BxT, side="right") - 1, len(edges))
+        bucket_BxTxK = bucket_BxTxK * scored_BxT[..., None]
+        return jnp.stack([jnp.einsum("bt,btk->bk", ce_BxT, bucket_BxTxK), bucket_BxTxK.sum(1)], axis=1)
+
+    return losses
+
+
+def by_output_position(sums_Bx2xK, edges=POSITION_EDGES) -> dict:
+    """The per-row bucket sums of output_position_loss_fn, totalled: {edges, loss (None where no token), tokens}."""
+    ce_K, n_K = np.asarray(sums_Bx2xK, np.float64).sum(0)
+    return {"edges": list(edges), "loss": [float(c / n) if n else None for c, n in zip(ce_K, n_K)],
+            "tokens": [int(n) for n in n_K]}

@@ -129,3 +129,20 @@ def plot_probes(groups, path):
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle("Does the model use its input? (dots: seeds, bars: mean)", fontsize=10)
     save(fig, path)
+
+
+def plot_output_position(labels, table, path, title):
+    """Loss per output-position bucket: one line per cell (mean over the seeds in `table`: {cell: (losses, n)})."""
+    fig, ax = plt.subplots(figsize=(7.5, 3.8))
+    x = np.arange(len(labels))
+    for i, (cell, (loss, n)) in enumerate(table.items()):
+        ax.plot(x, [np.nan if v is None else v for v in loss], marker="o", ms=4, color=f"C{i}",
+                label=f"{cell} ({n} seed{'s' if n > 1 else ''})")
+    ax.set_xticks(x)
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_xlabel("output token (1 = the first token after the input)")
+    ax.set_ylabel("validation loss (nats)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    save(fig, path)

@@ -4,6 +4,7 @@ and reports them."""
 
 import json
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -49,6 +50,31 @@ def test_encdec_rows_score_the_same_targets_from_the_same_information(rows):
         assert m == len(out) and (ed["domains"][b, :m] == rows["domains"][b, 0]).all()
 
 
+def test_output_positions_bucket_the_same_targets_in_both_forms(rows):
+    def fake_forward(graphdef, params, bias, batch, ex):  # "loss" = the target id, on scored tokens
+        return jnp.asarray(batch["targets"], jnp.float32) * batch["loss_mask"], {}
+
+    fn = encdec_task.output_position_loss_fn(fake_forward, None, None, edges=(0, 1, 3))
+    state = {"params": None, "bias": None}
+    S, T = encdec_task.lengths(L, 0.5)
+    dec = np.asarray(fn(state, rows))
+    ed = np.asarray(fn(state, encdec_task.encdec_rows(rows, S, T)))
+    np.testing.assert_array_equal(dec, ed)
+    for b in range(len(rows["tokens"])):
+        _, out = parts(rows, b)
+        # buckets [0, 1), [1, 3), [3, ...): the first output token, the next two, the rest
+        expect = [out[:1].sum(), out[1:3].sum(), out[3:].sum()]
+        np.testing.assert_array_equal(dec[b, 0], expect)
+        np.testing.assert_array_equal(dec[b, 1], [min(len(out), 1), len(out[1:3]), len(out[3:])])
+    total = encdec_task.by_output_position(dec, edges=(0, 1, 3))
+    assert sum(total["tokens"]) == int((rows["loss_mask"] > 0).sum())
+
+
+def test_position_labels_are_one_based_token_ranges():
+    assert encdec_study.position_labels(encdec_task.POSITION_EDGES) == [
+        "1", "2", "3-4", "5-8", "9-16", "17-32", "33-64", "65+"]
+
+
 def test_rows_that_do_not_fit_are_refused(rows):
     with pytest.raises(ValueError, match="does not fit"):
         encdec_task.encdec_rows(rows, 3, 3)
@@ -80,6 +106,8 @@ def test_block_passes_count_the_compute_of_each_cell():
 @pytest.mark.parametrize("flags,msg", [(["--seeds", "1"], "--seeds must be at least 2"),
                                        (["--decoder_mask", "mixed"], "--decoder_mask takes causal or prefix"),
                                        (["--config.model.n_layers=3"], "model.n_layers must be even"),
+                                       (["--cells", "encdec_P"], "that includes decoder_P"),
+                                       (["--cells", "decoder_P,decoder_3P"], "--cells takes"),
                                        (["--config.model.tie_embeddings=true"], "tie_embeddings is not supported")])
 def test_bad_flags_are_one_line_errors(flags, msg, capsys):
     with pytest.raises(SystemExit) as e:
@@ -105,7 +133,8 @@ def test_two_by_two_end_to_end_and_cached(tmp_path, monkeypatch):
     assert "not interpretable" in text and "encdec_P - decoder_2P" in text  # 2 steps cannot beat a bigram
     res = {(r["cell"], r["seed"]): r for r in json.loads((tmp_path / "report" / "results.json").read_text())["results"]}
     assert len(res) == 8
-    for name in ("val_curves.png", "paired_loss.png", "domains.png"):
+    assert "## Loss by output position" in text
+    for name in ("val_curves.png", "paired_loss.png", "domains.png", "output_position.png"):
         assert (tmp_path / "report" / name).stat().st_size > 10_000, name
     p = {cell: res[(cell, 0)]["params_non_embedding"] for cell in encdec_study.CELLS}
     # 2P doubles the layers (one final norm either way); the encoder-decoder adds only cross-attention (and
@@ -115,9 +144,16 @@ def test_two_by_two_end_to_end_and_cached(tmp_path, monkeypatch):
     for r in res.values():
         assert np.isfinite(r["val_loss"]) and [s for s, _ in r["val_curve"]] == [1, 2]
         assert r["val_loss"] < 1.05 * np.log(1024)  # scored like the trainer: about ln V at initialization
+        pos = r["val_loss_by_output_position"]  # the same scored tokens, split by output position
+        assert np.isclose(sum(n * v for n, v in zip(pos["tokens"], pos["loss"]) if n) / sum(pos["tokens"]),
+                          r["val_loss"], rtol=1e-5)
     # the seeds differ, the cells differ
     assert res[("decoder_P", 0)]["val_loss"] != res[("decoder_P", 1)]["val_loss"]
     assert res[("decoder_P", 0)]["val_loss"] != res[("encdec_P", 0)]["val_loss"]
     logs.clear()
     encdec_study.run_study(base, 2, 2, tmp_path, "causal", log=logs.append)
     assert sum("cached" in line for line in logs) == 8
+    logs.clear()  # a subset of the cells: trains nothing more, reports only those
+    text = encdec_study.run_study(base, 2, 2, tmp_path, "causal", log=logs.append,
+                                  cells=("decoder_P", "encdec_P")).read_text()
+    assert sum("cached" in line for line in logs) == 4 and "encdec_P - decoder_P" in text and "decoder_2P" not in text
