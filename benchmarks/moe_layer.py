@@ -7,6 +7,9 @@ active FLOPs (width top_k * moe_d_ff), at n_routed_experts = 8 and 64 (fixed top
     python -m benchmarks.moe_layer --preset cpu --baseline_experts /tmp/experts_before.py --steps 15
 
 All rows of one expert count are timed round-robin (benchmarks.common.time_fns): `x dense` is a same-run ratio.
+Two rows time the experts' batched matmuls with no dispatch at all, on N / E rows per expert (perfect balance)
+and on the slab `slab` takes for the benchmark's routing: the floor of any batched-matmul path, and what imbalance
+adds to it.
 """
 
 import functools
@@ -16,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import arg_parser, describe, preset, table, time_fns, variants
-from moe import expert_parallel, experts, router
+from moe import expert_parallel, experts, grouped_slab, router
 
 
 def _routed_fn(dispatch: str, grouped: str, capacity_factor: float, group_size: int):
@@ -61,6 +64,15 @@ def bench(name: str, n_experts: int, dispatches, grouped_matmuls=("auto",), capa
     for d, g in variants(dispatches, grouped_matmuls):
         fn = _routed_fn(d, g, capacity_factor, p["seq_len"])
         add(d, g, lambda x, wg, wu, wd, fn=fn: fn(x, ids, gates, wg, wu, wd), x, *ws)
+    # What dispatch cannot go below: the experts' batched matmuls alone on perfectly balanced rows (N / E each),
+    # and on the slab the `slab` path picks for this routing (its row padding is the cost of imbalance).
+    sizes = jnp.bincount(ids.reshape(-1), length=n_experts)
+    caps = grouped_slab.capacities(T * K, n_experts)
+    slab_rows = next((c for c in caps if c >= int(sizes.max())), None)
+    for C, what in ((-(-T * K // n_experts), "balanced"), (slab_rows, "this routing's slab")):
+        if C is not None:
+            xs = jax.random.normal(ks[0], (n_experts, C, D), dt)
+            add(f"expert matmuls alone, {C} rows each ({what})", "-", experts._swiglu_batched, xs, *ws)
     dense = [(jax.random.normal(k, s, jnp.float32) * s[0] ** -0.5).astype(dt)
              for k, s in zip(ks[2:5], [(D, K * F), (D, K * F), (K * F, D)])]
     if baseline_experts:  # the dropless path of another experts.py, e.g. an earlier revision, blocked matmul
