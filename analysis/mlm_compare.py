@@ -6,19 +6,24 @@
 Both arms train the same model on train.inputs.MLMSampler rows (15% of the tokens replaced by [MASK] and predicted
 in place); `bidirectional` lets every head see the whole row, `mixed` makes half the heads lower- and half
 upper-triangular. Each run lives in OUT/<arm>/seed<k> (train.loop.run: resumable; a finished run's result.json
-is reused). Gate (pre-registered): the bidirectional arm must beat the unigram reference of the masked targets by
-MLM_GATE nats, else the report says "not interpretable". Then the paired t-interval of mixed - bidirectional,
-the sign count and the +-0.02 equivalence test. OUT/report.md holds the result.
+is reused). The final loss is on the masked tokens of every validation window (the in-training curve: the first
+eval.rows_per_domain windows of each domain). Gate (pre-registered): the bidirectional arm must beat the unigram
+reference of those masked targets by MLM_GATE nats, else the report says "not interpretable". Then the paired
+t-interval of mixed - bidirectional, the sign count and the +-0.02 equivalence test. OUT/report.md holds the
+result, OUT/curves.png every seed's curve with the unigram line.
 """
 
 import copy
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 
+from analysis import study_plots
 from analysis.experiments import Interrupted, fingerprint, read_metrics
+from analysis.study import all_rows, token_weighted
 from analysis.study_stats import equivalent, ngram_model, paired_t_interval, paired_t_p, sign_test
 from rundir import RunDir
 from rundir.atomic import write_text
@@ -32,12 +37,13 @@ MLM_GATE = 0.3  # nats below the unigram reference of the masked targets
 
 
 def unigram_reference(config) -> float:
-    """Cross-entropy of the validation rows' masked targets under the add-one unigram of every training token."""
-    from train.inputs import eval_rows, token_cache_for
+    """Cross-entropy of every validation window's masked targets under the add-one unigram of every training
+    token."""
+    from train.inputs import token_cache_for
 
     train = token_cache_for(config.data, config.data.split)
     uni = ngram_model(np.asarray(train.tokens), config.model.vocab_size)[0]
-    rows = eval_rows(config)
+    rows = all_rows(config)
     return float(-np.mean(np.log(uni[rows["targets"][rows["loss_mask"] > 0]])))
 
 
@@ -62,6 +68,19 @@ def verdict(bidir, mixed, reference: float) -> dict:
     return out
 
 
+def final_losses(config, workdir) -> tuple[float, dict]:
+    """(loss, {domain name: loss}) of the run's last checkpoint on the masked tokens of every validation window."""
+    from analysis.study_probes import row_losses
+    from rundir.reading import open_run
+    from train.inputs import task_cache
+
+    model = open_run(workdir, log=lambda *a: None).model
+    rows = all_rows(config)
+    loss, by_dom = token_weighted(row_losses(model, rows, 64), rows)
+    names = task_cache(config.data, config.data.eval_split).domain_names
+    return loss, {names[d]: v for d, v in by_dom.items()}
+
+
 def run_one(config, workdir, log=print) -> dict:
     from train.loop import run
 
@@ -72,13 +91,19 @@ def run_one(config, workdir, log=print) -> dict:
         if r.get("fingerprint") != fingerprint(config):
             raise UserError(f"{workdir} holds a finished run with a different config; use another --out")
         return r
+    t0 = time.perf_counter()
     run(config, workdir, log=log)
+    seconds = time.perf_counter() - t0
     done = steps_in(RunDir(workdir).checkpoints)
     if not done or done[-1] < config.train.steps:
         raise Interrupted(f"{workdir} stopped at step {done[-1] if done else 0} of {config.train.steps}")
     _, evals = read_metrics(workdir)
+    loss, by_domain = final_losses(config, workdir)
     r = {"mask": config.model.mask, "seed": int(config.train.seed), "fingerprint": fingerprint(config),
-         "val_loss": evals[max(evals)]["val/loss"], "val_curve": sorted((s, e["val/loss"]) for s, e in evals.items())}
+         "steps": int(config.train.steps), "train_seconds": seconds,
+         "tokens_seen": int(config.train.steps * config.train.batch_size * config.data.seq_len),
+         "val_loss": loss, "val_loss_by_domain": by_domain,
+         "val_curve": sorted((s, e["val/loss"]) for s, e in evals.items())}
     write_text(cache, json.dumps(r))
     return r
 
@@ -95,18 +120,28 @@ def compare(base, seeds: int, steps: int, out, log=print) -> Path:
     v = verdict([res["bidirectional", s]["val_loss"] for s in range(seeds)],
                 [res["mixed", s]["val_loss"] for s in range(seeds)], unigram_reference(base))
     lines = ["# Mixed vs bidirectional heads on a masked LM", "",
-             f"{seeds} paired seeds x {steps} steps; validation loss on the masked tokens of fixed validation rows.", "",
+             f"{seeds} paired seeds x {steps} steps ({res['bidirectional', 0].get('tokens_seen', 0):,} tokens per "
+             f"run); final validation loss on the masked tokens of every validation window.", "",
              f"Gate: bidirectional must beat the unigram reference ({v['reference']:.4f}) by >= {MLM_GATE}: "
              f"beats it by {v['beats_unigram_by']:+.4f} -> **{'passed' if v['gate_passed'] else 'failed'}**.", "",
-             "| seed | bidirectional | mixed | mixed - bidirectional |", "|---|---|---|---|"]
+             "| seed | bidirectional | mixed | mixed - bidirectional | train s (bidirectional, mixed) |",
+             "|---|---|---|---|---|"]
     for s in range(seeds):
-        b, m = res["bidirectional", s]["val_loss"], res["mixed", s]["val_loss"]
-        lines.append(f"| {s} | {b:.4f} | {m:.4f} | {m - b:+.4f} |")
+        b, m = res["bidirectional", s], res["mixed", s]
+        secs = ", ".join(f"{r['train_seconds']:.0f}" if "train_seconds" in r else "-" for r in (b, m))
+        lines.append(f"| {s} | {b['val_loss']:.4f} | {m['val_loss']:.4f} | {m['val_loss'] - b['val_loss']:+.4f} | "
+                     f"{secs} |")
     if "mean" in v:
         lines += ["", f"mixed - bidirectional: {v['mean']:+.4f} [{v['lo']:+.4f}, {v['hi']:+.4f}] (95% paired t), "
                   f"mixed better in {v['mixed_wins']} / {seeds} seeds (sign p {v['sign_p']:.3f}), t-test p "
                   f"{v['p']:.3f}, equivalent within +-0.02: {'yes' if v['equivalent'] else 'no'}."]
-    lines += ["", f"Verdict: **{v['verdict']}**", ""]
+    lines += ["", f"Verdict: **{v['verdict']}**", "", "Every seed's validation curve (the first "
+              f"{base.eval.rows_per_domain} windows of each domain) with the unigram reference (all windows):", "",
+              "![validation curves](curves.png)", ""]
+    groups = {arm: {s: res[arm, s] for s in range(seeds)} for arm in ARMS}
+    study_plots.plot_curves(groups, {"unigram": v["reference"]}, out / "curves.png",
+                            "Masked-LM validation loss per seed during training (masked tokens)",
+                            "validation loss, masked tokens (nats)")
     write_text(out / "result.json", json.dumps(v))
     return write_text(out / "report.md", "\n".join(lines))
 

@@ -9,13 +9,19 @@ from analysis.figures import grid, plt, save
 def _refs(ax, refs, with_unigram=True):
     if with_unigram:
         ax.axhline(refs["unigram"], color="0.4", linestyle=":", linewidth=1.2, label=f"unigram {refs['unigram']:.2f}")
-    ax.axhline(refs["bigram"], color="0.2", linestyle="--", linewidth=1.2, label=f"bigram {refs['bigram']:.2f}")
+    if "bigram" in refs:  # the masked-LM comparison has no bigram reference
+        ax.axhline(refs["bigram"], color="0.2", linestyle="--", linewidth=1.2, label=f"bigram {refs['bigram']:.2f}")
 
 
-def plot_curves(groups, refs, path):
+CURVES_TITLE = ("Validation loss per seed during training (output half of the first 16 validation windows per "
+                "domain; references: all windows)")
+
+
+def plot_curves(groups, refs, path, title=CURVES_TITLE, ylabel="validation loss, output half (nats)"):
     """One panel per arm: every seed's validation curve, the reference lines; y limits shared."""
     fig, axes = grid(len(groups), 4, 3.4, 3.0)
-    lo = min(refs["bigram"], min(v for runs in groups.values() for r in runs.values() for _, v in r["val_curve"]))
+    lo = min(refs.get("bigram", np.inf),
+             min(v for runs in groups.values() for r in runs.values() for _, v in r["val_curve"]))
     hi = max(refs["unigram"], max(v for runs in groups.values() for r in runs.values() for _, v in r["val_curve"]))
     hi += 0.15
     for ax, (arm, runs) in zip(axes, groups.items()):
@@ -27,10 +33,9 @@ def plot_curves(groups, refs, path):
         ax.set_title(arm, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("validation loss, output half (nats)")
+    axes[0].set_ylabel(ylabel)
     axes[0].legend(fontsize=7)
-    fig.suptitle("Validation loss per seed during training (output half of the first 16 validation windows per "
-                 "domain; references: all windows)", fontsize=9)
+    fig.suptitle(title, fontsize=9)
     save(fig, path)
 
 

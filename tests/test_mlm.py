@@ -1,5 +1,7 @@
 """train/inputs.MLMSampler and the masked-LM config checks (item 6: mixed vs bidirectional heads on a masked LM)."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -71,12 +73,21 @@ def test_mlm_compare_bad_flags(capsys):
 
 
 @pytest.mark.slow  # trains 2 arms x 2 seeds of the tiny model for 2 steps
-def test_mlm_compare_end_to_end(tmp_path):
+def test_mlm_compare_end_to_end(tmp_path, monkeypatch):
+    from analysis import mlm_compare
     from analysis.mlm_compare import compare
     from tests.conftest import tiny_config
+    from train.inputs import eval_rows
+
+    monkeypatch.setattr(mlm_compare, "all_rows", eval_rows)  # final loss on the curve's rows, not every window
 
     base = tiny_config(**{"data.task": "mlm", "model.mask": "bidirectional", "data.tokenizer": "tokenizer_1k.json",
                           "model.vocab_size": 1025, "data.seq_len": 32, "eval.rows_per_domain": 2,
                           "checkpoint.every": 100})
     text = compare(base, 2, 2, tmp_path, log=lambda *a: None).read_text()
     assert "not interpretable" in text and (tmp_path / "mixed" / "seed1" / "result.json").exists()
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
+    r = json.loads((tmp_path / "mixed" / "seed1" / "result.json").read_text())
+    # the final loss is the last checkpoint's, scored again: it equals the trainer's last evaluation on those rows
+    assert r["steps"] == 2 and np.isclose(r["val_loss"], r["val_curve"][-1][1], rtol=1e-5)
+    assert set(r["val_loss_by_domain"]) and r["train_seconds"] > 0
