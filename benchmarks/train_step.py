@@ -7,6 +7,9 @@ dispatch path, grouped matmul, attention implementation and routed-expert count 
 
 MFU = model FLOPs (moe.accounting.train_flops_per_token, the loop's figure) / the measured peak of a large matmul
 (bf16 on accelerators, fp32 on CPU: train.flops.measure_peak_flops) x devices.
+
+--breakdown also times the step's parts on the same state and batch: the forward pass alone (`fwd ms`) and the
+forward + backward pass (`fwd+bwd ms`); the rest of `step ms` is the optimizer, the bias update and the metrics.
 """
 
 
@@ -22,7 +25,7 @@ from train import optim
 from train.config import check, execution
 from train.flops import measure_peak_flops
 from train.state import init_state
-from train.step import make_train_step
+from train.step import forward, make_train_step
 
 
 def _config(name: str, dispatch: str, n_experts: int, capacity_factor: float, grouped: str, attention: str,
@@ -46,33 +49,53 @@ def _batch(B: int, L: int, V: int, mesh):
     return jax.device_put(b, NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
 
 
+def _parts(graphdef, ex):
+    """Jitted forward and forward + backward of the step's loss (train.step.forward summed), for --breakdown."""
+    def loss(params, bias, batch):
+        return forward(graphdef, params, bias, batch, ex)[0].sum()
+
+    fwd = jax.jit(loss)
+    grad = jax.jit(jax.grad(loss))
+    return (lambda state, batch: fwd(state["params"], state["bias"], batch),
+            lambda state, batch: grad(state["params"], state["bias"], batch))
+
+
 def bench(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto", attention="einsum", batch=0,
-          steps=0) -> dict:
+          steps=0, breakdown=False) -> dict:
     c = _config(name, dispatch, n_experts, capacity_factor, grouped, attention, batch)
     mcfg, t = check(c), c.train
     mesh = mesh_lib.make_mesh(c.mesh)
     tx = optim.optimizer(t)
     graphdef, state, shardings = init_state(mcfg, tx, 0, mesh)
-    run = jax.jit(make_train_step(graphdef, tx, optim.schedule(t), t, execution(c, mesh)))
+    ex = execution(c, mesh)
+    run = jax.jit(make_train_step(graphdef, tx, optim.schedule(t), t, ex))
 
     batch = _batch(t.batch_size, c.data.seq_len, mcfg.vocab_size, mesh)
-    s = time_fn(lambda: run(state, batch)[1]["loss"], steps=steps or PRESETS[name]["steps"])
+    n = steps or PRESETS[name]["steps"]
+    s = time_fn(lambda: run(state, batch)[1]["loss"], steps=n)
     tokens = t.batch_size * c.data.seq_len
     flops = train_flops_per_token(mcfg, c.data.seq_len) * tokens
-    return {"dispatch": dispatch, "grouped matmul": grouped, "attention": attention, "experts": n_experts, "top_k": mcfg.top_k, "tokens/step": tokens,
-            "step ms": s * 1e3, "tokens/s": tokens / s, "MFU %": 100 * flops / s / (peak * jax.device_count()),
-            "peak GiB": peak_memory_gb()}
+    row = {"dispatch": dispatch, "grouped matmul": grouped, "attention": attention, "experts": n_experts,
+           "top_k": mcfg.top_k, "tokens/step": tokens, "step ms": s * 1e3, "tokens/s": tokens / s,
+           "MFU %": 100 * flops / s / (peak * jax.device_count()), "peak GiB": peak_memory_gb()}
+    if breakdown:
+        fwd, grad = _parts(graphdef, ex)
+        row["fwd ms"] = time_fn(lambda: fwd(state, batch), steps=n) * 1e3
+        row["fwd+bwd ms"] = time_fn(lambda: grad(state, batch), steps=n) * 1e3
+    return row
 
 
 def main(argv=None):
-    a = arg_parser(__doc__.splitlines()[0]).parse_args(argv)
+    ap = arg_parser(__doc__.splitlines()[0])
+    ap.add_argument("--breakdown", action="store_true", help="also time the forward and forward + backward passes")
+    a = ap.parse_args(argv)
     peak = a.peak_flops or measure_peak_flops()
     print(describe() + f" | matmul peak {peak / 1e12:.3g} TFLOP/s per device")
     experts_list = [int(e) for e in a.experts.split(",")]
     combos = [(d, g, att) for d, g in variants(a.dispatch.split(","), a.grouped_matmul.split(","))
               for att in a.attention_impl.split(",")]
-    rows = [bench(a.preset, d, e, peak, a.capacity_factor, g, att, a.batch, a.steps) for d, g, att in combos
-            for e in experts_list]
+    rows = [bench(a.preset, d, e, peak, a.capacity_factor, g, att, a.batch, a.steps, a.breakdown)
+            for d, g, att in combos for e in experts_list]
     print(table(rows))
     if len(experts_list) == 2:
         for d, g, att in combos:

@@ -21,7 +21,8 @@ def test_moe_layer_rows_and_dense_baseline():
 
 def test_train_step_row(capsys):
     train_step.main(["--preset", "cpu", "--dispatch", "dropless", "--grouped_matmul", "blocked",
-                     "--attention_impl", "xla", "--experts", "8", "--peak_flops", "1e12", "--batch", "1"])
+                     "--attention_impl", "xla", "--experts", "8", "--peak_flops", "1e12", "--batch", "1",
+                     "--breakdown"])
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("| dropless"))
     cells = [c.strip() for c in row.strip("|").split("|")]
@@ -29,3 +30,6 @@ def test_train_step_row(capsys):
     assert int(cells[5]) == 8 * 256  # tokens/step: one row of 256 per (fake) device
     mfu = float(cells[8])
     assert 0 < mfu < 100
+    header = next(line for line in out.splitlines() if line.startswith("| dispatch"))
+    assert header.rstrip(" |").endswith("fwd ms | fwd+bwd ms")  # --breakdown: the step's parts, timed
+    assert float(cells[10]) > 0 and float(cells[11]) > 0
