@@ -5,6 +5,8 @@ active FLOPs (width top_k * moe_d_ff), at n_routed_experts = 8 and 64 (fixed top
     python -m benchmarks.moe_layer --preset gpu --grouped_matmul ragged_dot,blocked
     # against an older experts.py (e.g. `git show REV:moe/experts.py > /tmp/experts_before.py`), same process:
     python -m benchmarks.moe_layer --preset cpu --baseline_experts /tmp/experts_before.py --steps 15
+    # other slab sizes than grouped_slab.SLAB_FACTORS (multiples of the mean rows per expert):
+    python -m benchmarks.moe_layer --preset cpu --dispatch dropless --grouped_matmul slab,slab:1.25/1.5/1.75/2
 
 All rows of one expert count are timed round-robin (benchmarks.common.time_fns): `x dense` is a same-run ratio.
 Two rows time the experts' batched matmuls with no dispatch at all, on N / E rows per expert (perfect balance)
@@ -22,13 +24,22 @@ from benchmarks.common import arg_parser, describe, preset, table, time_fns, var
 from moe import expert_parallel, experts, grouped_slab, router
 
 
+def _grouped(name: str):
+    """A grouped_matmul name, or `slab:F1/F2/...`: the slab path with those slab sizes (multiples of N / E)."""
+    if name.startswith("slab:"):
+        factors = tuple(float(f) for f in name[len("slab:"):].split("/"))
+        return functools.partial(grouped_slab.grouped_swiglu_slab, factors=factors)
+    return name
+
+
 def _routed_fn(dispatch: str, grouped: str, capacity_factor: float, group_size: int):
     if dispatch == "dropless":
-        return functools.partial(experts.dropless, grouped=grouped)
+        return functools.partial(experts.dropless, grouped=_grouped(grouped))
     if dispatch == "capacity":
         return functools.partial(experts.capacity, capacity_factor=capacity_factor, group_size=group_size)
     if dispatch == "expert_parallel":  # one device: the all_to_all-free single-shard version of the same math
-        return lambda *a: expert_parallel.dispatch(*a, capacity_factor=capacity_factor, grouped_matmul=grouped)[0]
+        return lambda *a: expert_parallel.dispatch(*a, capacity_factor=capacity_factor,
+                                                   grouped_matmul=_grouped(grouped))[0]
     raise ValueError(f"unknown dispatch {dispatch!r}")
 
 

@@ -103,7 +103,9 @@ def grouped_swiglu_for(grouped_matmul: str = "auto"):
     """The grouped SwiGLU by name (`execution.grouped_matmul`). auto, by measurement (docs/performance.md): on CPU
     `slab` (XLA:CPU lowers ragged_dot -- and tokamax, whose only CPU implementation is ragged_dot -- densely over
     all experts); elsewhere `ragged_dot` until the GPU benchmark (benchmarks/gpu_report.py) has measured
-    `tokamax` against it."""
+    `tokamax` against it. A callable is returned as is (a grouped SwiGLU of the same signature)."""
+    if callable(grouped_matmul):
+        return grouped_matmul
     if grouped_matmul == "auto":
         grouped_matmul = "slab" if jax.default_backend() == "cpu" else "ragged_dot"
     return GROUPED_SWIGLU[grouped_matmul]

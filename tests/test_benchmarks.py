@@ -19,6 +19,14 @@ def test_moe_layer_rows_and_dense_baseline():
     assert rows[-1]["x dense"] == 1.0
 
 
+def test_slab_factor_variants_reach_the_grouped_matmul():
+    from moe import experts
+
+    fn = moe_layer._grouped("slab:1.25/1.5/1.75/2")
+    assert fn.keywords == {"factors": (1.25, 1.5, 1.75, 2.0)} and experts.grouped_swiglu_for(fn) is fn
+    assert moe_layer._grouped("blocked") == "blocked"
+
+
 def test_train_step_row(capsys):
     train_step.main(["--preset", "cpu", "--dispatch", "dropless", "--grouped_matmul", "blocked",
                      "--attention_impl", "xla", "--experts", "8", "--peak_flops", "1e12", "--batch", "1",
