@@ -17,7 +17,8 @@ gap says whether it uses its input. Exact parameter counts go in the report.
 
 A run is minutes (no checkpoints): OUT/<cell>/seed<k>/result.json is written atomically when it ends, and a
 finished run is skipped when the same command runs again; a stopped run starts over. The report is
-OUT/report/report.md, with the mask study's gate (the decoder_P cell against the bigram reference).
+OUT/report/report.md (OUT/report_<cells>/ for a --cells subset), with the mask study's gate (the decoder_P cell
+against the bigram reference).
 """
 
 import copy
@@ -198,17 +199,17 @@ def position_labels(edges) -> list[str]:
 
 def position_table(results) -> tuple[list[str], dict]:
     """(bucket labels, {cell: (mean loss per bucket over the seeds that measured it, n seeds)}); runs from before
-    the measurement have no `val_loss_by_output_position` and are left out."""
-    table, edges = {}, None
+    the measurement (no `val_loss_by_output_position`) or with other buckets than today's are left out."""
+    edges = list(encdec_task.POSITION_EDGES)
+    table = {}
     for cell in CELLS:
         rs = [r["val_loss_by_output_position"] for r in results
-              if r["cell"] == cell and "val_loss_by_output_position" in r]
+              if r["cell"] == cell and r.get("val_loss_by_output_position", {}).get("edges") == edges]
         if rs:
-            edges = rs[0]["edges"]
             loss = [None if any(r["loss"][k] is None for r in rs) else float(np.mean([r["loss"][k] for r in rs]))
                     for k in range(len(edges))]
             table[cell] = (loss, len(rs))
-    return (position_labels(edges) if edges else []), table
+    return (position_labels(edges) if table else []), table
 
 
 def position_lines(results) -> list[str]:
@@ -335,7 +336,9 @@ def run_study(base, seeds: int, steps: int, out, decoder_mask: str, log=print, r
         results.append(run_cell(*configs[(cell, s)], workdir, log))
     if not any(r["cell"] == "decoder_P" for r in results):
         raise UserError(f"no finished decoder_P runs in {out} for these settings; run without --report_only first")
-    return write_report(results, refs, out / "report", base, decoder_mask)
+    # A subset of the cells reports beside the full 2x2, never over it (Holm runs over the contrasts present).
+    name = "report" if tuple(cells) == CELLS else "report_" + "+".join(cells)
+    return write_report(results, refs, out / name, base, decoder_mask)
 
 
 def parser() -> ArgParser:

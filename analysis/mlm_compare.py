@@ -69,12 +69,13 @@ def verdict(bidir, mixed, reference: float) -> dict:
 
 
 def final_losses(config, workdir) -> tuple[float, dict]:
-    """(loss, {domain name: loss}) of the run's last checkpoint on the masked tokens of every validation window."""
+    """(loss, {domain name: loss}) of the run's final checkpoint (step train.steps) on the masked tokens of every
+    validation window."""
     from analysis.study_probes import row_losses
     from rundir.reading import open_run
     from train.inputs import task_cache
 
-    model = open_run(workdir, log=lambda *a: None).model
+    model = open_run(workdir, int(config.train.steps), log=lambda *a: None).model
     rows = all_rows(config)
     loss, by_dom = token_weighted(row_losses(model, rows, 64), rows)
     names = task_cache(config.data, config.data.eval_split).domain_names
@@ -90,6 +91,9 @@ def run_one(config, workdir, log=print) -> dict:
         r = json.loads(cache.read_text())
         if r.get("fingerprint") != fingerprint(config):
             raise UserError(f"{workdir} holds a finished run with a different config; use another --out")
+        if "val_loss_by_domain" not in r:  # finished before the final loss was taken on every window: rescore
+            r["val_loss"], r["val_loss_by_domain"] = final_losses(config, workdir)
+            write_text(cache, json.dumps(r))
         return r
     t0 = time.perf_counter()
     run(config, workdir, log=log)
@@ -120,8 +124,8 @@ def compare(base, seeds: int, steps: int, out, log=print) -> Path:
     v = verdict([res["bidirectional", s]["val_loss"] for s in range(seeds)],
                 [res["mixed", s]["val_loss"] for s in range(seeds)], unigram_reference(base))
     lines = ["# Mixed vs bidirectional heads on a masked LM", "",
-             f"{seeds} paired seeds x {steps} steps ({res['bidirectional', 0].get('tokens_seen', 0):,} tokens per "
-             f"run); final validation loss on the masked tokens of every validation window.", "",
+             f"{seeds} paired seeds x {steps} steps ({steps * base.train.batch_size * base.data.seq_len:,} tokens "
+             f"per run); final validation loss on the masked tokens of every validation window.", "",
              f"Gate: bidirectional must beat the unigram reference ({v['reference']:.4f}) by >= {MLM_GATE}: "
              f"beats it by {v['beats_unigram_by']:+.4f} -> **{'passed' if v['gate_passed'] else 'failed'}**.", "",
              "| seed | bidirectional | mixed | mixed - bidirectional | train s (bidirectional, mixed) |",

@@ -10,8 +10,9 @@ active FLOPs (width top_k * moe_d_ff), at n_routed_experts = 8 and 64 (fixed top
 
 All rows of one expert count are timed round-robin (benchmarks.common.time_fns): `x dense` is a same-run ratio.
 Two rows time the experts' batched matmuls with no dispatch at all, on N / E rows per expert (perfect balance)
-and on the slab `slab` takes for the benchmark's routing: the floor of any batched-matmul path, and what imbalance
-adds to it.
+and on the slab `slab` takes for the benchmark's routing under `dropless` (expert_parallel's slab sees its capacity
+rows instead): the floor of any batched-matmul path, and what imbalance adds to it. Their TFLOP/s count the useful
+FLOPs (T * K rows), like every row, not the padded slab's.
 """
 
 import functools

@@ -154,6 +154,15 @@ def test_two_by_two_end_to_end_and_cached(tmp_path, monkeypatch):
     encdec_study.run_study(base, 2, 2, tmp_path, "causal", log=logs.append)
     assert sum("cached" in line for line in logs) == 8
     logs.clear()  # a subset of the cells: trains nothing more, reports only those
-    text = encdec_study.run_study(base, 2, 2, tmp_path, "causal", log=logs.append,
-                                  cells=("decoder_P", "encdec_P")).read_text()
+    subset = encdec_study.run_study(base, 2, 2, tmp_path, "causal", log=logs.append, cells=("decoder_P", "encdec_P"))
+    text = subset.read_text()
     assert sum("cached" in line for line in logs) == 4 and "encdec_P - decoder_P" in text and "decoder_2P" not in text
+    assert subset.parent.name == "report_decoder_P+encdec_P" and report.read_text() != text  # the 2x2 kept
+    # results from before the position measurement give the report they gave then: no position section
+    old = [{k: v for k, v in r.items() if k != "val_loss_by_output_position"} for r in res.values()]
+    refs = json.loads((tmp_path / "references.json").read_text())
+    without = encdec_study.write_report(old, refs, tmp_path / "old", base, "causal").read_text()
+    full = report.read_text()
+    start, end = full.index("## Loss by output position"), full.index("## Figures")
+    assert without == full[:start] + full[end:]
+    assert not (tmp_path / "old" / "output_position.png").exists()

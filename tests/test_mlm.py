@@ -91,3 +91,8 @@ def test_mlm_compare_end_to_end(tmp_path, monkeypatch):
     # the final loss is the last checkpoint's, scored again: it equals the trainer's last evaluation on those rows
     assert r["steps"] == 2 and np.isclose(r["val_loss"], r["val_curve"][-1][1], rtol=1e-5)
     assert set(r["val_loss_by_domain"]) and r["train_seconds"] > 0
+    # a run finished before the final loss was taken on every window is rescored from its checkpoint
+    path = tmp_path / "mixed" / "seed1" / "result.json"
+    path.write_text(json.dumps({k: v for k, v in r.items() if k != "val_loss_by_domain"} | {"val_loss": 99.0}))
+    compare(base, 2, 2, tmp_path, log=lambda *a: None)
+    assert json.loads(path.read_text()) == r
