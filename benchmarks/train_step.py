@@ -19,8 +19,17 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from benchmarks.common import (PRESETS, arg_parser, describe, peak_memory_gb, preset, table, time_fn, time_fns,
-                               variants)
+from benchmarks.common import (
+    PRESETS,
+    arg_parser,
+    describe,
+    peak_memory_gb,
+    preset,
+    table,
+    time_fn,
+    time_fns,
+    variants,
+)
 from configs.base import base_config
 from moe import train_flops_per_token
 from train import mesh as mesh_lib
