@@ -143,9 +143,12 @@ def train_cell(c, cell: Cell, log=print) -> dict:
             curve.append((done, loss))
             log(f"  step {done}/{t.steps}: val loss {loss:.4f} ({time.perf_counter() - t0:.0f} s)")
     seconds = time.perf_counter() - t0
-    rl = row_losses(loss_fn, state, to_batch, val, eb)
+    # One pass over every validation window: per-row bucket sums give the row losses and the position table.
+    sums_Rx2xK = row_losses(position_fn, state, to_batch, val, eb)
+    ce_R, n_R = sums_Rx2xK.sum(-1).T
+    rl = np.where(n_R > 0, ce_R / np.maximum(n_R, 1), np.nan)
     val_loss, by_dom = token_weighted(rl, val)
-    by_position = encdec_task.by_output_position(row_losses(position_fn, state, to_batch, val, eb))
+    by_position = encdec_task.by_output_position(sums_Rx2xK)
     gap_rows = first_rows_per_domain(val, GAP_ROWS_PER_DOMAIN)
     own = row_losses(loss_fn, state, to_batch, gap_rows, eb)
     other = row_losses(loss_fn, state, to_batch, replace_inputs(gap_rows, seed=int(t.seed)), eb)
