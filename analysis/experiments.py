@@ -64,6 +64,8 @@ def fingerprint(config) -> str:
     d["log"] = {k: v for k, v in d["log"].items() if k not in ("progress", "tensorboard")}
     if not d["eval"].get("output_only", True):  # added later with this default: old caches stay valid
         del d["eval"]["output_only"]
+    if not d["train"].get("equal_targets", True):  # likewise
+        del d["train"]["equal_targets"]
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -6,7 +6,9 @@
 
 Arms (ARMS): causal (GPT, loss on the output half), prefix (UniLM: bidirectional input), mixed (Su's
 triangular heads), causal_all (causal, loss on every token: the decoder-only model's practical advantage); opt-in
-causal_nope and prefix_nope (no position encoding; compared with their RoPE twin, and by the input-order gap).
+causal_half (causal_all's equal-targets control: a random half of every token's targets, so as many per step as
+causal), causal_nope and prefix_nope (no position encoding; compared with their RoPE twin, and by the input-order
+gap).
 Every arm is validated on the output half of every validation window (eval.output_only) every eval.every steps.
 For seed k every arm has the same data order and initial weights (train.seed = k), so arms compare paired by seed.
 
@@ -34,11 +36,14 @@ from train.cli import ArgParser, config_from_argv
 from train.errors import UserError
 
 DEFAULT_CONFIG = "configs/study_masks.py"
-# arm: (model.mask, train.prefix_loss, model.rope); the NoPE arms (item 7) are opt-in and are compared with their
-# RoPE twin by the input-shuffle gap: a prefix-LM without positions is exactly invariant to shuffling its input
-ARMS = {"causal": ("causal", False, True), "prefix": ("prefix", False, True), "mixed": ("mixed", False, True),
-        "causal_all": ("causal", True, True), "causal_nope": ("causal", False, False),
-        "prefix_nope": ("prefix", False, False)}
+# arm: (model.mask, train.prefix_loss, model.rope, train.equal_targets); the NoPE arms (item 7) are opt-in and
+# are compared with their RoPE twin by the input-shuffle gap: a prefix-LM without positions is exactly invariant to
+# shuffling its input. causal_half (opt-in) is causal_all's equal-targets control: loss on a random half of every
+# window's targets, as many per step as causal, spread over input and output like causal_all's.
+ARMS = {"causal": ("causal", False, True, False), "prefix": ("prefix", False, True, False),
+        "mixed": ("mixed", False, True, False), "causal_all": ("causal", True, True, False),
+        "causal_half": ("causal", True, True, True), "causal_nope": ("causal", False, False, False),
+        "prefix_nope": ("prefix", False, False, False)}
 DEFAULT_ARMS = ("causal", "prefix", "mixed", "causal_all")
 # Sized by the pilot (docs/decoder-only.md): one pass over all 1,148 validation windows costs ~30 s on the shared
 # 2-core CPU, so the final loss uses all of them and the probes fixed per-domain subsets (the first rows of each).
@@ -50,7 +55,7 @@ DEFAULT_PROBE_ROWS = f"{GAP_ROWS_PER_DOMAIN},{SHUFFLE_ROWS_PER_DOMAIN},{CHOICE_R
 
 def arm_config(base, arm: str, seed: int, steps: int):
     c = copy.deepcopy(base)
-    c.model.mask, c.train.prefix_loss, c.model.rope = ARMS[arm]
+    c.model.mask, c.train.prefix_loss, c.model.rope, c.train.equal_targets = ARMS[arm]
     c.train.seed, c.train.steps = seed, steps
     return c
 
@@ -142,6 +147,7 @@ def summarize(config, arm: str, workdir, seconds: float, sizes=None) -> dict:
     p = probes(model, all_rows(config), seed=int(config.train.seed), sizes=sizes)
     names = task_cache(config.data, config.data.eval_split).domain_names
     return {"arm": arm, "mask": config.model.mask, "prefix_loss": bool(config.train.prefix_loss),
+            "equal_targets": bool(config.train.get("equal_targets", False)),
             "seed": int(config.train.seed), "steps": int(config.train.steps), "fingerprint": fingerprint(config),
             "train_seconds": seconds, "tokens_seen": int(config.train.steps * config.train.batch_size
                                                            * config.data.seq_len),

@@ -17,6 +17,7 @@ from analysis import study_plots
 from analysis.study_stats import GATE_BIGRAM_MARGIN, GATE_INPUT_GAP
 from analysis.study_verdicts import (
     ALPHA,
+    EQUAL_TARGETS,
     EQUIVALENCE_MARGIN,
     NOPE_TWINS,
     by_arm,
@@ -80,6 +81,24 @@ def contrast_table(rows, digits=4) -> list[str]:
     return out
 
 
+def equal_targets_rows(groups, gate_passed: bool) -> list[dict]:
+    """The equal-targets control's contrasts (none without the causal_half arm): does causal_all win by its extra
+    targets or by where they sit?"""
+    family = [(a, ref) for a, ref in EQUAL_TARGETS if a in groups and ref in groups]
+    return contrasts(groups, gate_passed, family=family) if family else []
+
+
+def equal_targets_lines(rows) -> list[str]:
+    if not rows:
+        return []
+    lines = ["", "## Equal-targets control for causal_all (own Holm family; added after the round)", "",
+             "causal_half: causal mask, loss on a random subset of every window's targets as large as its output "
+             "half (so as many targets per step as causal, spread over input and output like causal_all's). "
+             "causal_all - causal = (causal_all - causal_half: the extra targets) + (causal_half - causal: moving half "
+             "of the targets onto the input). Negative = the first arm has the lower loss.", ""]
+    return lines + contrast_table(rows)
+
+
 def write_report(results, refs, out, base, missing=()) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -90,8 +109,10 @@ def write_report(results, refs, out, base, missing=()) -> Path:
     g = study_gate(groups, refs)
     loss_rows = contrasts(groups, g["passed"])
     acc_rows = contrasts(groups, g["passed"], "choice_accuracy", lower_is_better=False, margin=ACCURACY_MARGIN)
+    eq_rows = equal_targets_rows(groups, g["passed"])
     write_text(out / "results.json", json.dumps({"results": results, "references": refs, "gate": g,
-                                                 "loss_contrasts": loss_rows, "accuracy_contrasts": acc_rows}))
+                                                 "loss_contrasts": loss_rows, "accuracy_contrasts": acc_rows,
+                                                 **({"equal_targets_contrasts": eq_rows} if eq_rows else {})}))
     study_plots.plot_curves(groups, refs, out / "val_curves.png")
     study_plots.plot_contrasts(loss_rows, out / "paired_loss.png", "validation loss difference (nats)",
                                "arm - causal, paired by seed; < 0: arm better", EQUIVALENCE_MARGIN)
@@ -141,6 +162,7 @@ def write_report(results, refs, out, base, missing=()) -> Path:
               "## Secondary contrasts: 4-way continuation accuracy, arm - causal (own Holm family)", "",
               f"Positive = the arm picks the true continuation more often; equivalence margin +-{ACCURACY_MARGIN}.", ""]
     lines += contrast_table(acc_rows, 3)
+    lines += equal_targets_lines(eq_rows)
     nope = [(a, ref) for a, ref in NOPE_TWINS.items() if a in groups and ref in groups]
     if nope:
         lines += ["", "## NoPE (no position encoding) against its RoPE twin (own Holm family)", "",

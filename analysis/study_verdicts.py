@@ -19,6 +19,9 @@ EQUIVALENCE_MARGIN = 0.02
 ALPHA = 0.05
 PRIMARY = ("prefix", "mixed", "causal_all")  # the pre-registered family: each against causal
 NOPE_TWINS = {"causal_nope": "causal", "prefix_nope": "prefix"}  # the NoPE family: each against its RoPE twin
+# the equal-targets control (added after the second round): causal_all - causal = (causal_all - causal_half), the
+# extra targets at the same spread, + (causal_half - causal), the spread over the input at the same count
+EQUAL_TARGETS = (("causal_half", "causal"), ("causal_all", "causal_half"))
 
 
 def by_arm(results) -> dict:

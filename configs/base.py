@@ -53,6 +53,9 @@ def base_config() -> ml_collections.ConfigDict:
         bias_update_rate=1e-3,  # gamma of aux-loss-free balancing
         bias_update_stop=1.0,  # fraction of the run after which gamma is 0 (DeepSeek-V3 stops it late)
         prefix_loss=False,  # prefix/mixed masks: whether prefix positions carry loss (UniLM: no)
+        # with prefix_loss: keep a random subset of a row's targets, as many as its output part has (the
+        # equal-targets control: loss on every token's *positions* but no more targets per step than output-only)
+        equal_targets=False,
         balance_loss_weight=1e-4,  # alpha of the sequence-wise balance loss; 0 turns it off
     ))
 

@@ -154,11 +154,70 @@ def test_arm_configs_differ_only_in_mask_and_loss():
     cs = {a: study.arm_config(base, a, 1, 7).to_dict() for a in study.ARMS}
     assert not cs["prefix_nope"]["model"]["rope"] and cs["prefix"]["model"]["rope"]
     assert cs["causal_all"]["train"]["prefix_loss"] and cs["causal_all"]["model"]["mask"] == "causal"
+    assert cs["causal_half"]["train"]["equal_targets"] and cs["causal_half"]["train"]["prefix_loss"]
+    assert sum(c["train"]["equal_targets"] for c in cs.values()) == 1
     for a, c in cs.items():
         c["model"].pop("mask")
         c["train"].pop("prefix_loss")
+        c["train"].pop("equal_targets")
         c["model"].pop("rope")
         assert c == cs["causal"], a
+
+
+def test_equal_targets_keep_as_many_targets_as_the_output_part_spread_over_the_window():
+    from train.inputs import PrefixSampler
+
+    lengths = [40, 25, 64, 33, 50, 47]
+    toks = (np.arange(sum(lengths)) * 7 % 50 + 3).astype(np.uint16)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    cache = TokenCache(toks, offsets, np.zeros(6, np.int32), ("a",))
+    out = PrefixSampler(cache, 32, 0, 0.5, False).rows(0, 6)
+    every = PrefixSampler(cache, 32, 0, 0.5, True).rows(0, 6)
+    half = PrefixSampler(cache, 32, 0, 0.5, True, equal_targets=True)
+    eq = half.rows(0, 6)
+    assert (eq["loss_mask"].sum(-1) == out["loss_mask"].sum(-1)).all()  # the count of output-only
+    assert (eq["loss_mask"] <= every["loss_mask"]).all()  # only real targets
+    on_input = (eq["loss_mask"] * (1 - out["loss_mask"])).sum()
+    assert 0 < on_input < eq["loss_mask"].sum()  # spread over the input and the output, not moved to either
+    # a row's subset depends on (seed, row) alone: the same in any batch split, different for another seed
+    assert (half.rows(2, 3)["loss_mask"] == eq["loss_mask"][2:5]).all()
+    assert (PrefixSampler(cache, 32, 1, 0.5, True, equal_targets=True).rows(0, 6)["loss_mask"] != eq["loss_mask"]).any()
+    assert len({tuple(np.nonzero(m)[0][:4]) for m in eq["loss_mask"]}) > 1
+
+
+def test_equal_targets_needs_prefix_loss():
+    from configs.study_masks import get_config
+    from train.config import check
+    from train.errors import UserError
+
+    c = get_config()
+    c.train.equal_targets = True
+    with pytest.raises(UserError, match="train.prefix_loss=True"):
+        check(c)
+    c.train.prefix_loss = True
+    check(c)
+
+
+def test_equal_targets_contrasts_split_causal_alls_gain(tmp_path):
+    rs = []
+    for s, o in enumerate(OFFSETS):
+        rs += [fake_result("causal", s, 4.5 + o), fake_result("causal_all", s, 4.2 + o + o / 4),
+               fake_result("causal_half", s, 4.5 + o - o / 3)]
+    rows = study_report.equal_targets_rows(study_verdicts.by_arm(rs), True)
+    assert [r["contrast"] for r in rows] == ["causal_half - causal", "causal_all - causal_half"]
+    assert rows[1]["verdict"] == "causal_all better" and rows[1]["mean"] == pytest.approx(-0.3, abs=0.001)
+    assert rows[0]["verdict"] in ("equivalent", "inconclusive") and abs(rows[0]["mean"]) < 0.01
+    assert study_report.equal_targets_rows(study_verdicts.by_arm(rs[:2] + rs[3:5]), True) == []
+    base = {"model": {"d_model": 8, "n_layers": 2, "first_k_dense": 1, "n_heads": 2, "n_kv_heads": 1,
+                      "head_dim": 4, "n_routed_experts": 4, "top_k": 2, "n_shared_experts": 1, "vocab_size": 64},
+            "data": {"tokenizer": "", "name": "x", "seq_len": 16, "prefix_frac": 0.5},
+            "train": {"batch_size": 2, "lr": 1e-3, "warmup_steps": 1, "schedule": "cosine"},
+            "eval": {"every": 5, "rows_per_domain": 2}}
+    text = study_report.write_report(rs, REFS, tmp_path / "r", base).read_text()
+    assert "## Equal-targets control" in text and "| causal_all - causal_half | -0.3" in text
+    saved = json.loads((tmp_path / "r" / "results.json").read_text())
+    assert [r["contrast"] for r in saved["equal_targets_contrasts"]] == ["causal_half - causal",
+                                                                       "causal_all - causal_half"]
 
 
 def test_first_rows_per_domain(rows):

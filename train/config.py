@@ -131,6 +131,9 @@ def check(c: ml_collections.ConfigDict) -> ModelConfig:
     t = c.train
     if t.batch_size % t.grad_accum:
         raise UserError(f"train.batch_size ({t.batch_size}) must be divisible by train.grad_accum ({t.grad_accum})")
+    if c.train.get("equal_targets", False) and not (c.data.task == "prefix" and c.train.prefix_loss):
+        raise UserError("train.equal_targets subsamples the targets of train.prefix_loss: set data.task='prefix' and "
+                        "train.prefix_loss=True, or drop it")
     if c.data.task == "prefix" and mcfg.mask == "bidirectional":
         raise UserError("data.task='prefix' trains next-token prediction: use model.mask causal, prefix or mixed")
     if c.data.task == "mlm" and mcfg.mask not in ("bidirectional", "mixed"):

@@ -12,22 +12,38 @@ from train.errors import UserError
 
 class PrefixSampler:
     """Input->output rows: the first `prefix_frac` of each document is the input, loss on the output only
-    (or everywhere with `prefix_loss`). Same `.batch` interface as packing.PackedSampler."""
+    (or everywhere with `prefix_loss`). `equal_targets` (with prefix_loss): a random subset of every real target,
+    as many as the row's output part has, fixed by (seed, row): the positions of prefix_loss, the count of
+    output-only. Same `.batch` interface as packing.PackedSampler."""
 
-    def __init__(self, cache, seq_len: int, seed: int, prefix_frac: float, prefix_loss: bool):
+    def __init__(self, cache, seq_len: int, seed: int, prefix_frac: float, prefix_loss: bool,
+                 equal_targets: bool = False):
         self.cache, self.seq_len, self.seed = cache, seq_len, seed
-        self.prefix_frac, self.prefix_loss = prefix_frac, prefix_loss
+        self.prefix_frac, self.prefix_loss, self.equal_targets = prefix_frac, prefix_loss, equal_targets
 
     def rows(self, start: int, count: int) -> dict:
         rows = packing.prefix_rows(self.cache, self.seq_len, self.seed, start, count, self.prefix_frac)
         if self.prefix_loss:  # every real target, prefix included
-            n_B = rows["segment_ids"].sum(-1, keepdims=True)
-            rows["loss_mask"] = (np.arange(self.seq_len)[None] < n_B - 1).astype(np.float32)
+            n_out_B = rows["loss_mask"].sum(-1).astype(np.int64)
+            n_B = rows["segment_ids"].sum(-1)
+            rows["loss_mask"] = (np.arange(self.seq_len)[None] < n_B[:, None] - 1).astype(np.float32)
+            if self.equal_targets:
+                rows["loss_mask"] = equal_count_subset(n_B - 1, n_out_B, self.seq_len, self.seed, start)
         return rows
 
     def batch(self, step: int, batch_size: int, process_index: int = 0, process_count: int = 1) -> dict:
         per = batch_size // process_count
         return self.rows(step * batch_size + process_index * per, per)
+
+
+def equal_count_subset(n_targets_B, keep_B, seq_len: int, seed: int, start: int):
+    """loss_mask [B, L]: for row b (global index start + b), keep_B[b] of its first n_targets_B[b] positions,
+    drawn without replacement by a generator keyed on (seed, row), so a row's subset never depends on the batch."""
+    mask = np.zeros((len(keep_B), seq_len), np.float32)
+    for b, (n, k) in enumerate(zip(n_targets_B, keep_B)):
+        rng = np.random.default_rng((seed, start + b, 1))  # 1: a stream apart from MLMSampler's (seed, row)
+        mask[b, rng.choice(int(n), size=int(k), replace=False)] = 1.0
+    return mask
 
 
 class MLMSampler:
@@ -93,7 +109,8 @@ def sampler(config):
     d, t = config.data, config.train
     cache = task_cache(d, d.split)
     if d.task == "prefix":
-        return PrefixSampler(cache, d.seq_len, t.seed, d.prefix_frac, t.prefix_loss), cache.domain_names
+        return (PrefixSampler(cache, d.seq_len, t.seed, d.prefix_frac, t.prefix_loss, t.get("equal_targets", False)),
+                cache.domain_names)
     if d.task == "mlm":
         return MLMSampler(cache, d.seq_len, t.seed, mask_id(d)), cache.domain_names
     return packing.PackedSampler(cache, d.seq_len, t.seed), cache.domain_names
@@ -119,7 +136,8 @@ def domain_sampler(config, sub, evaluation: bool = False):
         return MLMSampler(sub, d.seq_len, 0, mask_id(d)), sub.n_docs
     if d.task == "prefix":
         loss_all = config.train.prefix_loss and not (evaluation and config.eval.get("output_only", False))
-        return PrefixSampler(sub, d.seq_len, 0, d.prefix_frac, loss_all), sub.n_docs
+        return (PrefixSampler(sub, d.seq_len, 0, d.prefix_frac, loss_all,
+                              loss_all and config.train.get("equal_targets", False)), sub.n_docs)
     sampler = packing.PackedSampler(sub, d.seq_len, 0)
     return sampler, max(1, sampler.rows_per_epoch)
 
