@@ -112,15 +112,19 @@ def run_one(config, workdir, log=print) -> dict:
     return r
 
 
+def arm_config(base, arm: str, seed: int, steps: int):
+    c = copy.deepcopy(base)
+    c.model.mask, c.train.seed, c.train.steps = arm, seed, steps
+    return c
+
+
 def compare(base, seeds: int, steps: int, out, log=print) -> Path:
     out = Path(out)
     res = {}
     for s in range(seeds):
         for arm in ARMS:
-            c = copy.deepcopy(base)
-            c.model.mask, c.train.seed, c.train.steps = arm, s, steps
             log(f"{arm} seed {s}")
-            res[arm, s] = run_one(c, out / arm / f"seed{s}", log)
+            res[arm, s] = run_one(arm_config(base, arm, s, steps), out / arm / f"seed{s}", log)
     v = verdict([res["bidirectional", s]["val_loss"] for s in range(seeds)],
                 [res["mixed", s]["val_loss"] for s in range(seeds)], unigram_reference(base))
     lines = ["# Mixed vs bidirectional heads on a masked LM", "",
@@ -150,24 +154,29 @@ def compare(base, seeds: int, steps: int, out, log=print) -> Path:
     return write_text(out / "report.md", "\n".join(lines))
 
 
-def main(argv=None):
-    from moe import ConfigError
-
-    argv = sys.argv if argv is None else argv
+def parse_flags(argv):
+    """(config, seeds, steps, out) from the command line (argv[0] is the program)."""
     p = ArgParser(prog="python -m analysis.mlm_compare", description=__doc__.splitlines()[0])
     p.add_argument("--config", metavar="FILE", default=DEFAULT_CONFIG)
     p.add_argument("--seeds", type=int, default=4)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--out", default="runs/mlm")
+    config, _, rest = config_from_argv(list(argv[1:]), DEFAULT_CONFIG)
+    args = p.parse_args(rest)
+    steps = args.steps if args.steps is not None else int(config.train.steps)
+    if args.seeds < 2 or steps < 1:
+        raise UserError(f"--seeds must be >= 2 and --steps >= 1, got {args.seeds}, {steps}")
+    if config.data.task != "mlm":
+        raise UserError("the comparison needs masked-LM rows: set --config.data.task=mlm")
+    return config, args.seeds, steps, args.out
+
+
+def main(argv=None):
+    from moe import ConfigError
+
+    argv = sys.argv if argv is None else argv
     try:
-        config, _, rest = config_from_argv(list(argv[1:]), DEFAULT_CONFIG)
-        args = p.parse_args(rest)
-        steps = args.steps if args.steps is not None else int(config.train.steps)
-        if args.seeds < 2 or steps < 1:
-            raise UserError(f"--seeds must be >= 2 and --steps >= 1, got {args.seeds}, {steps}")
-        if config.data.task != "mlm":
-            raise UserError("the comparison needs masked-LM rows: set --config.data.task=mlm")
-        report = compare(config, args.seeds, steps, args.out)
+        report = compare(*parse_flags(argv))
     except (UserError, ConfigError) as e:
         exit_with(e)
     except Interrupted as e:
