@@ -7,12 +7,20 @@ active FLOPs (width top_k * moe_d_ff), at n_routed_experts = 8 and 64 (fixed top
     python -m benchmarks.moe_layer --preset cpu --baseline_experts /tmp/experts_before.py --steps 15
     # other slab sizes than grouped_slab.SLAB_FACTORS (multiples of the mean rows per expert):
     python -m benchmarks.moe_layer --preset cpu --dispatch dropless --grouped_matmul slab,slab:1.25/1.5/1.75/2
+    # the routing of a freshly initialized router and of one balanced by the routing bias, as in training:
+    python -m benchmarks.moe_layer --preset default --routing random,balanced
 
 All rows of one expert count are timed round-robin (benchmarks.common.time_fns): `x dense` is a same-run ratio.
 Two rows time the experts' batched matmuls with no dispatch at all, on N / E rows per expert (perfect balance)
 and on the slab `slab` takes for the benchmark's routing under `dropless` (expert_parallel's slab sees its capacity
 rows instead): the floor of any batched-matmul path, and what imbalance adds to it. Their TFLOP/s count the useful
 FLOPs (T * K rows), like every row, not the padded slab's.
+
+--routing: `random` (default) routes with the random router alone, as at step 0 of training: its busiest expert
+gets well above the mean (MaxVio column). `balanced` adds the routing bias that aux-loss-free balancing would
+learn: fitted by the training loop's rule (router.update_bias after every batch, gamma 1e-2 -> 1e-3 -> 1e-4)
+on 600 fresh batches of the same distribution, then applied to the timed batch, so its MaxVio is the batch noise
+a converged bias leaves (trained models: MaxVio per batch in docs/training.md).
 """
 
 import functools
@@ -51,9 +59,35 @@ def _load_experts(path: str):
     return module
 
 
+ROUTINGS = ("random", "balanced")
+BIAS_SCHEDULE = ((1e-2, 200), (1e-3, 200), (1e-4, 200))  # (gamma, updates)
+
+
+def balanced_bias(key, T: int, D: int, w_router, top_k: int, dtype=jnp.float32):
+    """The routing bias aux-loss-free balancing converges to, found as training finds it: router.update_bias
+    after every batch, each a fresh batch of T tokens x ~ N(0, 1) (the benchmark's distribution), with gamma
+    stepped down (BIAS_SCHEDULE) so the sign updates settle on the expected load, not one batch's noise."""
+    E = w_router.shape[1]
+
+    def update(i, bias, gamma):
+        x = jax.random.normal(jax.random.fold_in(key, i), (T, D), dtype).astype(jnp.float32)
+        _, ids, _ = router.route(x, w_router, bias, top_k=top_k)
+        return router.update_bias(bias, router.expert_load(ids, E), gamma)
+
+    @jax.jit
+    def fit(bias):
+        start = 0
+        for gamma, n in BIAS_SCHEDULE:
+            bias = jax.lax.fori_loop(start, start + n, lambda i, b, g=gamma: update(i, b, g), bias)
+            start += n
+        return bias
+
+    return fit(jnp.zeros(E, jnp.float32))
+
+
 def bench(name: str, n_experts: int, dispatches, grouped_matmuls=("auto",), capacity_factor: float = 1.25,
-          batch: int = 0, steps: int = 0, baseline_experts: str = "") -> list[dict]:
-    """One device's layer: `batch` (default: the preset's) rows of the preset's sequence length."""
+          batch: int = 0, steps: int = 0, baseline_experts: str = "", routings=("random",)) -> list[dict]:
+    """One device's layer: `batch` (default: the preset's) rows of the preset's sequence length, per routing."""
     p = preset(name, n_experts)
     m = p["model"]
     T, D, F, K = (batch or p["batch"]) * p["seq_len"], m["d_model"], m["moe_d_ff"], m["top_k"]
@@ -63,34 +97,45 @@ def bench(name: str, n_experts: int, dispatches, grouped_matmuls=("auto",), capa
     w_router = jax.random.normal(ks[1], (D, n_experts), jnp.float32) * D**-0.5
     ws = [(jax.random.normal(k, s, jnp.float32) * s[1] ** -0.5).astype(dt)
           for k, s in zip(ks[2:5], [(n_experts, D, F), (n_experts, D, F), (n_experts, F, D)])]
-    _, ids, gates = jax.jit(functools.partial(router.route, top_k=K))(x.astype(jnp.float32), w_router,
-                                                                       jnp.zeros(n_experts))
+    route = jax.jit(functools.partial(router.route, top_k=K))
     flops = 6 * T * K * 3 * D * F  # fwd + bwd of K expert SwiGLUs per token
     rows, calls = [], []
 
-    def add(name, grouped, fn, *args):
+    def add(name, grouped, fn, *args, routing="-", maxvio=None):
         step = jax.jit(jax.grad(lambda x, *w: fn(x, *w).astype(jnp.float32).sum(), argnums=(0, 1, 2, 3)))
         calls.append((step, args))
-        rows.append({"path": name, "grouped matmul": grouped, "experts": n_experts, "tokens": T})
+        rows.append({"path": name, "grouped matmul": grouped, "routing": routing,
+                     "MaxVio": "-" if maxvio is None else round(maxvio, 3), "experts": n_experts, "tokens": T})
 
-    for d, g in variants(dispatches, grouped_matmuls):
-        fn = _routed_fn(d, g, capacity_factor, p["seq_len"])
-        add(d, g, lambda x, wg, wu, wd, fn=fn: fn(x, ids, gates, wg, wu, wd), x, *ws)
-    # What dispatch cannot go below: the experts' batched matmuls alone on perfectly balanced rows (N / E each),
-    # and on the slab the `slab` path picks for this routing (its row padding is the cost of imbalance).
-    sizes = jnp.bincount(ids.reshape(-1), length=n_experts)
     caps = grouped_slab.capacities(T * K, n_experts)
-    slab_rows = next((c for c in caps if c >= int(sizes.max())), None)
-    for C, what in ((-(-T * K // n_experts), "balanced"), (slab_rows, "this routing's slab")):
-        if C is not None:
-            xs = jax.random.normal(ks[0], (n_experts, C, D), dt)
-            add(f"expert matmuls alone, {C} rows each ({what})", "-", experts._swiglu_batched, xs, *ws)
+    for routing in routings:
+        bias = jnp.zeros(n_experts, jnp.float32)
+        if routing == "balanced":  # fitted on other batches of the same distribution, timed on this one
+            bias = balanced_bias(ks[5], T, D, w_router, K, dt)
+        _, ids, gates = route(x.astype(jnp.float32), w_router, bias)
+        sizes = jnp.bincount(ids.reshape(-1), length=n_experts)
+        maxvio = float(router.max_violation(sizes))
+        for d, g in variants(dispatches, grouped_matmuls):
+            fn = _routed_fn(d, g, capacity_factor, p["seq_len"])
+            add(d, g, lambda x, wg, wu, wd, fn=fn, ids=ids, gates=gates: fn(x, ids, gates, wg, wu, wd), x, *ws,
+                routing=routing, maxvio=maxvio)
+        # The slab the `slab` path picks for this routing: its row padding is the cost of imbalance.
+        slab_rows = next((c for c in caps if c >= int(sizes.max())), None)
+        if slab_rows is not None:
+            xs = jax.random.normal(ks[0], (n_experts, slab_rows, D), dt)
+            add(f"expert matmuls alone, {slab_rows} rows each (this routing's slab)", "-", experts._swiglu_batched,
+                xs, *ws, routing=routing, maxvio=maxvio)
+    # What dispatch cannot go below: the experts' batched matmuls alone on perfectly balanced rows (N / E each).
+    C = -(-T * K // n_experts)
+    add(f"expert matmuls alone, {C} rows each (balanced)", "-", experts._swiglu_batched,
+        jax.random.normal(ks[0], (n_experts, C, D), dt), *ws, maxvio=0.0)
     dense = [(jax.random.normal(k, s, jnp.float32) * s[0] ** -0.5).astype(dt)
              for k, s in zip(ks[2:5], [(D, K * F), (D, K * F), (K * F, D)])]
     if baseline_experts:  # the dropless path of another experts.py, e.g. an earlier revision, blocked matmul
         old = _load_experts(baseline_experts)
         add(f"dropless ({baseline_experts})", "blocked",
-            lambda x, wg, wu, wd: old.dropless(x, ids, gates, wg, wu, wd, grouped="blocked"), x, *ws)
+            lambda x, wg, wu, wd: old.dropless(x, ids, gates, wg, wu, wd, grouped="blocked"), x, *ws,
+            routing=routings[-1], maxvio=maxvio)
     add("dense FFN (same active FLOPs)", "-", experts.swiglu, x, *dense)
     for r, s in zip(rows, time_fns(calls, steps or p["steps"])):
         r.update({"ms": s * 1e3, "TFLOP/s": flops / s / 1e12})
@@ -103,12 +148,16 @@ def bench(name: str, n_experts: int, dispatches, grouped_matmuls=("auto",), capa
 def main(argv=None):
     ap = arg_parser(__doc__.splitlines()[0])
     ap.add_argument("--baseline_experts", default="", help="path of another experts.py to time beside")
+    ap.add_argument("--routing", default="random", help="comma-separated from random,balanced (see above)")
     a = ap.parse_args(argv)
+    routings = [r for r in a.routing.split(",") if r]
+    if not routings or any(r not in ROUTINGS for r in routings):
+        ap.error(f"--routing takes a comma-separated subset of {','.join(ROUTINGS)}, got {a.routing!r}")
     print(describe())
     rows = []
     for e in map(int, a.experts.split(",")):
         rows += bench(a.preset, e, a.dispatch.split(","), a.grouped_matmul.split(","), a.capacity_factor, a.batch,
-                      a.steps, a.baseline_experts)
+                      a.steps, a.baseline_experts, routings)
     print(table(rows))
 
 

@@ -1,6 +1,10 @@
 """The benchmark scripts run and report sane figures (on CPU, one small combination each; timings not asserted)."""
 
+import jax
+import pytest
+
 from benchmarks import common, moe_layer, train_step
+from moe import router
 
 
 def test_variants_cover_grouped_matmuls_only_where_they_apply():
@@ -12,11 +16,34 @@ def test_moe_layer_rows_and_dense_baseline():
     rows = moe_layer.bench("cpu", 8, ["dropless", "capacity"], ["blocked"])
     # 1024 tokens x top-2 over 8 experts: 256 rows each when balanced; this router's busiest expert has 309, so
     # `slab` takes its 1.25x slab (320 rows)
-    assert [r["path"] for r in rows] == ["dropless", "capacity", "expert matmuls alone, 256 rows each (balanced)",
+    assert [r["path"] for r in rows] == ["dropless", "capacity",
                                          "expert matmuls alone, 320 rows each (this routing's slab)",
+                                         "expert matmuls alone, 256 rows each (balanced)",
                                          "dense FFN (same active FLOPs)"]
+    assert [r["routing"] for r in rows] == ["random"] * 3 + ["-", "-"]
+    assert rows[0]["MaxVio"] == round(309 / 256 - 1, 3)
     assert all(r["ms"] > 0 and r["TFLOP/s"] > 0 for r in rows)
     assert rows[-1]["x dense"] == 1.0
+
+
+def test_balanced_routing_is_what_the_bias_rule_leaves_on_a_fresh_batch():
+    T, D, E, K = 2048, 32, 16, 2
+    ks = jax.random.split(jax.random.key(0), 3)
+    w = jax.random.normal(ks[0], (D, E)) * D**-0.5 * 3  # a skewed router: a few experts favoured
+    bias = moe_layer.balanced_bias(ks[1], T, D, w, K)
+    x = jax.random.normal(ks[2], (T, D))  # not a batch the bias was fitted on
+    maxvio = lambda b: float(router.max_violation(router.expert_load(router.route(x, w, b, top_k=K)[1], E)))
+    assert maxvio(bias) < 0.5 * maxvio(bias * 0)
+
+
+def test_moe_layer_routing_flag(capsys):
+    moe_layer.main(["--preset", "tiny", "--dispatch", "dropless", "--grouped_matmul", "slab", "--experts", "8",
+                    "--routing", "random,balanced", "--steps", "1"])
+    out = capsys.readouterr().out
+    assert "| dropless | slab | random |" in out and "| dropless | slab | balanced |" in out
+    with pytest.raises(SystemExit) as e:
+        moe_layer.main(["--routing", "trained"])
+    assert e.value.code == 2 and "--routing" in capsys.readouterr().err
 
 
 def test_slab_factor_variants_reach_the_grouped_matmul():

@@ -57,9 +57,10 @@ def test_slab_equals_ragged_dot(case):
     _assert_matches_ragged_dot(grouped_slab.grouped_swiglu_slab, SIZES[case])
 
 
-@pytest.mark.parametrize("factors", [(), (1.0,), (4.0,)])
+@pytest.mark.parametrize("factors", [(), (1.0,), (4.0,), (1.0, 2.0, 4.0)])
 def test_slab_each_branch_equals_ragged_dot(factors):
-    """No slab (blocked only), a slab too small for the largest group (fallback), a slab holding every group."""
+    """No slab (blocked only), a slab too small for the largest group (fallback), a slab holding every group, and
+    three slab sizes (8, 16, 32 rows) whose first, second and last branch the three cases take."""
     fn = functools.partial(grouped_slab.grouped_swiglu_slab, factors=factors, block=4)
     for sizes in SIZES.values():
         _assert_matches_ragged_dot(fn, sizes)
