@@ -68,3 +68,41 @@ def test_train_step_row(capsys):
     header = next(line for line in out.splitlines() if line.startswith("| dispatch"))
     assert header.rstrip(" |").endswith("fwd ms | fwd+bwd ms")  # --breakdown: the step's parts, timed
     assert float(cells[10]) > 0 and float(cells[11]) > 0
+
+
+def test_train_experts_alternates_runs_and_reads_the_balanced_windows(tmp_path):
+    import json
+
+    from benchmarks import train_experts
+    from configs.default import get_config
+    from train.config import check
+
+    c = train_experts.expert_config(get_config(), 64, 200)
+    check(c)
+    assert c.model.n_routed_experts == 64 and c.model.top_k == 2 and c.eval.every > 200 and c.checkpoint.every > 200
+    order = []
+
+    def fake_run(config, workdir, log):  # tokens/s 1000 * 8 / E after step 100, garbage before
+        E = config.model.n_routed_experts
+        order.append(E)
+        workdir.mkdir(parents=True)
+        rows = [{"step": s, "tokens_per_sec": (1000 * 8 / E) if s > 100 else 1.0, "moe/layer_1/maxvio": 0.2,
+                 "moe/layer_2/maxvio": 0.4} for s in range(10, 201, 10)]
+        (workdir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+
+    rows = train_experts.measure(get_config(), [8, 64], 200, 0.5, 2, tmp_path, keep=False, log=lambda *a: None,
+                                 run=fake_run)
+    assert order == [8, 64, 8, 64]
+    assert [r["step time x first"] for r in rows] == [1.0, 8.0]
+    assert rows[1]["MaxVio"] == pytest.approx(0.3) and rows[1]["windows"] == 10
+    assert not any(tmp_path.iterdir())  # run directories removed without --keep
+
+
+def test_train_experts_never_writes_into_a_nonempty_directory(tmp_path, capsys):
+    from benchmarks import train_experts
+
+    (tmp_path / "mine.txt").write_text("a user's file")
+    with pytest.raises(SystemExit) as e:
+        train_experts.main(["--out", str(tmp_path)])
+    assert e.value.code == 2 and "not empty" in capsys.readouterr().err
+    assert (tmp_path / "mine.txt").read_text() == "a user's file"
