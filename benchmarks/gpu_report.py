@@ -37,12 +37,15 @@ def _grouped_choices() -> list[str]:
 
 def run_gpu_tests(tiny: bool) -> str:
     """pytest on the GPU-only tests; on CPU they skip (tiny mode only checks that they collect)."""
-    env = dict(os.environ, JAX_PLATFORMS="cuda" if jax.default_backend() == "gpu" else "cpu")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", *GPU_TESTS]
+    # One process (-n 0), allocating as it goes: this process already holds most of the GPU's memory.
+    env = dict(os.environ, JAX_PLATFORMS="cuda" if jax.default_backend() == "gpu" else "cpu",
+               XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfs", "--tb=line", "-p", "no:cacheprovider", "-o", "addopts=",
+           *GPU_TESTS]
     if tiny:
         cmd += ["-k", "gpu", "--co"]  # collect only: the GPU tests are found and importable
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
-    tail = "\n".join(p.stdout.strip().splitlines()[-15:])
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    tail = "\n".join(line[:300] for line in p.stdout.strip().splitlines()[-40:])
     return f"`{' '.join(cmd[2:])}` (JAX_PLATFORMS={env['JAX_PLATFORMS']}): exit {p.returncode}\n\n```\n{tail}\n```"
 
 
@@ -53,15 +56,29 @@ def layer_section(preset: str, experts: list[int], grouped: list[str]) -> str:
     return table(rows)
 
 
-def train_section(preset: str, experts: list[int], grouped: list[str], attention: str, peak: float) -> str:
-    rows = [train_step.bench(preset, "dropless", e, peak, grouped=g, attention=attention)
-            for g in grouped for e in experts]
+def train_section(preset: str, experts: list[int], grouped: str, attention: str, peak: float) -> str:
+    rows = [train_step.bench(preset, "dropless", e, peak, grouped=grouped, attention=attention) for e in experts]
     out = [table(rows)]
     if len(experts) == 2:
-        for g in grouped:
-            lo, hi = (r["step ms"] for r in rows if r["grouped matmul"] == g)
-            out.append(f"- {g}: step time x{hi / lo:.3f} from {experts[0]} to {experts[1]} routed experts")
+        lo, hi = (r["step ms"] for r in rows)
+        out.append(f"- {grouped}: step time x{hi / lo:.3f} from {experts[0]} to {experts[1]} routed experts")
     return "\n".join(out)
+
+
+def _short_traceback() -> str:
+    """This project's frames of the exception being handled (library frames hide them in a plain tail), then
+    the tail of the whole traceback."""
+    tb = traceback.format_exc()
+    ours = [line for line in tb.splitlines() if 'File "' in line and "site-packages" not in line]
+    return "our frames:\n" + "\n".join(ours[-12:]) + "\n...\n" + tb[-1500:]
+
+
+def write_report(path: str, sections: list[tuple[str, str]], elapsed_s: float) -> None:
+    """The report so far, replaced atomically: a run cut off by a time limit still leaves every finished section."""
+    text = f"# GPU report ({elapsed_s:.0f} s)\n\n" + "\n\n".join(f"## {t}\n\n{b}" for t, b in sections)
+    with open(path + ".tmp", "w") as f:
+        f.write(text + "\n")
+    os.replace(path + ".tmp", path)
 
 
 def main(argv=None) -> str:
@@ -69,7 +86,12 @@ def main(argv=None) -> str:
     ap.add_argument("--out", default="gpu_report.md")
     ap.add_argument("--tiny", action="store_true", help="toy shapes (preset tiny): checks the script, not speed")
     ap.add_argument("--attention_impl", default="cudnn", help="train step attention (configs/gpu_1b.py: cudnn)")
+    ap.add_argument("--sections", default="tests,train,layer",
+                    help="which of tests, train, layer to run (e.g. a rerun of what failed in a short lease)")
     a = ap.parse_args(argv)
+    wanted = set(a.sections.split(","))
+    if wanted - {"tests", "train", "layer"}:
+        ap.error(f"--sections takes tests, train, layer; got {a.sections}")
     preset = "tiny" if a.tiny else "gpu"
     # tiny: one grouped matmul, two expert counts: every section and the ratio line, few compilations
     experts = [4, 8] if a.tiny else [8, 64]
@@ -78,24 +100,26 @@ def main(argv=None) -> str:
     peak = measure_peak_flops(256 if a.tiny else None)
     sections = [("Device", f"{describe()}\n\nMeasured matmul peak: {peak / 1e12:.4g} TFLOP/s "
                            f"({'bf16 8192^2' if jax.default_backend() != 'cpu' else 'fp32, CPU'})")]
-    steps = [
-        ("GPU-only tests", lambda: run_gpu_tests(a.tiny)),
-        ("MoE layer vs dense FFN (forward + backward)", lambda: layer_section(preset, experts, grouped)),
-        (f"Train step, preset {preset}, attention {a.attention_impl}",
-         lambda: train_section(preset, experts, grouped, a.attention_impl, peak)),
-    ]
+    # Most telling first (a lease may end mid-run): the correctness tests, the train step on XLA's ragged_dot (MFU),
+    # the layer ratios, then the train step on the kernel grouped matmuls.
+    train = lambda g: (f"Train step ({g}), preset {preset}, attention {a.attention_impl}",
+                       lambda: train_section(preset, experts, g, a.attention_impl, peak))
+    steps = [("tests", ("GPU-only tests", lambda: run_gpu_tests(a.tiny))), ("train", train(grouped[0])),
+             ("layer", ("MoE layer vs dense FFN (forward + backward)",
+                        lambda: layer_section(preset, experts, grouped))),
+             *[("train", train(g)) for g in grouped[1:]]]
+    steps = [step for section, step in steps if section in wanted]
+    print(f"## {sections[0][0]}\n\n{sections[0][1]}\n", flush=True)
     for title, fn in steps:
         try:
             body = fn()
         except Exception:  # keep going: one broken section must not hide the others
-            body = "FAILED:\n\n```\n" + traceback.format_exc()[-3000:] + "\n```"
+            body = "FAILED:\n\n```\n" + _short_traceback() + "\n```"
         sections.append((title, body))
         print(f"## {title}\n\n{body}\n", flush=True)
-    report = f"# GPU report ({time.time() - t0:.0f} s)\n\n" + "\n\n".join(f"## {t}\n\n{b}" for t, b in sections)
-    with open(a.out, "w") as f:
-        f.write(report + "\n")
+        write_report(a.out, sections, time.time() - t0)
     print(f"wrote {a.out}")
-    return report
+    return open(a.out).read()
 
 
 if __name__ == "__main__":

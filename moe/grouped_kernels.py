@@ -39,16 +39,26 @@ def available() -> bool:
     return True
 
 
+def tma_aligned(dtype, *widths: int) -> bool:
+    """Whether rows of these widths can be copied by Hopper's TMA, as tokamax's Mosaic-GPU kernel does: every
+    stride but the last a multiple of 16 bytes (bf16: widths multiple of 8). Else, on an H200: "async_copy
+    requires all GMEM strides except the last one to be a multiple of 16 bytes"."""
+    return all(w * jnp.dtype(dtype).itemsize % 16 == 0 for w in widths)
+
+
 def grouped_swiglu_tokamax(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, implementation=None):
     """SwiGLU of expert e on the rows of group e (rows sorted by expert), rows past sum(group_sizes) give 0.
 
-    implementation: tokamax's (None: its best available, falling back to `xla`; e.g. "triton", "mosaic").
+    implementation: tokamax's (None: its best available, falling back to `xla`, and `xla` outright for widths the
+    GPU kernels cannot copy, see tma_aligned; e.g. "triton", "mosaic").
     Gate and up projections are one ragged dot against [E, D, 2F] (one kernel launch, twice the N width); the
     concatenation copies the weights once per call, small next to N x D x 2F at training sizes.
     """
     tk = _tokamax()
-    N = x_NxD.shape[0]
+    N, D = x_NxD.shape
     F = w_gate_ExDxF.shape[-1]
+    if implementation is None and not tma_aligned(x_NxD.dtype, D, F):
+        implementation = "xla"  # the GPU kernels would refuse these widths at compile time, not fall back
     # Accumulate in fp32 inside the kernel, return the activation dtype (as jnp.dot does for bf16 inputs).
     dot = lambda a, w: tk.ragged_dot(a, w, group_sizes_E, preferred_element_type=a.dtype,
                                      implementation=implementation)

@@ -87,7 +87,7 @@ class Transformer(nnx.Module):
             return block(x_BxLxD, positions_BxL, mask, valid_BxL, ex, layer_cache, cache_index, return_attention)
 
         if ex.remat:
-            call = nnx.remat(call)
+            call = _rematerialized(call)
         for i, block in enumerate(self.blocks):
             x_BxLxD, c, p, r = call(block, x_BxLxD, None if cache is None else cache[i])
             new_cache.append(c)
@@ -162,3 +162,19 @@ def routing_biases(model: Transformer) -> list[jax.Array]:
 def set_routing_biases(model: Transformer, biases) -> None:
     for block, b in zip((b for b in model.blocks if b.is_moe), biases, strict=True):
         block.ffn.bias.value = b
+
+
+def _rematerialized(call):
+    """`call(block, x, layer_cache)` recomputed in the backward pass: jax.checkpoint over the block's state.
+
+    Not `nnx.remat`: newer Flax (0.12.9+, the GPU machine's) refuses to merge a traced state back into the
+    block's own variables inside it ("Cannot mutate RoutingBias from a different trace level"). A block's
+    forward pass mutates nothing, so a fresh copy merged from its state inside the checkpoint computes the same.
+    """
+
+    def rematerialized(block, x_BxLxD, layer_cache):
+        graphdef, state = nnx.split(block)
+        pure = lambda state, x, c: call(nnx.merge(graphdef, state), x, c)
+        return jax.checkpoint(pure)(state, x_BxLxD, layer_cache)
+
+    return rematerialized

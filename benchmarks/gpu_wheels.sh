@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Wheels the lent GPU machine lacks, for `python -m benchmarks.gpu_report` there (see docs/performance.md, "GPU
+# figures"). The machine has no network; its image holds jax 0.11.2, flax 0.12.10, optax, orbax, einops, absl,
+# tokenizers, but not ml_collections or tokamax. Do not carry flax: 0.12.8 (the newest for Python 3.11) fails to
+# import under jax 0.11.2. tokamax imports xprof (32 MB, cloud dependencies) only for its own profiling: a stub
+# stands in. Run from the repository root; .whl/ is git-ignored through .git/info/exclude.
+set -euo pipefail
+grep -qx '/.whl/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info && echo /.whl/ >> .git/info/exclude; }
+mkdir -p .whl/stub/xprof/cli
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+  ml_collections==1.1.0 tokamax==0.0.17 einshape==1.0 pydantic==2.14.4 pydantic_core==2.50.5 \
+  annotated_types==0.8.0 typing_inspection==0.4.5 qwix==0.1.8 immutabledict==4.3.1 tensorboardx==2.6.5
+touch .whl/stub/xprof/__init__.py .whl/stub/xprof/cli/__init__.py
+cat > .whl/stub/xprof/cli/tools.py <<'PY'
+def get_kernel_stats_tool(*args, **kwargs):  # tokamax's own xprof-timed benchmarking; unused here
+    raise NotImplementedError("xprof is stubbed on this machine")
+PY
+cat <<'MSG'
+.whl ready. On the device (run with carry [".whl"]):
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site:$PWD/.whl/stub:$PWD PYTHONUNBUFFERED=1 || exit; \
+  timeout 440 python3 -m benchmarks.gpu_report --out $OUT/gpu_report.md 2>&1 | grep -v "Autotuning cache miss"
+MSG
