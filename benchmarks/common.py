@@ -59,7 +59,7 @@ GROUPED = ("dropless", "expert_parallel")  # the dispatches that run a grouped m
 
 def variants(dispatches: list[str], grouped_matmuls: list[str]) -> list[tuple[str, str]]:
     """(dispatch, grouped_matmul) pairs to time: every grouped matmul for the paths that have one."""
-    return [(d, g) for d in dispatches for g in (grouped_matmuls if d in GROUPED else ["-"])]
+    return [(d, g) for d in dispatches for g in (grouped_matmuls if d.split(":")[0] in GROUPED else ["-"])]
 
 
 def time_fn(fn, *args, steps: int) -> float:

@@ -1,14 +1,21 @@
 """The whole GPU benchmark and the GPU-only tests in one command, written to one Markdown report:
 
-    python -m benchmarks.gpu_report --out gpu_report.md          # on one H100 (configs/gpu_1b.py shapes)
+    python -m benchmarks.gpu_report --out gpu_report.md          # on one H100/H200 (configs/gpu_1b.py shapes)
+    python -m benchmarks.gpu_report --sections tests,train        # a subset (a short lease: ~4 min per section)
     python -m benchmarks.gpu_report --tiny --out /tmp/report.md  # the same code paths at toy shapes, any backend
+
+On the lent machine the image lacks some packages: `bash benchmarks/gpu_wheels.sh` here prepares them and prints
+the command to run there.
 
 Sections: device and measured bf16 matmul peak (train.flops.measure_peak_flops, 8192^2); GPU-only tests
 (cuDNN attention == einsum, tokamax grouped-matmul kernels == ragged_dot; run by pytest with JAX_PLATFORMS=cuda,
-skipped off GPU); MoE layer vs the dense FFN of equal active FLOPs at 8 and 64 experts per grouped matmul; the
+skipped off GPU); MoE layer vs the dense FFN of equal active FLOPs at 8 and 64 experts per grouped matmul, with
+dropless's dispatch alone and its backward by scatter-adds or by gathers only (`dropless:gather`); the
 train step of configs/gpu_1b.py (MFU against the measured peak, tokens/s, peak memory) at 8 and 64 experts per
 grouped matmul, and the 64/8 step-time ratio. Goals (issue 13): MFU >= 40%, layer <= 1.3x dense, 64/8 <= 1.15x.
-Every section runs even if an earlier one fails (its error goes into the report).
+Every section runs even if an earlier one fails (its error goes into the report), in the order tests, train step
+(ragged_dot), layer, train step (tokamax), and the report is rewritten after each: a run cut off by the lease's time
+limit keeps what finished.
 """
 
 import argparse
@@ -52,7 +59,7 @@ def run_gpu_tests(tiny: bool) -> str:
 def layer_section(preset: str, experts: list[int], grouped: list[str]) -> str:
     rows = []
     for e in experts:
-        rows += moe_layer.bench(preset, e, ["dropless", "capacity"], grouped)
+        rows += moe_layer.bench(preset, e, ["dropless", "dropless:gather", "capacity"], grouped)
     return table(rows)
 
 

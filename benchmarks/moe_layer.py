@@ -9,9 +9,13 @@ active FLOPs (width top_k * moe_d_ff), at n_routed_experts = 8 and 64 (fixed top
     python -m benchmarks.moe_layer --preset cpu --dispatch dropless --grouped_matmul slab,slab:1.25/1.5/1.75/2
     # the routing of a freshly initialized router and of one balanced by the routing bias, as in training:
     python -m benchmarks.moe_layer --preset default --routing random,balanced
+    # dropless's backward with scatter-adds (autodiff) or gathers only (experts.permute_copies):
+    python -m benchmarks.moe_layer --preset gpu --dispatch dropless,dropless:gather --grouped_matmul tokamax
 
 All rows of one expert count are timed round-robin (benchmarks.common.time_fns): `x dense` is a same-run ratio.
-Two rows time the experts' batched matmuls with no dispatch at all, on N / E rows per expert (perfect balance)
+With `dropless` among the dispatches, a row times its dispatch alone (the grouped matmul replaced by the
+identity: sort, row gathers, un-permute and gate sum, forward and backward). Two rows time the experts' batched
+matmuls with no dispatch at all, on N / E rows per expert (perfect balance)
 and on the slab `slab` takes for the benchmark's routing under `dropless` (expert_parallel's slab sees its capacity
 rows instead): the floor of any batched-matmul path, and what imbalance adds to it. Their TFLOP/s count the useful
 FLOPs (T * K rows), like every row, not the padded slab's.
@@ -42,8 +46,8 @@ def _grouped(name: str):
 
 
 def _routed_fn(dispatch: str, grouped: str, capacity_factor: float, group_size: int):
-    if dispatch == "dropless":
-        return functools.partial(experts.dropless, grouped=_grouped(grouped))
+    if dispatch.split(":")[0] == "dropless":  # dropless or dropless:gather (experts.dropless's permute)
+        return functools.partial(experts.dropless, grouped=_grouped(grouped), permute=_permute(dispatch))
     if dispatch == "capacity":
         return functools.partial(experts.capacity, capacity_factor=capacity_factor, group_size=group_size)
     if dispatch == "expert_parallel":  # one device: the all_to_all-free single-shard version of the same math
@@ -57,6 +61,18 @@ def _load_experts(path: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _permute(dispatch: str) -> str:
+    permute = dispatch.partition(":")[2] or "scatter"
+    if permute not in experts.PERMUTES:
+        raise ValueError(f"dispatch {dispatch!r}: dropless:{'|'.join(experts.PERMUTES)}")
+    return permute
+
+
+def _identity_grouped(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
+    """A stand-in grouped SwiGLU that does no matmul: with it `dropless` times its dispatch alone."""
+    return x_NxD
 
 
 ROUTINGS = ("random", "balanced")
@@ -119,6 +135,12 @@ def bench(name: str, n_experts: int, dispatches, grouped_matmuls=("auto",), capa
             fn = _routed_fn(d, g, capacity_factor, p["seq_len"])
             add(d, g, lambda x, wg, wu, wd, fn=fn, ids=ids, gates=gates: fn(x, ids, gates, wg, wu, wd), x, *ws,
                 routing=routing, maxvio=maxvio)
+        for d in [d for d in dispatches if d.split(":")[0] == "dropless"]:
+            # everything but the matmuls: sort, gathers, un-permute, gate sum, forward and backward
+            fn = functools.partial(experts.dropless, grouped=_identity_grouped, permute=_permute(d))
+            add(f"{d} dispatch alone (grouped matmul = identity)", "-",
+                lambda x, wg, wu, wd, fn=fn, ids=ids, gates=gates: fn(x, ids, gates, wg, wu, wd),
+                x, *ws, routing=routing, maxvio=maxvio)
         # The slab the `slab` path picks for this routing: its row padding is the cost of imbalance.
         slab_rows = next((c for c in caps if c >= int(sizes.max())), None)
         if slab_rows is not None:

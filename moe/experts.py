@@ -8,6 +8,7 @@ expert and group, the rest dropped); `reference` is the plain loop over experts 
 The expert-parallel (shard_map + all_to_all) path is in moe/expert_parallel.py.
 """
 
+import functools
 import math
 
 import jax
@@ -111,27 +112,76 @@ def grouped_swiglu_for(grouped_matmul: str = "auto"):
     return GROUPED_SWIGLU[grouped_matmul]
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def permute_copies(x_TxD, order_N, inverse_N, K: int):
+    """x's rows in sorted-copy order (row n is token order_N[n] // K), with a VJP that gathers: token t's gradient
+    is the sum of its K copies' rows, which sit at inverse_N[t*K : t*K+K]. Autodiff of the plain take would
+    scatter-add N rows into T (atomics on GPU)."""
+    return jnp.take(x_TxD, order_N // K, axis=0)
+
+
+def _permute_fwd(x_TxD, order_N, inverse_N, K):
+    return permute_copies(x_TxD, order_N, inverse_N, K), inverse_N
+
+
+def _permute_bwd(K, inverse_N, dx_NxD):
+    T = inverse_N.shape[0] // K
+    d_TxKxD = jnp.take(dx_NxD, inverse_N, axis=0).reshape(T, K, -1)
+    return d_TxKxD.astype(jnp.float32).sum(1).astype(dx_NxD.dtype), None, None
+
+
+permute_copies.defvjp(_permute_fwd, _permute_bwd)
+
+
+@jax.custom_vjp
+def unpermute_copies(y_sorted_NxD, order_N, inverse_N):
+    """The rows back in token-copy order (gather by the inverse permutation), with a VJP that gathers by the
+    permutation itself (the transpose of a permutation is its inverse) instead of scatter-adding."""
+    return jnp.take(y_sorted_NxD, inverse_N, axis=0)
+
+
+def _unpermute_fwd(y_sorted_NxD, order_N, inverse_N):
+    return unpermute_copies(y_sorted_NxD, order_N, inverse_N), order_N
+
+
+def _unpermute_bwd(order_N, dy_NxD):
+    return jnp.take(dy_NxD, order_N, axis=0), None, None
+
+
+unpermute_copies.defvjp(_unpermute_fwd, _unpermute_bwd)
+
+PERMUTES = ("scatter", "gather")
+
+
 def dropless(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, grouped="auto",
-             constrain=lambda a, names: a):
+             constrain=lambda a, names: a, permute="scatter"):
     """Sort the T*K token copies by expert and run each expert on exactly its tokens (no capacity, no drops).
     grouped: a `grouped_swiglu_for` name, or the grouped SwiGLU function itself. constrain: `Execution.constrain`
-    when XLA partitions this over a mesh."""
+    when XLA partitions this over a mesh. permute: how the backward pass moves rows: "scatter" (autodiff of the
+    gathers: scatter-adds) or "gather" (permute_copies / unpermute_copies: gathers only; the same numbers up to
+    the order of the K-copy sum). On XLA:CPU the two measured alike; the GPU A/B is in benchmarks/moe_layer.py."""
     T, K = ids_TxK.shape
     E = w_gate_ExDxF.shape[0]
     flat_ids_N = ids_TxK.reshape(-1)  # N = T*K token copies
     order_N = jnp.argsort(flat_ids_N, stable=True)
-    x_NxD = jnp.take(x_TxD, order_N // K, axis=0)
+    # Undo the sort with a gather by the inverse permutation; the inverse is a scatter of N integers, not a
+    # second sort.
+    inverse_N = jnp.zeros_like(order_N).at[order_N].set(jnp.arange(order_N.shape[0], dtype=order_N.dtype),
+                                                         unique_indices=True)
+    if permute == "gather":
+        x_NxD = permute_copies(x_TxD, order_N, inverse_N, K)
+    else:
+        x_NxD = jnp.take(x_TxD, order_N // K, axis=0)
     # Every device needs every group size. Left to XLA's sharding propagation they may come out split along
     # `expert` (like the weights they index), and XLA:CPU then partitioned the padded-block fallback inside slab's
     # lax.switch wrongly (the last expert's rows came out 0; tests/test_sharding.py): pinned replicated.
     group_sizes_E = constrain(jnp.bincount(flat_ids_N, length=E).astype(jnp.int32), (None,))
     grouped_fn = grouped if callable(grouped) else grouped_swiglu_for(grouped)
     y_sorted_NxD = grouped_fn(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
-    # Undo the sort with a gather by the inverse permutation (its transpose is a scatter-add, cheap in bwd); the
-    # inverse is a scatter of N integers, not a second sort.
-    inverse_N = jnp.zeros_like(order_N).at[order_N].set(jnp.arange(order_N.shape[0], dtype=order_N.dtype),
-                                                         unique_indices=True)
-    y_TxKxD = jnp.take(y_sorted_NxD, inverse_N, axis=0).reshape(T, K, -1)
+    if permute == "gather":
+        y_TxKxD = unpermute_copies(y_sorted_NxD, order_N, inverse_N).reshape(T, K, -1)
+    else:
+        y_TxKxD = jnp.take(y_sorted_NxD, inverse_N, axis=0).reshape(T, K, -1)
     y_TxD = jnp.einsum("tkd,tk->td", y_TxKxD.astype(jnp.float32), gates_TxK)
     return y_TxD.astype(x_TxD.dtype)
 

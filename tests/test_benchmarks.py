@@ -17,13 +17,29 @@ def test_moe_layer_rows_and_dense_baseline():
     # 1024 tokens x top-2 over 8 experts: 256 rows each when balanced; this router's busiest expert has 309, so
     # `slab` takes its 1.25x slab (320 rows)
     assert [r["path"] for r in rows] == ["dropless", "capacity",
+                                         "dropless dispatch alone (grouped matmul = identity)",
                                          "expert matmuls alone, 320 rows each (this routing's slab)",
                                          "expert matmuls alone, 256 rows each (balanced)",
                                          "dense FFN (same active FLOPs)"]
-    assert [r["routing"] for r in rows] == ["random"] * 3 + ["-", "-"]
+    assert [r["routing"] for r in rows] == ["random"] * 4 + ["-", "-"]
     assert rows[0]["MaxVio"] == round(309 / 256 - 1, 3)
     assert all(r["ms"] > 0 and r["TFLOP/s"] > 0 for r in rows)
     assert rows[-1]["x dense"] == 1.0
+
+
+def test_dispatch_alone_is_dropless_without_its_matmuls():
+    """The stand-in grouped matmul keeps dropless's permutation: each token gets back sum_k gate_k * x."""
+    import jax.numpy as jnp
+
+    from moe import experts
+
+    T, D, E, K = 12, 4, 3, 2
+    x = jax.random.normal(jax.random.key(0), (T, D))
+    ids = jax.random.randint(jax.random.key(1), (T, K), 0, E)
+    gates = jax.random.uniform(jax.random.key(2), (T, K))
+    w = jnp.zeros((E, D, 5))
+    y = experts.dropless(x, ids, gates, w, w, jnp.zeros((E, 5, D)), grouped=moe_layer._identity_grouped)
+    assert jnp.allclose(y, x * gates.sum(1, keepdims=True), atol=1e-6)
 
 
 def test_balanced_routing_is_what_the_bias_rule_leaves_on_a_fresh_batch():

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from moe import experts, router
 
@@ -65,3 +66,25 @@ def test_blocked_grouped_matmul_zeroes_padding_rows_like_ragged_dot():
     blocked = experts.grouped_swiglu_blocked(x, sizes, *ws, block=4)
     np.testing.assert_allclose(blocked, ragged, rtol=1e-5, atol=1e-5)
     assert float(jnp.abs(blocked[22:]).max()) == 0.0
+
+
+@pytest.mark.parametrize("K", [1, 2, 3])
+def test_dropless_gather_permute_equals_scatter(K):
+    """permute="gather" (custom VJPs that only gather) == autodiff's scatter-adds, values and every gradient,
+    with uneven and empty experts."""
+    T, D, E, F = 10, 6, 4, 5
+    ks = jax.random.split(jax.random.key(3), 5)
+    x = jax.random.normal(ks[0], (T, D))
+    ids = jax.vmap(lambda k: jax.random.choice(k, 3, (K,), replace=False))(jax.random.split(ks[1], T))  # expert 3 empty
+    gates = jax.random.uniform(ks[2], (T, K))
+    ws = (jax.random.normal(ks[3], (E, D, F)), jax.random.normal(ks[4], (E, D, F)), jax.random.normal(ks[4], (E, F, D)))
+
+    def value_and_grads(permute):
+        loss = lambda x, g, *w: jnp.sum(jnp.sin(experts.dropless(x, ids, g, *w, grouped="ragged_dot",
+                                                                 permute=permute)))
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))(x, gates, *ws)
+
+    (got, got_g), (want, want_g) = value_and_grads("gather"), value_and_grads("scatter")
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for a, b in zip(got_g, want_g, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -15,3 +15,9 @@ def test_gpu_report_tiny_writes_every_section(tmp_path):
     assert "FAILED" not in text
     assert "test_cudnn_equals_einsum_on_gpu" in text  # the GPU tests were collected
     assert "from 4 to 8 routed experts" in text
+
+
+def test_sections_flag_rejects_unknown_names(capsys):
+    with pytest.raises(SystemExit) as e:
+        gpu_report.main(["--sections", "tests,speed"])
+    assert e.value.code == 2 and "--sections" in capsys.readouterr().err
