@@ -21,4 +21,5 @@ cat <<'MSG'
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD/.whl/stub:$PWD PYTHONUNBUFFERED=1 || exit; \
   timeout 440 python3 -m benchmarks.gpu_report --out $OUT/gpu_report.md 2>&1 | grep -v "Autotuning cache miss"
+(add --sections and --grouped_matmul to fit the lease: see python3 -m benchmarks.gpu_report --help)
 MSG
