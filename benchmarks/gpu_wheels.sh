@@ -3,7 +3,8 @@
 # figures"). The machine has no network; its image holds jax 0.11.2, flax 0.12.10, optax, orbax, einops, absl,
 # tokenizers, but not ml_collections or tokamax. Do not carry flax: 0.12.8 (the newest for Python 3.11) fails to
 # import under jax 0.11.2. tokamax imports xprof (32 MB, cloud dependencies) only for its own profiling: a stub
-# stands in. Run from the repository root; .whl/ is git-ignored through .git/info/exclude.
+# stands in. Run from the repository root; .whl/ is git-ignored through .git/info/exclude. `--study` adds what
+# the decoder-only studies need (TFDS and friends).
 set -euo pipefail
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info && echo /.whl/ >> .git/info/exclude; }
 mkdir -p .whl/stub/xprof/cli
@@ -11,6 +12,17 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
   ml_collections==1.1.0 tokamax==0.0.17 einshape==1.0 pydantic==2.14.4 pydantic_core==2.50.5 \
   annotated_types==0.8.0 typing_inspection==0.4.5 qwix==0.1.8 immutabledict==4.3.1 tensorboardx==2.6.5
+if [[ "${1:-}" == "--study" ]]; then
+  # The decoder-only studies (analysis.gpu_round) read the bundled corpus through TFDS without TensorFlow: TFDS,
+  # grain, array_record and the dependencies the image lacks (~11 MB; promise ships no wheel: built here).
+  # Not yet tried on the device.
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+    tensorflow-datasets==4.9.10 grain==0.2.18 array-record==0.8.6 dm-tree==0.1.10 simple_parsing==0.1.9 \
+    docstring_parser==0.18.0 tensorflow-metadata==1.21.0 googleapis-common-protos==1.76.0 termcolor==3.3.0 \
+    toml==0.10.2 portpicker==1.6.0
+  python3 -m pip wheel -q --no-deps promise==2.3 -w .whl
+fi
 touch .whl/stub/xprof/__init__.py .whl/stub/xprof/cli/__init__.py
 cat > .whl/stub/xprof/cli/tools.py <<'PY'
 def get_kernel_stats_tool(*args, **kwargs):  # tokamax's own xprof-timed benchmarking; unused here
