@@ -1,6 +1,8 @@
 """The study report's figures. Every loss plot carries the unigram and bigram reference lines of the same scored
 targets: a curve above the bigram line has learned nothing a mask could change."""
 
+import textwrap
+
 import numpy as np
 
 from analysis.figures import grid, plt, save
@@ -35,7 +37,8 @@ def plot_curves(groups, refs, path, title=CURVES_TITLE, ylabel="validation loss,
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(ylabel)
     axes[0].legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
+    # Wrapped to the figure's width: with two or three panels one line would run past its edges.
+    fig.suptitle(textwrap.fill(title, width=45 * min(len(groups), 4)), fontsize=9)
     save(fig, path)
 
 
