@@ -13,9 +13,9 @@ skipped off GPU); MoE layer vs the dense FFN of equal active FLOPs at 8 and 64 e
 dropless's dispatch alone and its backward by scatter-adds or by gathers only (`dropless:gather`); the
 train step of configs/gpu_1b.py (MFU against the measured peak, tokens/s, peak memory) at 8 and 64 experts per
 grouped matmul, and the 64/8 step-time ratio. Goals (issue 13): MFU >= 40%, layer <= 1.3x dense, 64/8 <= 1.15x.
-Every section runs even if an earlier one fails (its error goes into the report), in the order tests, train step
-(first grouped matmul), layer, train step (the others), and the report is rewritten after each: a run cut off by the lease's time
-limit keeps what finished.
+Every section runs even if an earlier one fails (its error goes into the report), in the order tests, train
+step (first grouped matmul), layer, train step (the others), and the report is rewritten after each: a run cut
+off by the lease's time limit keeps what finished.
 """
 
 import argparse
@@ -80,12 +80,14 @@ def _short_traceback() -> str:
     return "our frames:\n" + "\n".join(ours[-12:]) + "\n...\n" + tb[-1500:]
 
 
-def write_report(path: str, sections: list[tuple[str, str]], elapsed_s: float) -> None:
-    """The report so far, replaced atomically: a run cut off by a time limit still leaves every finished section."""
-    text = f"# GPU report ({elapsed_s:.0f} s)\n\n" + "\n\n".join(f"## {t}\n\n{b}" for t, b in sections)
+def write_report(path: str, sections: list[tuple[str, str]], elapsed_s: float) -> str:
+    """The report so far, replaced atomically: a run cut off by a time limit still leaves every finished section.
+    Returns its text."""
+    text = f"# GPU report ({elapsed_s:.0f} s)\n\n" + "\n\n".join(f"## {t}\n\n{b}" for t, b in sections) + "\n"
     with open(path + ".tmp", "w") as f:
-        f.write(text + "\n")
+        f.write(text)
     os.replace(path + ".tmp", path)
+    return text
 
 
 def main(argv=None) -> str:
@@ -120,6 +122,7 @@ def main(argv=None) -> str:
              *[("train", train(g)) for g in grouped[1:]]]
     steps = [step for section, step in steps if section in wanted]
     print(f"## {sections[0][0]}\n\n{sections[0][1]}\n", flush=True)
+    report = write_report(a.out, sections, time.time() - t0)
     for title, fn in steps:
         try:
             body = fn()
@@ -127,9 +130,9 @@ def main(argv=None) -> str:
             body = "FAILED:\n\n```\n" + _short_traceback() + "\n```"
         sections.append((title, body))
         print(f"## {title}\n\n{body}\n", flush=True)
-        write_report(a.out, sections, time.time() - t0)
+        report = write_report(a.out, sections, time.time() - t0)
     print(f"wrote {a.out}")
-    return open(a.out).read()
+    return report
 
 
 if __name__ == "__main__":

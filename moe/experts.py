@@ -159,7 +159,8 @@ def dropless(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, 
     grouped: a `grouped_swiglu_for` name, or the grouped SwiGLU function itself. constrain: `Execution.constrain`
     when XLA partitions this over a mesh. permute: how the backward pass moves rows: "scatter" (autodiff of the
     gathers: scatter-adds) or "gather" (permute_copies / unpermute_copies: gathers only; the same numbers up to
-    the order of the K-copy sum). On XLA:CPU the two measured alike; the GPU A/B is in benchmarks/moe_layer.py."""
+    the order of the K-copy sum). On XLA:CPU "gather" made the whole layer 12-16% slower (docs/performance.md);
+    the GPU A/B is `benchmarks.moe_layer --dispatch dropless,dropless:gather`."""
     T, K = ids_TxK.shape
     E = w_gate_ExDxF.shape[0]
     flat_ids_N = ids_TxK.reshape(-1)  # N = T*K token copies

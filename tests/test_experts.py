@@ -75,9 +75,11 @@ def test_dropless_gather_permute_equals_scatter(K):
     T, D, E, F = 10, 6, 4, 5
     ks = jax.random.split(jax.random.key(3), 5)
     x = jax.random.normal(ks[0], (T, D))
-    ids = jax.vmap(lambda k: jax.random.choice(k, 3, (K,), replace=False))(jax.random.split(ks[1], T))  # expert 3 empty
+    # K distinct experts per token among the first 3: expert 3 gets none
+    ids = jax.vmap(lambda k: jax.random.choice(k, 3, (K,), replace=False))(jax.random.split(ks[1], T))
     gates = jax.random.uniform(ks[2], (T, K))
-    ws = (jax.random.normal(ks[3], (E, D, F)), jax.random.normal(ks[4], (E, D, F)), jax.random.normal(ks[4], (E, F, D)))
+    ws = (jax.random.normal(ks[3], (E, D, F)), jax.random.normal(ks[4], (E, D, F)),
+          jax.random.normal(ks[4], (E, F, D)))
 
     def value_and_grads(permute):
         loss = lambda x, g, *w: jnp.sum(jnp.sin(experts.dropless(x, ids, g, *w, grouped="ragged_dot",
