@@ -66,6 +66,8 @@ def fingerprint(config) -> str:
         del d["eval"]["output_only"]
     if not d["train"].get("equal_targets", True):  # likewise
         del d["train"]["equal_targets"]
+    if d["model"].get("attention_impl") == "blockwise":  # the default since 2026-11-26: einsum's function, by
+        d["model"]["attention_impl"] = "einsum"          # query blocks (tests/test_attention_impl.py)
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -83,8 +85,9 @@ def read_metrics(workdir) -> tuple[dict, dict]:
 
 def attention_cost(config, mcfg) -> dict:
     """Attended (query, key) pairs per validation row, per mask, and the FLOP share they would add if attention
-    were computed only where the mask allows it (this implementation computes the full L x L square for every
-    mask, so the executed FLOPs are identical)."""
+    were computed only where the mask allows it. The model FLOPs counted (moe.train_flops_per_token) are the same
+    for every mask; executed FLOPs differ: the einsum path computes the full L x L square for every mask, the
+    default blockwise path skips the key blocks above the diagonal for the causal mask only."""
 
     rows = eval_rows(config)
     n = rows["segment_ids"].sum(-1).astype(np.float64)

@@ -119,7 +119,7 @@ def arg_parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
     ap.add_argument("--dispatch", default=",".join(DISPATCHES))
     ap.add_argument("--grouped_matmul", default="auto", help="auto,ragged_dot,blocked,slab,tokamax (dropless/expert_parallel)")
-    ap.add_argument("--attention_impl", default="einsum", help="einsum,xla,cudnn (train step only)")
+    ap.add_argument("--attention_impl", default="blockwise", help="blockwise,einsum,xla,cudnn (train step only)")
     ap.add_argument("--experts", default="8,64")
     ap.add_argument("--capacity_factor", type=float, default=1.25)
     ap.add_argument("--batch", type=int, default=0, help="rows per device; 0: the preset's")

@@ -99,12 +99,12 @@ def main(argv=None):
                                                       "tokamax on GPU)")
     ap.add_argument("--maxtext_steps", type=int, default=6, help="steps run; the first 2 are not timed")
     ap.add_argument("--grouped_matmul", default="auto", help="this project's execution.grouped_matmul")
-    ap.add_argument("--attention_impl", default="", help="this project's (default: einsum on CPU, cudnn on GPU)")
+    ap.add_argument("--attention_impl", default="", help="this project's (default: blockwise on CPU, cudnn on GPU)")
     ap.add_argument("--timeout", type=int, default=3600)
     ap.add_argument("--skip_maxtext", action="store_true")
     a = ap.parse_args(argv)
     moe = a.maxtext_moe or ("dense" if a.shape == "cpu" else "tokamax")
-    attention = a.attention_impl or ("einsum" if a.shape == "cpu" else "cudnn")
+    attention = a.attention_impl or ("blockwise" if a.shape == "cpu" else "cudnn")
     name = f"maxtext_{a.shape}"
     p = preset(name)
     tokens = p["batch"] * p["seq_len"]

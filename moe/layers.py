@@ -61,6 +61,28 @@ def fused_attention_impl(name: str) -> str:
     return "cudnn" if name == "cudnn" and _on_cuda() else "xla"
 
 
+def causal_blocks(L: int, max_blocks: int = 4, min_rows: int = 32) -> int:
+    """Query blocks of the `blockwise` attention: the most equal blocks (<= max_blocks) of >= min_rows rows each.
+    n blocks do (n + 1) / 2n of the full [L, L] work; fewer, larger blocks keep XLA's batched matmuls efficient."""
+    return max(n for n in range(1, max_blocks + 1) if L % n == 0 and (n == 1 or L // n >= min_rows))
+
+
+def softmax_attention(q_BxLxNxGxDh, k_BxSxNxDh, v_BxSxNxDh, mask_BxHxLxS):
+    """softmax(q k^T / sqrt(Dh), masked) v with fp32 logits and softmax: (out [B,L,N,G,Dh], probs [B,N,G,L,S])."""
+    B, L, N, G, Dh = q_BxLxNxGxDh.shape
+    logits = jnp.einsum("blngk,bsnk->bngls", q_BxLxNxGxDh, k_BxSxNxDh,
+                        preferred_element_type=jnp.float32) * Dh**-0.5
+    S = logits.shape[-1]
+    mask_BxNxGxLxS = jnp.broadcast_to(mask_BxHxLxS, (B, mask_BxHxLxS.shape[1], L, S))
+    if mask_BxNxGxLxS.shape[1] == 1:
+        mask_BxNxGxLxS = mask_BxNxGxLxS[:, :, None]
+    else:
+        mask_BxNxGxLxS = mask_BxNxGxLxS.reshape(B, N, G, L, S)
+    logits = jnp.where(mask_BxNxGxLxS, logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1)  # fp32 softmax
+    return jnp.einsum("bngls,bsnk->blngk", probs.astype(q_BxLxNxGxDh.dtype), v_BxSxNxDh), probs
+
+
 class Attention(nnx.Module):
     def __init__(self, cfg, rngs: nnx.Rngs):
         D, H, N, Dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -100,7 +122,9 @@ class Attention(nnx.Module):
         so the kernel skips blocks above the diagonal; the boolean mask (segments, prefix) still applies, and
         cuDNN takes it as an additive bias of the mask's shape ([B,1,L,S], or [B,H,L,S] for `mixed`). The
         einsum path below is the reference it is tested against, and the path for the KV cache and for
-        attention probabilities.
+        attention probabilities. "blockwise" (the default) runs the einsum path a block of queries at a time when
+        the model's mask is causal, each block against the keys up to its last row only (`causal_blocks`): no
+        logits above the diagonal's blocks are computed, the same function up to rounding.
         """
         cfg, dt = self.cfg, x_BxLxD.dtype
         q_BxLxHxDh = jnp.einsum("bld,dhk->blhk", x_BxLxD, self.wq.value.astype(dt))
@@ -130,7 +154,7 @@ class Attention(nnx.Module):
         else:
             k_BxSxNxDh, v_BxSxNxDh = k_BxLxNxDh, v_BxLxNxDh
 
-        if ex.attention_impl != "einsum" and cache is None and not return_probs:
+        if ex.attention_impl in ("xla", "cudnn") and cache is None and not return_probs:
             out_BxLxHxDh = jax.nn.dot_product_attention(
                 q_BxLxHxDh, k_BxSxNxDh, v_BxSxNxDh, mask=mask_BxHxLxS, is_causal=cfg.mask == "causal",
                 implementation=fused_attention_impl(ex.attention_impl))
@@ -140,19 +164,19 @@ class Attention(nnx.Module):
         B, L, H, Dh = q_BxLxHxDh.shape
         N = cfg.n_kv_heads
         q_BxLxNxGxDh = q_BxLxHxDh.reshape(B, L, N, H // N, Dh)  # query head h uses kv head h // G
-        logits = jnp.einsum("blngk,bsnk->bngls", q_BxLxNxGxDh, k_BxSxNxDh,
-                            preferred_element_type=jnp.float32) * Dh**-0.5
-        S = logits.shape[-1]
-        mask_BxNxGxLxS = jnp.broadcast_to(mask_BxHxLxS, (B, mask_BxHxLxS.shape[1], L, S))
-        if mask_BxNxGxLxS.shape[1] == 1:
-            mask_BxNxGxLxS = mask_BxNxGxLxS[:, :, None]
+        blockwise = ex.attention_impl == "blockwise" and cfg.mask == "causal" and cache is None and not return_probs
+        n = causal_blocks(L) if blockwise else 1
+        if n == 1:
+            out_BxLxNxGxDh, probs = softmax_attention(q_BxLxNxGxDh, k_BxSxNxDh, v_BxSxNxDh, mask_BxHxLxS)
         else:
-            mask_BxNxGxLxS = mask_BxNxGxLxS.reshape(B, N, H // N, L, S)
-        logits = jnp.where(mask_BxNxGxLxS, logits, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(logits, axis=-1)  # fp32 softmax
-        out_BxLxNxGxDh = jnp.einsum("bngls,bsnk->blngk", probs.astype(dt), v_BxSxNxDh)
+            # A causal mask hides every key after a query: block i of C queries needs only keys [0, (i+1) C).
+            C = L // n
+            out_BxLxNxGxDh = jnp.concatenate([
+                softmax_attention(q_BxLxNxGxDh[:, i * C:(i + 1) * C], k_BxSxNxDh[:, :(i + 1) * C],
+                                  v_BxSxNxDh[:, :(i + 1) * C], mask_BxHxLxS[:, :, i * C:(i + 1) * C, :(i + 1) * C])[0]
+                for i in range(n)], axis=1)
         out_BxLxD = jnp.einsum("blhk,hkd->bld", out_BxLxNxGxDh.reshape(B, L, H, Dh), self.wo.value.astype(dt))
-        probs_BxHxLxS = probs.reshape(B, H, L, S) if return_probs else None
+        probs_BxHxLxS = probs.reshape(B, H, L, -1) if return_probs else None
         return self._out_bias(out_BxLxD), new_cache, probs_BxHxLxS
 
     def _out_bias(self, out_BxLxD):

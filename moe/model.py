@@ -12,6 +12,7 @@ from flax import nnx
 from moe.config import ModelConfig
 from moe.execution import Execution
 from moe.layers import MLP, Attention, RMSNorm, param
+from moe.lm_loss import cross_entropy, logits
 from moe.masks import attention_mask
 from moe.moe_layer import MoE
 
@@ -56,10 +57,23 @@ class Transformer(nnx.Module):
                 self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)
         self.cfg = cfg
 
-    def __call__(self, tokens_BxL, *, execution: Execution = DEFAULT_EXECUTION, positions_BxL=None,
-                 segment_ids_BxL=None, prefix_len_B=None, cache=None, cache_index=None, return_routing=False,
-                 return_attention=False, return_hidden=False):
-        """Logits [B,L,V] (fp32) and an aux dict:
+    def __call__(self, tokens_BxL, *, execution: Execution = DEFAULT_EXECUTION, **options):
+        """Logits [B,L,V] (fp32) and the aux dict of `trunk` (its options and aux keys)."""
+        x_BxLxD, aux = self.trunk(tokens_BxL, execution=execution, **options)
+        return self.unembed(x_BxLxD, execution), aux
+
+    def token_losses(self, tokens_BxL, targets_BxL, *, execution: Execution = DEFAULT_EXECUTION, **options):
+        """Next-token cross-entropy [B,L] (fp32) against targets and `trunk`'s aux dict, without ever holding all
+        [B,L,V] logits: the LM head runs in execution.loss_chunks sequence chunks (moe/lm_loss.py)."""
+        x_BxLxD, aux = self.trunk(tokens_BxL, execution=execution, **options)
+        ce_BxL = cross_entropy(self.final_norm(x_BxLxD), self.head(), targets_BxL, execution.loss_chunks,
+                               execution.constrain)
+        return ce_BxL, aux
+
+    def trunk(self, tokens_BxL, *, execution: Execution = DEFAULT_EXECUTION, positions_BxL=None,
+              segment_ids_BxL=None, prefix_len_B=None, cache=None, cache_index=None, return_routing=False,
+              return_attention=False, return_hidden=False):
+        """Everything before the final norm and LM head: the residual stream [B,L,D] and an aux dict:
 
           balance_loss  sum over MoE layers of the sequence-wise balance loss, unweighted (the training loss
                         multiplies it by train.balance_loss_weight)
@@ -95,7 +109,6 @@ class Transformer(nnx.Module):
             hidden.append(x_BxLxD)
             if r is not None:
                 routing.append(r)
-        logits_BxLxV = self.unembed(x_BxLxD, ex)
 
         E = self.cfg.n_routed_experts
         aux = {
@@ -111,7 +124,7 @@ class Transformer(nnx.Module):
             aux["hidden"] = hidden
         if cache is not None:
             aux["cache"] = new_cache
-        return logits_BxLxV, aux
+        return x_BxLxD, aux
 
     def attention_inputs(self, tokens_BxL, *, positions_BxL=None, segment_ids_BxL=None, prefix_len_B=None,
                          cache=None, cache_index=None):
@@ -142,15 +155,14 @@ class Transformer(nnx.Module):
         x_BxLxD = jnp.take(self.embed.value, tokens_BxL, axis=0).astype(jnp.dtype(ex.dtype))
         return ex.constrain(x_BxLxD, ("batch", "length", "act_embed"))
 
+    def head(self):
+        """The LM head [D, V]: the embedding's transpose when tied."""
+        return self.embed.value.T if self.cfg.tie_embeddings else self.lm_head.value
+
     def unembed(self, x_BxLxD, ex: Execution = DEFAULT_EXECUTION):
         """Final norm + LM head: logits [B,L,V] in fp32."""
-        x_BxLxD = self.final_norm(x_BxLxD)
-        head_DxV = self.embed.value.T if self.cfg.tie_embeddings else self.lm_head.value
-        # One 2-D matmul over all B*L rows: XLA:CPU runs the 3-D einsum's backward (weight gradient contracted
-        # over b and l) ~3x slower (benchmarks/train_step.py); the same math on every backend.
         B, L, D = x_BxLxD.shape
-        logits_BxLxV = jnp.dot(x_BxLxD.reshape(B * L, D), head_DxV.astype(x_BxLxD.dtype),
-                               preferred_element_type=jnp.float32).reshape(B, L, -1)
+        logits_BxLxV = logits(self.final_norm(x_BxLxD).reshape(B * L, D), self.head()).reshape(B, L, -1)
         return ex.constrain(logits_BxLxV, ("batch", "length", "act_vocab"))
 
 

@@ -1,7 +1,8 @@
-"""The fused attention path (`execution.attention_impl`: jax.nn.dot_product_attention) equals the einsum reference,
-logits and gradients, for every mask mode with packed segments and grouped-query heads. "xla" is the same call
-as "cudnn" with another implementation, so on CPU this checks everything around the kernel: layouts, GQA head
-order, scale, mask and is_causal. The kernel itself is compared on a GPU (skipped elsewhere)."""
+"""The fused attention path (`execution.attention_impl`: jax.nn.dot_product_attention) and the blockwise einsum
+path equal the einsum reference, logits and gradients, for every mask mode with packed segments and grouped-query
+heads. "xla" is the same call as "cudnn" with another implementation, so on CPU this checks everything around the
+kernel: layouts, GQA head order, scale, mask and is_causal. The kernel itself is compared on a GPU (skipped
+elsewhere)."""
 
 import jax
 import jax.numpy as jnp
@@ -10,17 +11,18 @@ import pytest
 from flax import nnx
 
 from moe import Execution
-from moe.layers import fused_attention_impl
+from moe.layers import causal_blocks, fused_attention_impl
 from tests.model_fixtures import tiny_model
 
 L = 12
 
 
-def _loss_and_grads(impl, mask, dtype="float32"):
+def _loss_and_grads(impl, mask, dtype="float32", L=L):
     graphdef, state = nnx.split(tiny_model(mask=mask))
     ex = Execution(attention_impl=impl, dtype=dtype)
     tokens = jax.random.randint(jax.random.key(1), (2, L), 0, 61)
-    segments = jnp.asarray([[1] * 5 + [2] * 7, [1] * 9 + [0] * 3])  # two documents; trailing padding
+    a, b = 5 * L // 12, 9 * L // 12  # two documents; trailing padding
+    segments = jnp.asarray([[1] * a + [2] * (L - a), [1] * b + [0] * (L - b)])
     prefix = jnp.asarray([4, 6])
 
     def loss(state):
@@ -37,6 +39,22 @@ def test_fused_attention_equals_einsum(mask):
     np.testing.assert_allclose(got_logits, want_logits, rtol=1e-5, atol=1e-5)
     for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("mask", ["causal", "prefix"])  # prefix: not causal, so one block (the einsum path)
+def test_blockwise_attention_equals_einsum(mask):
+    """96 positions: three query blocks of 32 under a causal mask, each against only the keys up to its end;
+    documents and padding cross the block boundaries."""
+    assert causal_blocks(96) == 3
+    (_, want_logits), want_grads = _loss_and_grads("einsum", mask, L=96)
+    (_, got_logits), got_grads = _loss_and_grads("blockwise", mask, L=96)
+    np.testing.assert_allclose(got_logits, want_logits, rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_causal_blocks():
+    assert [causal_blocks(n) for n in (12, 64, 96, 100, 256, 2048)] == [1, 2, 3, 2, 4, 4]
 
 
 def _relative_error(a, b):

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from analysis.experiments import Interrupted, compare_masks, parse_flags, variant_name
+from analysis.experiments import Interrupted, compare_masks, fingerprint, parse_flags, variant_name
 from analysis.experiments_report import bootstrap_ci
 from tests.conftest import tiny_config
 from train.errors import UserError
@@ -20,6 +20,18 @@ def test_bootstrap_ci():
     m, lo, hi = bootstrap_ci(v)
     se = v.std(ddof=1) / np.sqrt(len(v))
     assert lo == pytest.approx(m - 1.96 * se, abs=0.3 * se) and hi == pytest.approx(m + 1.96 * se, abs=0.3 * se)
+
+
+def test_fingerprint_ignores_what_does_not_change_a_run():
+    """Cached results stay valid across the 2026-11-26 defaults: blockwise attention computes einsum's function
+    (the runs cached before it used einsum) and loss_chunks 1 is how every earlier run computed its loss."""
+    c = tiny_config()
+    assert c.execution.attention_impl == "blockwise" and c.execution.loss_chunks == 1
+    before = tiny_config(**{"execution.attention_impl": "einsum"}).to_dict()
+    del before["execution"]["loss_chunks"]
+    assert fingerprint(c) == fingerprint(type(c)(before))
+    assert fingerprint(c) != fingerprint(tiny_config(**{"execution.attention_impl": "xla"}))
+    assert fingerprint(c) != fingerprint(tiny_config(**{"execution.loss_chunks": 4}))
 
 
 def test_parse_flags():

@@ -90,6 +90,10 @@ def migrate(config: dict) -> dict:
     return out
 
 
+# Keys added after the model/execution split, with the default that reproduces the runs from before them.
+ADDED_KEYS = {"eval.dispatch": "", "execution.loss_chunks": 1}
+
+
 def pre_split_layout(config: dict) -> dict:
     """The inverse of `migrate`, for fingerprints that must not change with the layout: moved keys back where
     they were, and keys added since at their defaults (eval.dispatch "") left out."""
@@ -99,10 +103,12 @@ def pre_split_layout(config: dict) -> dict:
         new_section, new_key = new.split(".")
         if isinstance(out.get(new_section), dict) and new_key in out[new_section]:
             out.setdefault(old_section, {})[old_key] = out[new_section].pop(new_key)
+    for key, default in ADDED_KEYS.items():
+        section, name = key.split(".")
+        if isinstance(out.get(section), dict) and out[section].get(name, None) == default:
+            del out[section][name]
     if out.get("execution") == {}:
         del out["execution"]
-    if isinstance(out.get("eval"), dict) and out["eval"].get("dispatch", None) == "":
-        del out["eval"]["dispatch"]
     return out
 
 

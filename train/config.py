@@ -15,6 +15,7 @@ import ml_collections
 from configs.base import base_config
 from moe import ConfigError, Execution, ModelConfig, param_counts
 from moe.execution import DISPATCH_MODES, DROPPING_DISPATCH, check_model, check_tokens
+from moe.lm_loss import chunk_count
 from train.cli import all_keys, unknown_key_error
 from train.errors import UserError
 
@@ -177,15 +178,15 @@ def state_bytes(mcfg: ModelConfig, model_parallel: int) -> int:
 
 
 def activation_bytes(c: ml_collections.ConfigDict, mcfg: ModelConfig, data_parallel: int) -> int:
-    """A lower bound on one device's activation memory for a train step: the fp32 logits (and their
-    gradient) and, with einsum attention, the [H, L, L] scores and probabilities of every layer kept for the
-    backward pass (one layer with remat)."""
+    """A lower bound on one device's activation memory for a train step: one chunk of fp32 logits (and its
+    gradient; execution.loss_chunks) and, with einsum attention, the [H, L, L] scores and probabilities of every
+    layer kept for the backward pass (one layer with remat)."""
     rows = max(c.train.batch_size // c.train.grad_accum // max(data_parallel, 1), 1)
     L = c.data.seq_len
-    logits = rows * L * mcfg.vocab_size * 4 * 2
     ex = c.execution
+    logits = rows * (L // chunk_count(L, ex.loss_chunks)) * mcfg.vocab_size * 4 * 2
     layers = 1 if ex.remat else mcfg.n_layers
-    attention = rows * mcfg.n_heads * L * L * 4 * 2 * layers if ex.attention_impl == "einsum" else 0
+    attention = rows * mcfg.n_heads * L * L * 4 * 2 * layers if ex.attention_impl in ("einsum", "blockwise") else 0
     return logits + attention
 
 

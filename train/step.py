@@ -15,9 +15,9 @@ from train.state import merge_model
 
 def forward(graphdef, params, bias, batch, ex: Execution):
     model = merge_model(graphdef, params, bias)
-    logits, aux = model(batch["tokens"], execution=ex, positions_BxL=batch["positions"],
-                        segment_ids_BxL=batch["segment_ids"], prefix_len_B=batch.get("prefix_len"))
-    ce_BxL = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    ce_BxL, aux = model.token_losses(batch["tokens"], batch["targets"], execution=ex,
+                                     positions_BxL=batch["positions"], segment_ids_BxL=batch["segment_ids"],
+                                     prefix_len_B=batch.get("prefix_len"))
     return ce_BxL * batch["loss_mask"], aux
 
 
