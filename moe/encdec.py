@@ -60,7 +60,8 @@ class DecoderBlock(nnx.Module):
         self.ffn = MoE(cfg, rngs) if self.is_moe else MLP(cfg.d_model, cfg.d_ff, cfg, rngs)
 
     def __call__(self, x_BxTxD, positions_BxT, self_mask, mem_BxSxD, cross_mask, valid_BxT, ex: Execution):
-        x_BxTxD = x_BxTxD + self.attn(self.attn_norm(x_BxTxD), positions_BxT, self_mask, ex)[0]
+        # self_mask is causal (EncoderDecoder builds it so): the kernels may skip later keys.
+        x_BxTxD = x_BxTxD + self.attn(self.attn_norm(x_BxTxD), positions_BxT, self_mask, ex, causal=True)[0]
         x_BxTxD = x_BxTxD + self.cross(self.cross_norm(x_BxTxD), mem_BxSxD, cross_mask)
         if self.is_moe:
             h, routing = self.ffn(self.ffn_norm(x_BxTxD), valid_BxT, ex)

@@ -110,20 +110,24 @@ class Attention(nnx.Module):
         return norm(x_BxLxHxDh.reshape(B, L, H * Dh)).reshape(B, L, H, Dh)
 
     def __call__(self, x_BxLxD, positions_BxL, mask_BxHxLxS, ex: Execution, cache=None, cache_index=None,
-                 return_probs=False):
+                 return_probs=False, causal=False):
         """Returns (out_BxLxD, new_cache or None, probs_BxHxLxS or None).
+
+        causal: the caller's promise that the mask hides every key after its query (a causal mask, with or
+        without segments), so the kernels may skip those keys without reading the mask; False (the default) is
+        right for any mask.
 
         With `cache` ({"k","v": [B,S,N,Dh]}), this call's keys/values are written at slots
         [cache_index, cache_index + L) and queries attend over all S slots (the mask hides unwritten ones).
 
         `ex.attention_impl` "xla" / "cudnn" hands the no-cache, no-probabilities call (training, evaluation) to
         `jax.nn.dot_product_attention` with that implementation: cuDNN's fused flash attention on NVIDIA GPUs,
-        with no fp32 [B,H,L,S] logits or probabilities in memory. For the causal mask it also passes is_causal,
+        with no fp32 [B,H,L,S] logits or probabilities in memory. For a causal call it also passes is_causal,
         so the kernel skips blocks above the diagonal; the boolean mask (segments, prefix) still applies, and
         cuDNN takes it as an additive bias of the mask's shape ([B,1,L,S], or [B,H,L,S] for `mixed`). The
         einsum path below is the reference it is tested against, and the path for the KV cache and for
-        attention probabilities. "blockwise" (the default) runs the einsum path a block of queries at a time when
-        the model's mask is causal, each block against the keys up to its last row only (`causal_blocks`): no
+        attention probabilities. "blockwise" (the default) runs the einsum path a block of queries at a time in a
+        causal call, each block against the keys up to its last row only (`causal_blocks`): no
         logits above the diagonal's blocks are computed, the same function up to rounding.
         """
         cfg, dt = self.cfg, x_BxLxD.dtype
@@ -156,7 +160,7 @@ class Attention(nnx.Module):
 
         if ex.attention_impl in ("xla", "cudnn") and cache is None and not return_probs:
             out_BxLxHxDh = jax.nn.dot_product_attention(
-                q_BxLxHxDh, k_BxSxNxDh, v_BxSxNxDh, mask=mask_BxHxLxS, is_causal=cfg.mask == "causal",
+                q_BxLxHxDh, k_BxSxNxDh, v_BxSxNxDh, mask=mask_BxHxLxS, is_causal=causal,
                 implementation=fused_attention_impl(ex.attention_impl))
             out_BxLxD = jnp.einsum("blhk,hkd->bld", out_BxLxHxDh, self.wo.value.astype(dt))
             return self._out_bias(out_BxLxD), None, None
@@ -164,7 +168,7 @@ class Attention(nnx.Module):
         B, L, H, Dh = q_BxLxHxDh.shape
         N = cfg.n_kv_heads
         q_BxLxNxGxDh = q_BxLxHxDh.reshape(B, L, N, H // N, Dh)  # query head h uses kv head h // G
-        blockwise = ex.attention_impl == "blockwise" and cfg.mask == "causal" and cache is None and not return_probs
+        blockwise = ex.attention_impl == "blockwise" and causal and cache is None and not return_probs
         n = causal_blocks(L) if blockwise else 1
         if n == 1:
             out_BxLxNxGxDh, probs = softmax_attention(q_BxLxNxGxDh, k_BxSxNxDh, v_BxSxNxDh, mask_BxHxLxS)

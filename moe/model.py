@@ -27,9 +27,12 @@ class Block(nnx.Module):
         self.is_moe = cfg.is_moe_layer(layer)
         self.ffn = MoE(cfg, rngs) if self.is_moe else MLP(cfg.d_model, cfg.d_ff, cfg, rngs)
 
-    def attend(self, x_BxLxD, positions_BxL, mask, ex, cache=None, cache_index=None, return_probs=False):
-        """The attention branch, attn(norm(x)), before the residual add: (h, new_cache, probs)."""
-        return self.attn(self.attn_norm(x_BxLxD), positions_BxL, mask, ex, cache, cache_index, return_probs)
+    def attend(self, x_BxLxD, positions_BxL, mask, ex, cache=None, cache_index=None, return_probs=False,
+               causal=False):
+        """The attention branch, attn(norm(x)), before the residual add: (h, new_cache, probs). causal: the mask
+        hides every later key (moe.layers.Attention)."""
+        return self.attn(self.attn_norm(x_BxLxD), positions_BxL, mask, ex, cache, cache_index, return_probs,
+                         causal)
 
     def feed_forward(self, x_BxLxD, valid_BxL, ex):
         """The FFN branch, ffn(norm(x)), before the residual add: (h, routing or None for a dense layer)."""
@@ -38,8 +41,9 @@ class Block(nnx.Module):
         return self.ffn(self.ffn_norm(x_BxLxD), ex), None
 
     def __call__(self, x_BxLxD, positions_BxL, mask, valid_BxL, ex, cache=None, cache_index=None,
-                 return_probs=False):
-        h, new_cache, probs = self.attend(x_BxLxD, positions_BxL, mask, ex, cache, cache_index, return_probs)
+                 return_probs=False, causal=False):
+        h, new_cache, probs = self.attend(x_BxLxD, positions_BxL, mask, ex, cache, cache_index, return_probs,
+                                          causal)
         x_BxLxD = x_BxLxD + h
         h, routing = self.feed_forward(x_BxLxD, valid_BxL, ex)
         x_BxLxD = ex.constrain(x_BxLxD + h, ("batch", "length", "act_embed"))
@@ -96,9 +100,11 @@ class Transformer(nnx.Module):
             cache=cache, cache_index=cache_index)
         x_BxLxD = self.embed_tokens(tokens_BxL, ex)
         new_cache, probs, routing, hidden = [], [], [], [x_BxLxD]
+        causal = self.cfg.mask == "causal"  # attention_inputs built a causal mask: kernels may skip later keys
 
         def call(block, x_BxLxD, layer_cache):
-            return block(x_BxLxD, positions_BxL, mask, valid_BxL, ex, layer_cache, cache_index, return_attention)
+            return block(x_BxLxD, positions_BxL, mask, valid_BxL, ex, layer_cache, cache_index, return_attention,
+                         causal)
 
         if ex.remat:
             call = _rematerialized(call)

@@ -46,6 +46,14 @@ def test_blockwise_attention_equals_einsum(mask):
     """96 positions: three query blocks of 32 under a causal mask, each against only the keys up to its end;
     documents and padding cross the block boundaries."""
     assert causal_blocks(96) == 3
+    model, tokens = tiny_model(mask=mask), jnp.zeros((1, 96), jnp.int32)
+
+    def matmuls(impl):
+        jaxpr = jax.make_jaxpr(lambda t: model(t, execution=Execution(attention_impl=impl), prefix_len_B=jnp.asarray([4]))[0])
+        return str(jaxpr(tokens)).count("dot_general")
+
+    # The causal model runs 3 blocks x 2 attention matmuls per layer instead of 2; the prefix model runs einsum.
+    assert matmuls("blockwise") - matmuls("einsum") == (4 * model.cfg.n_layers if mask == "causal" else 0)
     (_, want_logits), want_grads = _loss_and_grads("einsum", mask, L=96)
     (_, got_logits), got_grads = _loss_and_grads("blockwise", mask, L=96)
     np.testing.assert_allclose(got_logits, want_logits, rtol=1e-5, atol=1e-6)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moe import ModelConfig, RoutingBias, Transformer
+from moe import Execution, ModelConfig, RoutingBias, Transformer
 from moe.encdec import EncoderDecoder, n_params
 from tests.model_fixtures import TINY
 
@@ -91,3 +91,18 @@ def test_expert_load_rows_follow_the_routing_bias_leaves():
     K = cfg.top_k
     np.testing.assert_allclose(per_row, [int(tseg.sum()) * K] * 2 + [int(sseg.sum()) * K] * 3)
     assert aux["dropped_frac"].shape == (5,)
+
+
+@pytest.mark.parametrize("impl", ["blockwise", "xla"])
+def test_encoder_stays_bidirectional_under_every_attention_impl(impl):
+    """The encoder's blocks share the decoder-only Block: kernels that skip later keys (blockwise query blocks,
+    is_causal) must not apply to them. 64 source positions: two query blocks."""
+    model = EncoderDecoder(ModelConfig(**TINY), nnx.Rngs(0), n_encoder_layers=1)
+    graphdef, state = nnx.split(model)
+    encode = jax.jit(lambda src: nnx.merge(graphdef, state).encode(src, None, Execution(attention_impl=impl))[0])
+    src = jnp.asarray(np.random.default_rng(0).integers(3, TINY["vocab_size"], (1, 64)), jnp.int32)
+    base = encode(src)
+    changed = encode(src.at[0, 63].set((src[0, 63] + 1) % TINY["vocab_size"]))
+    assert np.abs(np.asarray(changed[0, 0] - base[0, 0])).max() > 1e-5  # the first position sees the last
+    want = jax.jit(lambda src: nnx.merge(graphdef, state).encode(src, None, Execution(attention_impl="einsum"))[0])
+    np.testing.assert_allclose(base, want(src), rtol=1e-5, atol=1e-6)
