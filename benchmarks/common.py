@@ -104,11 +104,11 @@ def describe() -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """A Markdown table from dicts with the same keys."""
-    keys = list(rows[0])
+    """A Markdown table from dicts: every key any row has, in first-seen order ("-" where a row lacks it)."""
+    keys = list(dict.fromkeys(k for r in rows for k in r))
     fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else ("n/a" if v is None else str(v))
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(fmt(r[k]) for k in keys) + " |" for r in rows]
+    lines += ["| " + " | ".join(fmt(r[k]) if k in r else "-" for k in keys) + " |" for r in rows]
     return "\n".join(lines)
 
 

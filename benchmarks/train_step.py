@@ -4,6 +4,7 @@ dispatch path, grouped matmul, attention implementation and routed-expert count 
     python -m benchmarks.train_step --preset cpu
     python -m benchmarks.train_step --preset gpu --dispatch dropless,capacity --experts 8,64   # configs/gpu_1b.py
     python -m benchmarks.train_step --preset gpu --grouped_matmul ragged_dot,blocked --attention_impl einsum,cudnn
+    python -m benchmarks.train_step --preset default --experts 16 --attention_impl einsum,blockwise --round_robin
 
 MFU = model FLOPs (moe.accounting.train_flops_per_token, the loop's figure) / the measured peak of a large matmul
 (bf16 on accelerators, fp32 on CPU: train.flops.measure_peak_flops) x devices.
@@ -26,7 +27,6 @@ from benchmarks.common import (
     peak_memory_gb,
     preset,
     table,
-    time_fn,
     time_fns,
     variants,
 )
@@ -41,12 +41,13 @@ from train.step import forward, make_train_step
 
 
 def _config(name: str, dispatch: str, n_experts: int, capacity_factor: float, grouped: str, attention: str,
-            batch: int = 0):
+            batch: int = 0, loss_chunks: int = 1):
     p = preset(name, n_experts)
     c = base_config()
     c.model.update(**p["model"])
     c.execution.update(**{**p["execution"], "dispatch": dispatch, "capacity_factor": capacity_factor,
-                          "grouped_matmul": "auto" if grouped == "-" else grouped, "attention_impl": attention})
+                          "grouped_matmul": "auto" if grouped == "-" else grouped, "attention_impl": attention,
+                          "loss_chunks": loss_chunks})
     c.data.seq_len = p["seq_len"]
     # The preset's batch is per device: on N devices the (data-parallel) step sees N times the rows.
     c.train.update(batch_size=(batch or p["batch"]) * jax.device_count(), steps=1000, warmup_steps=10)
@@ -72,51 +73,83 @@ def _parts(graphdef, ex):
             lambda state, batch: grad(state["params"], state["bias"], batch))
 
 
-def bench(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto", attention="einsum", batch=0,
-          steps=0, breakdown=False) -> dict:
-    c = _config(name, dispatch, n_experts, capacity_factor, grouped, attention, batch)
+def prepare(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto", attention="blockwise", batch=0,
+            breakdown=False, loss_chunks=1):
+    """(calls, finish): the (fn, args) to time -- the step, then with `breakdown` its forward and forward +
+    backward passes -- and finish(seconds per call of each) -> the table row."""
+    c = _config(name, dispatch, n_experts, capacity_factor, grouped, attention, batch, loss_chunks)
     mcfg, t = check(c), c.train
     mesh = mesh_lib.make_mesh(c.mesh)
     tx = optim.optimizer(t)
     graphdef, state, shardings = init_state(mcfg, tx, 0, mesh)
     ex = execution(c, mesh)
     run = jax.jit(make_train_step(graphdef, tx, optim.schedule(t), t, ex))
-
     batch = _batch(t.batch_size, c.data.seq_len, mcfg.vocab_size, mesh)
-    n = steps or PRESETS[name]["steps"]
+    calls = [(lambda state, batch: run(state, batch)[1]["loss"], (state, batch))]
     if breakdown:
         fwd, grad = _parts(graphdef, ex)
-        s, fwd_s, grad_s = time_fns([(run, (state, batch)), (fwd, (state, batch)), (grad, (state, batch))], n)
-    else:
-        s = time_fn(lambda: run(state, batch)[1]["loss"], steps=n)
+        calls += [(fwd, (state, batch)), (grad, (state, batch))]
     tokens = t.batch_size * c.data.seq_len
     flops = train_flops_per_token(mcfg, c.data.seq_len) * tokens
-    row = {"dispatch": dispatch, "grouped matmul": grouped, "attention": attention, "experts": n_experts,
-           "top_k": mcfg.top_k, "tokens/step": tokens, "step ms": s * 1e3, "tokens/s": tokens / s,
-           "MFU %": 100 * flops / s / (peak * jax.device_count()), "peak GiB": peak_memory_gb()}
-    if breakdown:
-        row["fwd ms"], row["fwd+bwd ms"] = fwd_s * 1e3, grad_s * 1e3
-    return row
+
+    def finish(seconds: list[float]) -> dict:
+        s = seconds[0]
+        row = {"dispatch": dispatch, "grouped matmul": grouped, "attention": attention, "experts": n_experts,
+               "top_k": mcfg.top_k, "tokens/step": tokens, "step ms": s * 1e3, "tokens/s": tokens / s,
+               "MFU %": 100 * flops / s / (peak * jax.device_count()), "peak GiB": peak_memory_gb()}
+        if loss_chunks != 1:
+            row["loss chunks"] = loss_chunks
+        if breakdown:
+            row["fwd ms"], row["fwd+bwd ms"] = seconds[1] * 1e3, seconds[2] * 1e3
+        return row
+
+    return calls, finish
+
+
+def bench(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto", attention="blockwise", batch=0,
+          steps=0, breakdown=False, loss_chunks=1) -> dict:
+    """One row, timed on its own (the step and its parts round-robin)."""
+    calls, finish = prepare(name, dispatch, n_experts, peak, capacity_factor, grouped, attention, batch, breakdown,
+                            loss_chunks)
+    return finish(time_fns(calls, steps or PRESETS[name]["steps"]))
+
+
+def bench_round_robin(specs: list[dict], name: str, peak, steps=0) -> list[dict]:
+    """Every row's calls timed round-robin together (all compiled and held in memory at once: for A/B runs on a
+    shared CPU, where load drifts between rows timed one after another)."""
+    prepared = [prepare(name, peak=peak, **spec) for spec in specs]
+    seconds = time_fns([call for calls, _ in prepared for call in calls], steps or PRESETS[name]["steps"])
+    rows, i = [], 0
+    for calls, finish in prepared:
+        rows.append(finish(seconds[i:i + len(calls)]))
+        i += len(calls)
+    return rows
 
 
 def main(argv=None):
     ap = arg_parser(__doc__.splitlines()[0])
     ap.add_argument("--breakdown", action="store_true", help="also time the forward and forward + backward passes")
+    ap.add_argument("--loss_chunks", default="1", help="execution.loss_chunks values, comma-separated")
+    ap.add_argument("--round_robin", action="store_true",
+                    help="time all rows together, round-robin (all held in memory at once: CPU A/B runs)")
     a = ap.parse_args(argv)
     peak = a.peak_flops or measure_peak_flops()
     print(describe() + f" | matmul peak {peak / 1e12:.3g} TFLOP/s per device")
     experts_list = [int(e) for e in a.experts.split(",")]
-    combos = [(d, g, att) for d, g in variants(a.dispatch.split(","), a.grouped_matmul.split(","))
-              for att in a.attention_impl.split(",")]
-    rows = [bench(a.preset, d, e, peak, a.capacity_factor, g, att, a.batch, a.steps, a.breakdown)
-            for d, g, att in combos for e in experts_list]
+    combos = [(d, g, att, int(ch)) for d, g in variants(a.dispatch.split(","), a.grouped_matmul.split(","))
+              for att in a.attention_impl.split(",") for ch in a.loss_chunks.split(",")]
+    specs = [dict(dispatch=d, n_experts=e, capacity_factor=a.capacity_factor, grouped=g, attention=att,
+                  batch=a.batch, breakdown=a.breakdown, loss_chunks=ch) for d, g, att, ch in combos for e in experts_list]
+    if a.round_robin:
+        rows = bench_round_robin(specs, a.preset, peak, a.steps)
+    else:
+        rows = [bench(a.preset, peak=peak, steps=a.steps, **spec) for spec in specs]
     print(table(rows))
     if len(experts_list) == 2:
-        for d, g, att in combos:
-            lo, hi = (r["step ms"] for r in rows
-                      if (r["dispatch"], r["grouped matmul"], r["attention"]) == (d, g, att))
-            print(f"{d} / {g} / {att}: step time x{hi / lo:.3f} from {experts_list[0]} to {experts_list[1]} "
-                  "routed experts")
+        for i, (d, g, att, ch) in enumerate(combos):
+            lo, hi = (r["step ms"] for r in rows[2 * i:2 * i + 2])
+            print(f"{d} / {g} / {att}{f' / loss_chunks {ch}' if ch != 1 else ''}: step time x{hi / lo:.3f} from "
+                  f"{experts_list[0]} to {experts_list[1]} routed experts")
 
 
 if __name__ == "__main__":

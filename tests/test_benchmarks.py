@@ -86,6 +86,16 @@ def test_train_step_row(capsys):
     assert float(cells[10]) > 0 and float(cells[11]) > 0
 
 
+def test_train_step_round_robin_rows(capsys):
+    """--round_robin times every row together; the loss-chunks column appears for the rows that set it."""
+    train_step.main(["--preset", "cpu", "--dispatch", "capacity", "--experts", "8", "--peak_flops", "1e12",
+                     "--batch", "1", "--loss_chunks", "1,4", "--round_robin", "--steps", "2"])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    header, rows = lines[0], [[c.strip() for c in r.strip("|").split("|")] for r in lines[1:]]
+    assert header.rstrip(" |").endswith("loss chunks") and [r[-1] for r in rows] == ["-", "4"]
+    assert all(float(r[6]) > 0 for r in rows)  # step ms
+
+
 def test_train_experts_alternates_runs_and_reads_the_balanced_windows(tmp_path):
     import json
 
