@@ -85,7 +85,7 @@ def prepare(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto
     ex = execution(c, mesh)
     run = jax.jit(make_train_step(graphdef, tx, optim.schedule(t), t, ex))
     batch = _batch(t.batch_size, c.data.seq_len, mcfg.vocab_size, mesh)
-    calls = [(lambda state, batch: run(state, batch)[1]["loss"], (state, batch))]
+    calls = [(run, (state, batch))]
     if breakdown:
         fwd, grad = _parts(graphdef, ex)
         calls += [(fwd, (state, batch)), (grad, (state, batch))]

@@ -132,3 +132,14 @@ def test_train_experts_never_writes_into_a_nonempty_directory(tmp_path, capsys):
         train_experts.main(["--out", str(tmp_path)])
     assert e.value.code == 2 and "not empty" in capsys.readouterr().err
     assert (tmp_path / "mine.txt").read_text() == "a user's file"
+
+
+def test_profile_step_lists_the_steps_ops(capsys, tmp_path):
+    from benchmarks import profile_step
+
+    profile_step.main(["--preset", "cpu", "--experts", "8", "--steps", "1", "--top", "8",
+                       "--trace_dir", str(tmp_path)])
+    lines = capsys.readouterr().out.splitlines()
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines if line.startswith("| ")][1:]
+    assert len(rows) == 8 and all(float(r[1]) > 0 for r in rows)
+    assert any("dot_general" in r[4] for r in rows)  # op_name read back from the compiled HLO

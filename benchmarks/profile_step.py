@@ -1,0 +1,83 @@
+"""Where a train step's time goes: the largest XLA ops of the jitted step, from a jax.profiler trace.
+
+    python -m benchmarks.profile_step --preset default --experts 16          # configs/default.py's step
+    python -m benchmarks.profile_step --preset gpu --experts 8 --top 40      # configs/gpu_1b.py on a GPU
+
+The step is benchmarks.train_step's (same config, state and random batch), traced for --steps calls after a
+warm-up. Each row is one op of the compiled program: its time per step (summed over its executions and divided by
+--steps), its output shape and the JAX operation it came from (the HLO op_name, e.g. `transpose(jvp())/dot_general`
+for a matmul of the backward pass). On CPU independent ops run concurrently on the cores, so op times can add up
+to more than the step. The trace is left in --trace_dir for TensorBoard / Perfetto.
+"""
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import re
+import tempfile
+
+import jax
+
+from benchmarks.common import PRESETS, describe, table, time_fns
+from benchmarks.train_step import prepare
+
+
+def op_metadata(hlo_text: str) -> dict:
+    """HLO instruction name -> (output shape, op_name) for the instructions of a compiled module."""
+    meta = {}
+    for line in hlo_text.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = (\S+) .*?op_name=\"([^\"]*)\"", line)
+        if m:
+            meta[m.group(1)] = (m.group(2), m.group(3))
+    return meta
+
+
+def op_times(trace_dir: str) -> collections.Counter:
+    """Op name -> summed duration (microseconds) of the complete events in the Perfetto trace under trace_dir,
+    without the runtime's own wrapper events."""
+    path = glob.glob(f"{trace_dir}/**/*perfetto_trace.json.gz", recursive=True)[0]
+    events = json.load(gzip.open(path))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    totals = collections.Counter()
+    for e in events:
+        name = e.get("name", "")
+        if e.get("ph") == "X" and not name.startswith(("ThunkExecutor", "$", "SlinkyThreadPool", "PjitFunction")):
+            totals[name] += e.get("dur", 0)
+    return totals
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="default", choices=sorted(PRESETS))
+    ap.add_argument("--dispatch", default="dropless")
+    ap.add_argument("--grouped_matmul", default="auto")
+    ap.add_argument("--attention_impl", default="blockwise")
+    ap.add_argument("--experts", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=3, help="traced steps")
+    ap.add_argument("--top", type=int, default=30, help="ops listed")
+    ap.add_argument("--trace_dir", default="", help="where the trace goes (default: a temporary directory)")
+    a = ap.parse_args(argv)
+    print(describe())
+    calls, _ = prepare(a.preset, a.dispatch, a.experts, peak=1.0, grouped=a.grouped_matmul,
+                       attention=a.attention_impl)
+    (step, args), = calls  # the jitted train step and its (state, batch)
+    step_s = time_fns([(step, args)], 3)[0]
+    trace_dir = a.trace_dir or tempfile.mkdtemp(prefix="profile_step_")
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        for _ in range(a.steps):
+            jax.block_until_ready(step(*args))
+    meta = op_metadata(step.lower(*args).compile().as_text())
+    totals = op_times(trace_dir)
+    summed = sum(totals.values())
+    rows = [{"op": name, "ms/step": us / a.steps / 1e3, "share of op time %": 100 * us / summed,
+             "shape": meta.get(name, ("?", ""))[0][:40], "from": meta.get(name, ("", "?"))[1][-80:]}
+            for name, us in totals.most_common(a.top)]
+    print(f"step {step_s * 1e3:.1f} ms (untraced median); ops summed {summed / a.steps / 1e3:.1f} ms/step; "
+          f"trace in {trace_dir}")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
