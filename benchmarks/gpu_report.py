@@ -14,8 +14,9 @@ dropless's dispatch alone and its backward by scatter-adds or by gathers only (`
 train step of configs/gpu_1b.py (MFU against the measured peak, tokens/s, peak memory) at 8 and 64 experts per
 grouped matmul, and the 64/8 step-time ratio. Goals (issue 13): MFU >= 40%, layer <= 1.3x dense, 64/8 <= 1.15x.
 Every section runs even if an earlier one fails (its error goes into the report), in the order tests, train
-step (first grouped matmul), layer, train step (the others), and the report is rewritten after each: a run cut
-off by the lease's time limit keeps what finished.
+step (first grouped matmul), layer, a profile of the first train step (its 25 largest XLA ops,
+benchmarks.profile_step), train step (the others), and the report is rewritten after each: a run cut off by the
+lease's time limit keeps what finished.
 """
 
 import argparse
@@ -27,7 +28,7 @@ import traceback
 
 import jax
 
-from benchmarks import moe_layer, train_step
+from benchmarks import moe_layer, profile_step, train_step
 from benchmarks.common import describe, table
 from moe import grouped_kernels
 from train.flops import measure_peak_flops
@@ -95,15 +96,15 @@ def main(argv=None) -> str:
     ap.add_argument("--out", default="gpu_report.md")
     ap.add_argument("--tiny", action="store_true", help="toy shapes (preset tiny): checks the script, not speed")
     ap.add_argument("--attention_impl", default="cudnn", help="train step attention (configs/gpu_1b.py: cudnn)")
-    ap.add_argument("--sections", default="tests,train,layer",
-                    help="which of tests, train, layer to run (e.g. a rerun of what failed in a short lease)")
+    ap.add_argument("--sections", default="tests,train,layer,profile",
+                    help="which of tests, train, layer, profile to run (e.g. a rerun of what failed in a short lease)")
     ap.add_argument("--grouped_matmul", default="",
                     help="comma-separated grouped matmuls to time (default: ragged_dot, slab, tokamax if installed; "
                          "the first also runs the train step right after the tests)")
     a = ap.parse_args(argv)
     wanted = set(a.sections.split(","))
-    if wanted - {"tests", "train", "layer"}:
-        ap.error(f"--sections takes tests, train, layer; got {a.sections}")
+    if wanted - {"tests", "train", "layer", "profile"}:
+        ap.error(f"--sections takes tests, train, layer, profile; got {a.sections}")
     preset = "tiny" if a.tiny else "gpu"
     # tiny: one grouped matmul, two expert counts: every section and the ratio line, few compilations
     experts = [4, 8] if a.tiny else [8, 64]
@@ -119,6 +120,9 @@ def main(argv=None) -> str:
     steps = [("tests", ("GPU-only tests", lambda: run_gpu_tests(a.tiny))), ("train", train(grouped[0])),
              ("layer", ("MoE layer vs dense FFN (forward + backward)",
                         lambda: layer_section(preset, experts, grouped))),
+             ("profile", (f"Train step profile ({grouped[0]}, {experts[0]} experts): the largest ops",
+                          lambda: profile_step.profile(preset, "dropless", experts[0], grouped[0], a.attention_impl,
+                                                       steps=2, top=25))),
              *[("train", train(g)) for g in grouped[1:]]]
     steps = [step for section, step in steps if section in wanted]
     print(f"## {sections[0][0]}\n\n{sections[0][1]}\n", flush=True)

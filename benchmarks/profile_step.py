@@ -48,6 +48,26 @@ def op_times(trace_dir: str) -> collections.Counter:
     return totals
 
 
+def profile(preset: str, dispatch: str, experts: int, grouped: str, attention: str, steps: int = 3, top: int = 30,
+            trace_dir: str = "") -> str:
+    """The step time, the summed op time and a table of the `top` largest ops, as Markdown."""
+    calls, _ = prepare(preset, dispatch, experts, peak=1.0, grouped=grouped, attention=attention)
+    (step, args), = calls  # the jitted train step and its (state, batch)
+    step_s = time_fns([(step, args)], 3)[0]
+    trace_dir = trace_dir or tempfile.mkdtemp(prefix="profile_step_")
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        for _ in range(steps):
+            jax.block_until_ready(step(*args))
+    meta = op_metadata(step.lower(*args).compile().as_text())
+    totals = op_times(trace_dir)
+    summed = sum(totals.values())
+    rows = [{"op": name, "ms/step": us / steps / 1e3, "share of op time %": 100 * us / summed,
+             "shape": meta.get(name, ("?", ""))[0][:40], "from": meta.get(name, ("", "?"))[1][-80:]}
+            for name, us in totals.most_common(top)]
+    return (f"step {step_s * 1e3:.1f} ms (untraced median); ops summed {summed / steps / 1e3:.1f} ms/step; trace in "
+            f"{trace_dir}\n\n{table(rows)}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="default", choices=sorted(PRESETS))
@@ -60,23 +80,7 @@ def main(argv=None):
     ap.add_argument("--trace_dir", default="", help="where the trace goes (default: a temporary directory)")
     a = ap.parse_args(argv)
     print(describe())
-    calls, _ = prepare(a.preset, a.dispatch, a.experts, peak=1.0, grouped=a.grouped_matmul,
-                       attention=a.attention_impl)
-    (step, args), = calls  # the jitted train step and its (state, batch)
-    step_s = time_fns([(step, args)], 3)[0]
-    trace_dir = a.trace_dir or tempfile.mkdtemp(prefix="profile_step_")
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-        for _ in range(a.steps):
-            jax.block_until_ready(step(*args))
-    meta = op_metadata(step.lower(*args).compile().as_text())
-    totals = op_times(trace_dir)
-    summed = sum(totals.values())
-    rows = [{"op": name, "ms/step": us / a.steps / 1e3, "share of op time %": 100 * us / summed,
-             "shape": meta.get(name, ("?", ""))[0][:40], "from": meta.get(name, ("", "?"))[1][-80:]}
-            for name, us in totals.most_common(a.top)]
-    print(f"step {step_s * 1e3:.1f} ms (untraced median); ops summed {summed / a.steps / 1e3:.1f} ms/step; "
-          f"trace in {trace_dir}")
-    print(table(rows))
+    print(profile(a.preset, a.dispatch, a.experts, a.grouped_matmul, a.attention_impl, a.steps, a.top, a.trace_dir))
 
 
 if __name__ == "__main__":
