@@ -1,6 +1,6 @@
 """The README's commands, run as written on a tiny run (in-process, through each CLI's main): the train
 command for configs/tiny.py, then every analysis / export / generation command on `runs/default` (here a
-copy of that tiny run: the real default trains for 12 minutes), and the Python API block."""
+copy of that tiny run: the real default trains for ~8 minutes), and the Python API block."""
 
 import re
 import shlex
