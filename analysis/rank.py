@@ -33,7 +33,7 @@ from train.errors import UserError, exit_with, os_error
 from train.inputs import eval_rows
 
 PATHS = ("full", "no_mlp", "no_skip", "pure_attn")
-EXECUTION = Execution()  # fp32, dropless, einsum attention (its probabilities are what is measured)
+EXECUTION = Execution()  # fp32, dropless; Block.attend without causal=True runs the einsum attention
 
 
 def forward_paths(model, batch):

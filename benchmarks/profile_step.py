@@ -6,8 +6,10 @@
 The step is benchmarks.train_step's (same config, state and random batch), traced for --steps calls after a
 warm-up. Each row is one op of the compiled program: its time per step (summed over its executions and divided by
 --steps), its output shape and the JAX operation it came from (the HLO op_name, e.g. `transpose(jvp())/dot_general`
-for a matmul of the backward pass). On CPU independent ops run concurrently on the cores, so op times can add up
-to more than the step. The trace is left in --trace_dir for TensorBoard / Perfetto.
+for a matmul of the backward pass). Only the program's leaf ops are counted (not control flow, not the runtime's
+own events); on CPU independent ops run concurrently on the cores, so op times can add up to more than the step.
+On a GPU, kernels named other than their HLO op (cuBLAS / cuDNN calls inside custom calls) are not matched:
+the table then under-counts. The trace is left in --trace_dir for TensorBoard / Perfetto.
 """
 
 import argparse
@@ -15,6 +17,7 @@ import collections
 import glob
 import gzip
 import json
+import os
 import re
 import tempfile
 
@@ -25,26 +28,26 @@ from benchmarks.train_step import prepare
 
 
 def op_metadata(hlo_text: str) -> dict:
-    """HLO instruction name -> (output shape, op_name) for the instructions of a compiled module."""
+    """HLO instruction name -> (output shape, op_name) for the leaf instructions of a compiled module: control
+    flow (conditional, while, call) is left out, since its time is that of the ops inside it."""
     meta = {}
     for line in hlo_text.splitlines():
-        m = re.match(r"\s*(?:ROOT )?%(\S+) = (\S+) .*?op_name=\"([^\"]*)\"", line)
-        if m:
-            meta[m.group(1)] = (m.group(2), m.group(3))
+        m = re.match(r"\s*(?:ROOT )?%(\S+) = (\S+) (\w[\w-]*)\(.*?op_name=\"([^\"]*)\"", line)
+        if m and m.group(3) not in ("conditional", "while", "call"):
+            meta[m.group(1)] = (m.group(2), m.group(4))
     return meta
 
 
-def op_times(trace_dir: str) -> collections.Counter:
-    """Op name -> summed duration (microseconds) of the complete events in the Perfetto trace under trace_dir,
-    without the runtime's own wrapper events."""
-    path = glob.glob(f"{trace_dir}/**/*perfetto_trace.json.gz", recursive=True)[0]
+def op_times(trace_dir: str, names) -> collections.Counter:
+    """Op name -> summed duration (microseconds) of the trace events named after one of `names` (the program's
+    leaf HLO ops; the runtime's own events are left out), from the newest Perfetto trace under trace_dir."""
+    path = max(glob.glob(f"{trace_dir}/**/*perfetto_trace.json.gz", recursive=True), key=os.path.getmtime)
     events = json.load(gzip.open(path))
     events = events["traceEvents"] if isinstance(events, dict) else events
     totals = collections.Counter()
     for e in events:
-        name = e.get("name", "")
-        if e.get("ph") == "X" and not name.startswith(("ThunkExecutor", "$", "SlinkyThreadPool", "PjitFunction")):
-            totals[name] += e.get("dur", 0)
+        if e.get("ph") == "X" and e.get("name") in names:
+            totals[e["name"]] += e.get("dur", 0)
     return totals
 
 
@@ -53,13 +56,14 @@ def profile(preset: str, dispatch: str, experts: int, grouped: str, attention: s
     """The step time, the summed op time and a table of the `top` largest ops, as Markdown."""
     calls, _ = prepare(preset, dispatch, experts, peak=1.0, grouped=grouped, attention=attention)
     (step, args), = calls  # the jitted train step and its (state, batch)
-    step_s = time_fns([(step, args)], 3)[0]
+    compiled = step.lower(*args).compile()  # compiled once: run, timed and traced, and read for op metadata
+    step_s = time_fns([(compiled, args)], 3)[0]
     trace_dir = trace_dir or tempfile.mkdtemp(prefix="profile_step_")
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         for _ in range(steps):
-            jax.block_until_ready(step(*args))
-    meta = op_metadata(step.lower(*args).compile().as_text())
-    totals = op_times(trace_dir)
+            jax.block_until_ready(compiled(*args))
+    meta = op_metadata(compiled.as_text())
+    totals = op_times(trace_dir, meta)
     summed = sum(totals.values())
     rows = [{"op": name, "ms/step": us / steps / 1e3, "share of op time %": 100 * us / summed,
              "shape": meta.get(name, ("?", ""))[0][:40], "from": meta.get(name, ("", "?"))[1][-80:]}

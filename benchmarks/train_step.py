@@ -121,7 +121,8 @@ def bench_round_robin(specs: list[dict], name: str, peak, steps=0) -> list[dict]
     seconds = time_fns([call for calls, _ in prepared for call in calls], steps or PRESETS[name]["steps"])
     rows, i = [], 0
     for calls, finish in prepared:
-        rows.append(finish(seconds[i:i + len(calls)]))
+        # The device's peak memory is one figure for all rows here (they run interleaved): not per row.
+        rows.append({**finish(seconds[i:i + len(calls)]), "peak GiB": None})
         i += len(calls)
     return rows
 
@@ -131,7 +132,8 @@ def main(argv=None):
     ap.add_argument("--breakdown", action="store_true", help="also time the forward and forward + backward passes")
     ap.add_argument("--loss_chunks", default="1", help="execution.loss_chunks values, comma-separated")
     ap.add_argument("--round_robin", action="store_true",
-                    help="time all rows together, round-robin (all held in memory at once: CPU A/B runs)")
+                    help="time all rows together, round-robin (all held in memory at once: CPU A/B runs; no "
+                         "per-row peak memory)")
     a = ap.parse_args(argv)
     peak = a.peak_flops or measure_peak_flops()
     print(describe() + f" | matmul peak {peak / 1e12:.3g} TFLOP/s per device")

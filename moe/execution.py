@@ -56,8 +56,9 @@ class Execution:
     attention_impl: str = "blockwise"
     dtype: str = "float32"  # activations and matmuls; params stay fp32, router and softmax math run in fp32
     remat: bool = False  # recompute each block in the backward pass (activation memory O(1) blocks, not O(depth))
-    # The training loss's LM head + cross-entropy run over the sequence in this many chunks, each chunk's logits
-    # recomputed in the backward pass (moe/lm_loss.py): [B, L/chunks, V] logits at a time. 1: all at once.
+    # The loss's LM head + cross-entropy (train and eval steps) run over the sequence in this many chunks, each
+    # chunk's logits recomputed in the backward pass (moe/lm_loss.py): [B, L/chunks, V] logits at a time. 1: all
+    # at once.
     loss_chunks: int = 1
     # Activations are constrained to this mesh by `rules` (logical axis -> mesh axis); None: no constraints.
     mesh: jax.sharding.Mesh | None = None

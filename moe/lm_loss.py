@@ -6,8 +6,8 @@ The fp32 logits [B*L, V] and their gradient are the largest activations of a mod
 wider than it (V 8192 at D 192 by default: 128 MiB each at 4,096 tokens; 1 GiB each for configs/gpu_1b.py at
 32,768 tokens per device, 4 GiB at a 32k vocabulary). execution.loss_chunks > 1 computes the loss chunk by chunk,
 each chunk's logits recomputed in the backward pass (jax.checkpoint): one [B, C, V] block alive at a time for one
-more head matmul. It is a memory knob, not a speed one: on the 2-core CPU the default train step ran 4% slower
-with 8 chunks (docs/performance.md), so the default is 1. Chunks run along the sequence, so every chunk keeps the
+more head matmul. It is a memory knob, not a speed one: on the 2-core CPU the default train step ran 7-9% slower
+with 8 or 16 chunks (docs/performance.md), so the default is 1. Chunks run along the sequence, so every chunk keeps the
 batch's sharding over data and fsdp.
 """
 

@@ -134,3 +134,22 @@ def test_causal_run_with_a_dropping_dispatch_is_warned():
         c = tiny_config(**{"execution.dispatch": dispatch})
         msg = causality_warning(c, check(c))
         assert (msg is not None) == warned and (not warned or "not strictly causal" in msg)
+
+
+def test_activation_bound_follows_attention_impl_and_loss_chunks():
+    """The memory check's lower bound: the logits shrink by loss_chunks; blockwise under a causal mask keeps 5/8 of
+    einsum's [H, L, L] square at 4 query blocks; the fused kernels keep none."""
+    from configs.default import get_config
+    from train.config import activation_bytes, model_config
+
+    def bound(**execution):
+        c = get_config()
+        c.execution.update(**execution)
+        return activation_bytes(c, model_config(c), data_parallel=1)
+
+    c = get_config()
+    mcfg, rows, L = model_config(c), c.train.batch_size, c.data.seq_len
+    logits, square = rows * L * mcfg.vocab_size * 8, rows * mcfg.n_heads * L * L * 8 * mcfg.n_layers
+    assert bound(attention_impl="einsum") == logits + square
+    assert bound(attention_impl="blockwise") == logits + square * 5 // 8
+    assert bound(attention_impl="xla", loss_chunks=8) == logits // 8

@@ -36,3 +36,30 @@ def test_sharded_forward_matches_single_device(dispatch, grouped):
     tokens = jax.device_put(tokens, jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(("batch", "length"))))
     sharded = fwd(state, tokens)
     np.testing.assert_allclose(sharded, forward_fn()(jnp.asarray(np.asarray(tokens))), rtol=1e-5, atol=1e-5)
+
+
+def test_sharded_blockwise_attention_and_chunked_loss_match_single_device():
+    """The default blockwise attention (64 positions: 2 query blocks) and a chunked loss (4 chunks) on a mesh
+    that splits the batch and, along tensor, the heads and the vocabulary: the per-token losses and the gradients
+    of their mean equal one device's einsum attention with all logits at once."""
+    mesh = sharding.make_mesh(2, 1, 1, 2)
+    graphdef, state = nnx.split(tiny_model(vocab_size=64))  # the vocabulary splits over tensor
+    tokens, targets = jax.random.randint(jax.random.key(0), (2, 4, 64), 0, 64)
+
+    def losses_and_grads(state, tokens, ex):
+        def mean_loss(state):
+            ce, _ = nnx.merge(graphdef, state).token_losses(tokens, targets, execution=ex)
+            return ce.mean(), ce
+        (_, ce), grads = jax.value_and_grad(mean_loss, has_aux=True)(state)
+        return ce, grads
+
+    want_ce, want_grads = jax.jit(losses_and_grads, static_argnums=2)(
+        state, tokens, Execution(attention_impl="einsum", loss_chunks=1))
+    sharded_state = jax.device_put(state, sharding.state_shardings(state, mesh))
+    batch_spec = jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(("batch", "length")))
+    ex = Execution(attention_impl="blockwise", loss_chunks=4, mesh=mesh)
+    got_ce, got_grads = jax.jit(losses_and_grads, static_argnums=2)(
+        sharded_state, jax.device_put(tokens, batch_spec), ex)
+    np.testing.assert_allclose(got_ce, want_ce, rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)

@@ -15,6 +15,7 @@ import ml_collections
 from configs.base import base_config
 from moe import ConfigError, Execution, ModelConfig, param_counts
 from moe.execution import DISPATCH_MODES, DROPPING_DISPATCH, check_model, check_tokens
+from moe.layers import causal_blocks
 from moe.lm_loss import chunk_count
 from train.cli import all_keys, unknown_key_error
 from train.errors import UserError
@@ -179,14 +180,19 @@ def state_bytes(mcfg: ModelConfig, model_parallel: int) -> int:
 
 def activation_bytes(c: ml_collections.ConfigDict, mcfg: ModelConfig, data_parallel: int) -> int:
     """A lower bound on one device's activation memory for a train step: one chunk of fp32 logits (and its
-    gradient; execution.loss_chunks) and, with einsum attention, the [H, L, L] scores and probabilities of every
-    layer kept for the backward pass (one layer with remat)."""
+    gradient; execution.loss_chunks) and, with einsum or blockwise attention, the [H, L, L] scores and
+    probabilities of every layer kept for the backward pass (one layer with remat; blockwise under a causal mask
+    keeps only its blocks' (n + 1) / 2n of the square)."""
     rows = max(c.train.batch_size // c.train.grad_accum // max(data_parallel, 1), 1)
     L = c.data.seq_len
     ex = c.execution
     logits = rows * (L // chunk_count(L, ex.loss_chunks)) * mcfg.vocab_size * 4 * 2
     layers = 1 if ex.remat else mcfg.n_layers
-    attention = rows * mcfg.n_heads * L * L * 4 * 2 * layers if ex.attention_impl in ("einsum", "blockwise") else 0
+    square = {"einsum": 1.0, "blockwise": 1.0}.get(ex.attention_impl, 0.0)
+    if ex.attention_impl == "blockwise" and mcfg.mask == "causal":
+        n = causal_blocks(L)
+        square = (n + 1) / (2 * n)
+    attention = int(rows * mcfg.n_heads * L * L * 4 * 2 * layers * square)
     return logits + attention
 
 
