@@ -31,6 +31,26 @@ def test_cached_logits_equal_full_forward(mode):
     np.testing.assert_allclose(run(model, tokens), full, rtol=1e-5, atol=1e-5)
 
 
+def test_cached_logits_equal_the_blockwise_full_forward():
+    """64 positions: the full forward runs the default blockwise attention (2 query blocks), the cached prefill
+    and steps the einsum one over cache slots."""
+    model = tiny_model()
+    B, P, L = 1, 60, 64
+    tokens = jax.random.randint(jax.random.key(4), (B, L), 0, 61)
+    full = forward_fn()(tokens)
+
+    @nnx.jit
+    def run(model, tokens):
+        logits_p, cache = decode.prefill(model, tokens[:, :P], decode.init_cache(model.cfg, B, L))
+        steps = []
+        for i in range(P, L):
+            logits_i, cache = decode.step(model, tokens[:, i:i + 1], i, cache)
+            steps.append(logits_i)
+        return jnp.concatenate([logits_p, jnp.stack(steps, 1)], 1)
+
+    np.testing.assert_allclose(run(model, tokens), full, rtol=1e-5, atol=1e-5)
+
+
 def test_prefill_continues_from_any_slot():
     """A second turn prefilled at slot P1 on top of the first turn's cache gives the full forward's logits
     (KV-cache reuse across turns); prefix masks refuse to extend a cached prompt."""

@@ -106,3 +106,19 @@ def test_encoder_stays_bidirectional_under_every_attention_impl(impl):
     assert np.abs(np.asarray(changed[0, 0] - base[0, 0])).max() > 1e-5  # the first position sees the last
     want = jax.jit(lambda src: nnx.merge(graphdef, state).encode(src, None, Execution(attention_impl="einsum"))[0])
     np.testing.assert_allclose(base, want(src), rtol=1e-5, atol=1e-6)
+
+
+def test_decoder_self_attention_runs_blockwise_and_equals_einsum():
+    """64 target positions: the decoder's causal self-attention takes the blockwise path (more matmuls traced)
+    and gives einsum's logits."""
+    cfg = ModelConfig(**{**TINY, "n_layers": 1, "first_k_dense": 1})
+    graphdef, state = nnx.split(EncoderDecoder(cfg, nnx.Rngs(0), n_encoder_layers=1))
+    src = jnp.asarray(np.random.default_rng(1).integers(3, cfg.vocab_size, (1, 8)), jnp.int32)
+    tgt = jnp.asarray(np.random.default_rng(2).integers(3, cfg.vocab_size, (1, 64)), jnp.int32)
+
+    def logits(impl):
+        return lambda: nnx.merge(graphdef, state)(src, tgt, execution=Execution(attention_impl=impl))[0]
+
+    assert str(jax.make_jaxpr(logits("blockwise"))()).count("dot_general") > \
+        str(jax.make_jaxpr(logits("einsum"))()).count("dot_general")
+    np.testing.assert_allclose(jax.jit(logits("blockwise"))(), jax.jit(logits("einsum"))(), rtol=1e-5, atol=1e-6)
