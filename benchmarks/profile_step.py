@@ -66,7 +66,7 @@ def profile(preset: str, dispatch: str, experts: int, grouped: str, attention: s
     totals = op_times(trace_dir, meta)
     summed = sum(totals.values())
     rows = [{"op": name, "ms/step": us / steps / 1e3, "share of op time %": 100 * us / summed,
-             "shape": meta.get(name, ("?", ""))[0][:40], "from": meta.get(name, ("", "?"))[1][-80:]}
+             "shape": meta[name][0][:40], "from": meta[name][1][-80:]}  # totals holds only names in meta
             for name, us in totals.most_common(top)]
     return (f"step {step_s * 1e3:.1f} ms (untraced median); ops summed {summed / steps / 1e3:.1f} ms/step; trace in "
             f"{trace_dir}\n\n{table(rows)}")

@@ -61,10 +61,15 @@ def fused_attention_impl(name: str) -> str:
     return "cudnn" if name == "cudnn" and _on_cuda() else "xla"
 
 
+def chunk_count(L: int, chunks: int) -> int:
+    """The largest divisor of L that is at most `chunks` (>= 1): equal chunks for any sequence length."""
+    return max(d for d in range(1, max(1, min(chunks, L)) + 1) if L % d == 0)
+
+
 def causal_blocks(L: int, max_blocks: int = 4, min_rows: int = 32) -> int:
     """Query blocks of the `blockwise` attention: the most equal blocks (<= max_blocks) of >= min_rows rows each.
     n blocks do (n + 1) / 2n of the full [L, L] work; fewer, larger blocks keep XLA's batched matmuls efficient."""
-    return max(n for n in range(1, max_blocks + 1) if L % n == 0 and (n == 1 or L // n >= min_rows))
+    return chunk_count(L, min(max_blocks, L // min_rows))
 
 
 def softmax_attention(q_BxLxNxGxDh, k_BxSxNxDh, v_BxSxNxDh, mask_BxHxLxS):

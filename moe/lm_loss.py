@@ -6,14 +6,16 @@ The fp32 logits [B*L, V] and their gradient are the largest activations of a mod
 wider than it (V 8192 at D 192 by default: 128 MiB each at 4,096 tokens; 1 GiB each for configs/gpu_1b.py at
 32,768 tokens per device, 4 GiB at a 32k vocabulary). execution.loss_chunks > 1 computes the loss chunk by chunk,
 each chunk's logits recomputed in the backward pass (jax.checkpoint): one [B, C, V] block alive at a time for one
-more head matmul. It is a memory knob, not a speed one: on the 2-core CPU the default train step ran 7-9% slower
-with 8 or 16 chunks (docs/performance.md), so the default is 1. Chunks run along the sequence, so every chunk keeps the
-batch's sharding over data and fsdp.
+more head matmul. It is a memory knob, not a speed one: on the 2-core CPU the default train step ran 7-9%
+slower with 8 or 16 chunks (docs/performance.md), so the default is 1. Chunks run along the sequence, so every
+chunk keeps the batch's sharding over data and fsdp.
 """
 
 import jax
 import jax.numpy as jnp
 import optax
+
+from moe.layers import chunk_count
 
 
 def logits(x_NxD, head_DxV):
@@ -45,7 +47,3 @@ def cross_entropy(x_BxLxD, head_DxV, targets_BxL, chunks: int = 1, constrain=lam
     ce_NxBxC = jax.lax.map(lambda xt: jax.checkpoint(chunk_ce)(*xt), (x_NxBxCxD, targets_NxBxC))
     return jnp.moveaxis(ce_NxBxC, 0, 1).reshape(B, L)
 
-
-def chunk_count(L: int, chunks: int) -> int:
-    """The largest divisor of L that is at most `chunks` (>= 1): equal chunks for any sequence length."""
-    return max(d for d in range(1, max(1, min(chunks, L)) + 1) if L % d == 0)

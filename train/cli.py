@@ -96,7 +96,7 @@ ADDED_KEYS = {"eval.dispatch": "", "execution.loss_chunks": 1}
 
 def pre_split_layout(config: dict) -> dict:
     """The inverse of `migrate`, for fingerprints that must not change with the layout: moved keys back where
-    they were, and keys added since at their defaults (eval.dispatch "") left out."""
+    they were, and keys added since at their defaults (ADDED_KEYS) left out."""
     out = {section: dict(values) if isinstance(values, dict) else values for section, values in config.items()}
     for old, new in MOVED_KEYS.items():
         old_section, old_key = old.split(".")

@@ -15,8 +15,7 @@ import ml_collections
 from configs.base import base_config
 from moe import ConfigError, Execution, ModelConfig, param_counts
 from moe.execution import DISPATCH_MODES, DROPPING_DISPATCH, check_model, check_tokens
-from moe.layers import causal_blocks
-from moe.lm_loss import chunk_count
+from moe.layers import causal_blocks, chunk_count
 from train.cli import all_keys, unknown_key_error
 from train.errors import UserError
 
@@ -188,7 +187,7 @@ def activation_bytes(c: ml_collections.ConfigDict, mcfg: ModelConfig, data_paral
     ex = c.execution
     logits = rows * (L // chunk_count(L, ex.loss_chunks)) * mcfg.vocab_size * 4 * 2
     layers = 1 if ex.remat else mcfg.n_layers
-    square = {"einsum": 1.0, "blockwise": 1.0}.get(ex.attention_impl, 0.0)
+    square = 1.0 if ex.attention_impl in ("einsum", "blockwise") else 0.0
     if ex.attention_impl == "blockwise" and mcfg.mask == "causal":
         n = causal_blocks(L)
         square = (n + 1) / (2 * n)
