@@ -8,13 +8,14 @@ On the lent machine the image lacks some packages: `bash benchmarks/gpu_wheels.s
 the command to run there.
 
 Sections: device and measured bf16 matmul peak (train.flops.measure_peak_flops, 8192^2); GPU-only tests
-(cuDNN attention == einsum, tokamax grouped-matmul kernels == ragged_dot; run by pytest with JAX_PLATFORMS=cuda,
-skipped off GPU); MoE layer vs the dense FFN of equal active FLOPs at 8 and 64 experts per grouped matmul, with
-dropless's dispatch alone and its backward by scatter-adds or by gathers only (`dropless:gather`); the
+(cuDNN attention == einsum, tokamax grouped-matmul kernels as accurate as ragged_dot; run by pytest with
+JAX_PLATFORMS=cuda, skipped off GPU); each grouped matmul's bf16 error against the fp32 truth
+(benchmarks.kernel_accuracy); MoE layer vs the dense FFN of equal active FLOPs at 8 and 64 experts per grouped
+matmul, with dropless's dispatch alone and its backward by scatter-adds or by gathers only (`dropless:gather`); the
 train step of configs/gpu_1b.py (MFU against the measured peak, tokens/s, peak memory) at 8 and 64 experts per
 grouped matmul, and the 64/8 step-time ratio. Goals (issue 13): MFU >= 40%, layer <= 1.3x dense, 64/8 <= 1.15x.
-Every section runs even if an earlier one fails (its error goes into the report), in the order tests, train
-step (first grouped matmul), layer, a profile of the first train step (its 25 largest XLA ops,
+Every section runs even if an earlier one fails (its error goes into the report), in the order tests, accuracy,
+train step (first grouped matmul), layer, a profile of the first train step (its 25 largest XLA ops,
 benchmarks.profile_step), train step (the others), and the report is rewritten after each: a run cut off by the
 lease's time limit keeps what finished.
 """
@@ -28,7 +29,7 @@ import traceback
 
 import jax
 
-from benchmarks import moe_layer, profile_step, train_step
+from benchmarks import kernel_accuracy, moe_layer, profile_step, train_step
 from benchmarks.common import describe, table
 from moe import grouped_kernels
 from train.flops import measure_peak_flops
@@ -37,10 +38,10 @@ GPU_TESTS = ["tests/test_attention_impl.py::test_cudnn_equals_einsum_on_gpu", "t
 
 
 def _grouped_choices() -> list[str]:
-    """The grouped matmuls worth timing: XLA's ragged_dot, the slab path (batched matmuls, exact; on the H200 its
-    matmuls alone ran at 1.6x the dense FFN against 13-90x for ragged_dot's whole layer) and, when installed,
-    tokamax's kernels."""
-    return ["ragged_dot", "slab"] + (["tokamax"] if grouped_kernels.available() else [])
+    """The grouped matmuls worth timing, `auto`'s GPU choice first: `slab` (batched matmuls on slabs, exact; the
+    fastest train step on an H200), tokamax's kernels when installed, XLA's ragged_dot last (slowest there, and
+    minutes per row at 64 experts)."""
+    return ["slab"] + (["tokamax"] if grouped_kernels.available() else []) + ["ragged_dot"]
 
 
 def run_gpu_tests(tiny: bool) -> str:
@@ -64,8 +65,19 @@ def layer_section(preset: str, experts: list[int], grouped: list[str]) -> str:
     return table(rows)
 
 
+def accuracy_section(grouped: list[str]) -> str:
+    """bf16 error against the fp32 truth of each grouped matmul, tokamax's GPU kernels by name (see
+    benchmarks/kernel_accuracy.py): what the GPU test asserts, as figures."""
+    names = [n for g in grouped if g != "ragged_dot"
+             for n in (["tokamax:mosaic"] if g == "tokamax" and jax.default_backend() == "gpu" else [g])]
+    return table(kernel_accuracy.rows(names))
+
+
 def train_section(preset: str, experts: list[int], grouped: str, attention: str, peak: float) -> str:
-    rows = [train_step.bench(preset, "dropless", e, peak, grouped=grouped, attention=attention) for e in experts]
+    rows = []
+    for e in experts:  # each row printed when done: a 16-layer compile takes minutes, a lease may end first
+        rows.append(train_step.bench(preset, "dropless", e, peak, grouped=grouped, attention=attention))
+        print(table(rows[-1:]), flush=True)
     out = [table(rows)]
     if len(experts) == 2:
         lo, hi = (r["step ms"] for r in rows)
@@ -96,15 +108,16 @@ def main(argv=None) -> str:
     ap.add_argument("--out", default="gpu_report.md")
     ap.add_argument("--tiny", action="store_true", help="toy shapes (preset tiny): checks the script, not speed")
     ap.add_argument("--attention_impl", default="cudnn", help="train step attention (configs/gpu_1b.py: cudnn)")
-    ap.add_argument("--sections", default="tests,train,layer,profile",
-                    help="which of tests, train, layer, profile to run (e.g. a rerun of what failed in a short lease)")
+    ap.add_argument("--sections", default="tests,accuracy,train,layer,profile",
+                    help="which of tests, accuracy, train, layer, profile to run (e.g. a rerun of what failed in a "
+                         "short lease)")
     ap.add_argument("--grouped_matmul", default="",
-                    help="comma-separated grouped matmuls to time (default: ragged_dot, slab, tokamax if installed; "
+                    help="comma-separated grouped matmuls to time (default: slab, tokamax if installed, ragged_dot; "
                          "the first also runs the train step right after the tests)")
     a = ap.parse_args(argv)
     wanted = set(a.sections.split(","))
-    if wanted - {"tests", "train", "layer", "profile"}:
-        ap.error(f"--sections takes tests, train, layer, profile; got {a.sections}")
+    if wanted - {"tests", "accuracy", "train", "layer", "profile"}:
+        ap.error(f"--sections takes tests, accuracy, train, layer, profile; got {a.sections}")
     preset = "tiny" if a.tiny else "gpu"
     # tiny: one grouped matmul, two expert counts: every section and the ratio line, few compilations
     experts = [4, 8] if a.tiny else [8, 64]
@@ -117,7 +130,9 @@ def main(argv=None) -> str:
     # matmul (MFU), the layer ratios, then the train step on the others.
     train = lambda g: (f"Train step ({g}), preset {preset}, attention {a.attention_impl}",
                        lambda: train_section(preset, experts, g, a.attention_impl, peak))
-    steps = [("tests", ("GPU-only tests", lambda: run_gpu_tests(a.tiny))), ("train", train(grouped[0])),
+    steps = [("tests", ("GPU-only tests", lambda: run_gpu_tests(a.tiny))),
+             ("accuracy", ("Grouped matmuls' bf16 error against the fp32 truth", lambda: accuracy_section(grouped))),
+             ("train", train(grouped[0])),
              ("layer", ("MoE layer vs dense FFN (forward + backward)",
                         lambda: layer_section(preset, experts, grouped))),
              ("profile", (f"Train step profile ({grouped[0]}, {experts[0]} experts): the largest ops",

@@ -59,12 +59,15 @@ def grouped_swiglu_tokamax(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_dow
     F = w_gate_ExDxF.shape[-1]
     if implementation is None and not tma_aligned(x_NxD.dtype, D, F):
         implementation = "xla"  # the GPU kernels would refuse these widths at compile time, not fall back
+    # Rows past the last group (expert_parallel's padding) are garbage in what the Mosaic-GPU kernel writes, in
+    # both directions: on an H200 every gradient came out NaN with padding rows present (docs/performance.md).
+    # So every kernel input and output is masked with `where` (a select: NaN does not leak through it, as it
+    # would through a multiply), which also masks each backward cotangent the kernels produce.
+    valid_Nx1 = (jnp.arange(N) < group_sizes_E.sum())[:, None]
+    clean = lambda a: jnp.where(valid_Nx1, a, jnp.zeros((), a.dtype))
     # Accumulate in fp32 inside the kernel, return the activation dtype (as jnp.dot does for bf16 inputs).
-    dot = lambda a, w: tk.ragged_dot(a, w, group_sizes_E, preferred_element_type=a.dtype,
-                                     implementation=implementation)
+    dot = lambda a, w: clean(tk.ragged_dot(clean(a), w, group_sizes_E, preferred_element_type=a.dtype,
+                                           implementation=implementation))
     gu_Nx2F = dot(x_NxD, jnp.concatenate([w_gate_ExDxF, w_up_ExDxF], axis=-1))
     h_NxF = jax.nn.silu(gu_Nx2F[:, :F]) * gu_Nx2F[:, F:]
-    y_NxD = dot(h_NxF, w_down_ExFxD)
-    # Padding rows (past the last group) are not guaranteed zero by every kernel: zero them as ragged_dot does.
-    valid_N = jnp.arange(N) < group_sizes_E.sum()
-    return jnp.where(valid_N[:, None], y_NxD, 0)
+    return dot(h_NxF, w_down_ExFxD)

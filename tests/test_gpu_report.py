@@ -10,12 +10,13 @@ def test_gpu_report_tiny_writes_every_section(tmp_path):
     out = tmp_path / "report.md"
     gpu_report.main(["--tiny", "--out", str(out), "--attention_impl", "xla"])
     text = out.read_text()
-    for title in ("## Device", "## GPU-only tests", "## MoE layer vs dense FFN", "## Train step",
+    for title in ("## Device", "## GPU-only tests", "## Grouped matmuls' bf16 error", "## MoE layer vs dense FFN", "## Train step",
                   "## Train step profile"):
         assert title in text
     assert "FAILED" not in text
     assert "test_cudnn_equals_einsum_on_gpu" in text  # the GPU tests were collected
     assert "from 4 to 8 routed experts" in text
+    assert "| empty_and_padding | d/dw_down |" in text  # the accuracy table
     assert "dot_general" in text  # the profile's table names the ops' JAX origin
 
 

@@ -4,12 +4,14 @@ empty groups and padding rows past sum(group_sizes): `slab` (each of its branche
 `tokamax` (its `xla` implementation through tokamax's own VJP on CPU; the GPU kernels in the GPU-only test)."""
 
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks import kernel_accuracy
 from moe import experts, grouped_kernels, grouped_slab
 
 N, D, E, F = 48, 12, 6, 10
@@ -21,21 +23,10 @@ SIZES = {
 
 
 def _inputs(dtype=jnp.float32, n=N, d=D, f=F):
-    ks = jax.random.split(jax.random.key(0), 4)
-    x = jax.random.normal(ks[0], (n, d), dtype)
-    ws = (jax.random.normal(ks[1], (E, d, f)) * 0.3, jax.random.normal(ks[2], (E, d, f)) * 0.3,
-          jax.random.normal(ks[3], (E, f, d)) * 0.3)
-    return x, tuple(w.astype(dtype) for w in ws)
+    return kernel_accuracy.inputs(dtype, n, d, f, E)
 
 
-def _value_and_grads(fn, sizes, x, ws):
-    n, d = x.shape
-    gs = jnp.asarray(sizes, jnp.int32)
-    weight_N = jnp.arange(n * d, dtype=jnp.float32).reshape(n, d) / (n * d)
-    loss = lambda x, *w: jnp.sum(jnp.sin(fn(x, gs, *w).astype(jnp.float32)) * weight_N)
-    # fp32 products in full precision on every backend (GPUs default to TF32): these tests compare algorithms.
-    with jax.default_matmul_precision("highest"):
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(x, *ws), jax.jit(fn)(x, gs, *ws)
+_value_and_grads = kernel_accuracy.value_and_grads
 
 
 def _assert_matches_ragged_dot(fn, sizes, rtol=1e-5, atol=1e-5):
@@ -80,8 +71,9 @@ def test_blocked_equals_ragged_dot(case):
     _assert_matches_ragged_dot(functools.partial(experts.grouped_swiglu_blocked, block=4), SIZES[case])
 
 
-def test_auto_is_slab_on_cpu():
-    assert jax.default_backend() != "cpu" or experts.grouped_swiglu_for("auto") is experts.GROUPED_SWIGLU["slab"]
+def test_auto_is_slab_on_cpu_and_gpu():
+    want = "slab" if jax.default_backend() in ("cpu", "gpu") else "ragged_dot"
+    assert experts.grouped_swiglu_for("auto") is experts.GROUPED_SWIGLU[want]
 
 
 needs_tokamax = pytest.mark.skipif(not grouped_kernels.available(), reason=grouped_kernels.INSTALL_HINT)
@@ -138,15 +130,10 @@ def _on_nvidia_gpu() -> bool:
         return False
 
 
-# The GPU kernels' shapes: Mosaic-GPU copies rows with TMA, whose strides must be multiples of 16 bytes (D and F
-# multiples of 8 in bf16; the CPU tests' 12 x 10 fails with "async_copy requires all GMEM strides ... multiple of
-# 16 bytes", seen on an H200). Same three cases, 256 rows.
-GPU_N, GPU_D, GPU_F = 256, 128, 128
-GPU_SIZES = {
-    "balanced": [40, 45, 38, 44, 42, 47],
-    "skewed": [160, 0, 12, 0, 50, 34],
-    "empty_and_padding": [30, 0, 40, 20, 0, 36],  # 126 of 256 rows in groups
-}
+# The GPU kernels' shapes (benchmarks/kernel_accuracy.py): Mosaic-GPU copies rows with TMA, whose strides must be
+# multiples of 16 bytes (the CPU tests' 12 x 10 fails with "async_copy requires all GMEM strides ... multiple of 16
+# bytes", seen on an H200). Same three cases, 256 rows of width 128.
+GPU_SIZES = kernel_accuracy.CASES
 
 
 def _tokamax_has(implementation: str) -> bool:
@@ -157,25 +144,57 @@ def _tokamax_has(implementation: str) -> bool:
 
 
 @needs_tokamax
-@pytest.mark.skipif(not _on_nvidia_gpu(), reason="needs an NVIDIA GPU (JAX_PLATFORMS=cuda)")
-@pytest.mark.parametrize("implementation", ["triton", "mosaic"])
+@pytest.mark.parametrize("implementation", ["xla", "triton", "mosaic"])
 @pytest.mark.parametrize("case", sorted(GPU_SIZES))
-def test_tokamax_gpu_kernel_equals_ragged_dot_bf16(implementation, case):
-    """The Pallas GPU kernels themselves (Mosaic-GPU needs Hopper or later), bf16 in / fp32 accumulation,
-    against jax.lax.ragged_dot with the same dtypes; values and gradients at bf16 tolerance."""
+def test_tokamax_kernel_bf16_error_is_ragged_dots(implementation, case):
+    """tokamax's kernels (Pallas Triton, Mosaic-GPU on Hopper+; `xla` anywhere), bf16 in / fp32 accumulation: their
+    error against the fp32 truth, values and gradients, is XLA ragged_dot's own bf16 error (+25%, +0.02 of the
+    largest entry), and finite. Not compared to bf16 ragged_dot directly: two bf16 paths through the SwiGLU's
+    backward differ by ~10% of the largest gradient entry from rounding alone (measured on an H200, where both were
+    17% from the truth in d/dx)."""
+    on_gpu = _on_nvidia_gpu()
+    if implementation != "xla" and not on_gpu:
+        pytest.skip("needs an NVIDIA GPU (JAX_PLATFORMS=cuda)")
     if implementation == "mosaic" and float(getattr(jax.devices("gpu")[0], "compute_capability", 0)) < 9:
         pytest.skip("tokamax's Mosaic-GPU kernel needs sm90 (Hopper) or later")
     if not _tokamax_has(implementation):  # tokamax registers its Triton kernel only with jax-triton installed
         pytest.skip(f"tokamax has no {implementation} ragged_dot here (Triton: needs jax-triton, triton>=3.7)")
     fn = functools.partial(grouped_kernels.grouped_swiglu_tokamax, implementation=implementation)
-    x, ws = _inputs(jnp.bfloat16, GPU_N, GPU_D, GPU_F)
-    with jax.default_device(jax.devices("gpu")[0]):
-        (got_loss, got_grads), got_y = _value_and_grads(fn, GPU_SIZES[case], x, ws)
-        (want_loss, want_grads), want_y = _value_and_grads(experts.grouped_swiglu_ragged, GPU_SIZES[case], x, ws)
-    f32 = lambda a: np.asarray(a, np.float32)
-    np.testing.assert_allclose(f32(got_y), f32(want_y), rtol=2e-2, atol=2e-2)
-    for a, b in zip(got_grads, want_grads):
-        np.testing.assert_allclose(f32(a), f32(b), rtol=5e-2, atol=5e-2)
+    x, ws = kernel_accuracy.inputs(jnp.bfloat16)
+    with jax.default_device(jax.devices("gpu" if on_gpu else "cpu")[0]):
+        got = kernel_accuracy.relative_errors(fn, GPU_SIZES[case], x, ws)
+        xla_bf16 = kernel_accuracy.relative_errors(experts.grouped_swiglu_ragged, GPU_SIZES[case], x, ws)
+    assert np.isfinite(got).all(), f"non-finite output or gradient: relative errors {got}"
+    assert (got <= 1.25 * xla_bf16 + 0.02).all(), f"y, dx, dw_gate, dw_up, dw_down: {got} vs ragged_dot {xla_bf16}"
+
+
+def _ragged_dot_with_garbage_padding(a_NxK, w_ExKxM, group_sizes_E, **_):
+    """A stand-in for a GPU kernel that leaves rows past the last group unwritten (NaN here), in its output and in
+    its input gradient, and whose weight gradient reads those rows as if they were the last group's (a kernel
+    working tile by tile would): what tokamax's Mosaic-GPU ragged dot did on an H200."""
+    valid_Nx1 = (jnp.arange(a_NxK.shape[0]) < group_sizes_E.sum())[:, None]
+    garbage = lambda a: jnp.where(valid_Nx1, a, jnp.nan)
+
+    @jax.custom_vjp
+    def dot(a, w):
+        return garbage(jax.lax.ragged_dot(a, w, group_sizes_E))
+
+    def bwd(res, ct):
+        a, w = res
+        everything = group_sizes_E.at[-1].add(a.shape[0] - group_sizes_E.sum())
+        dw = jax.vjp(lambda w: jax.lax.ragged_dot(a, w, everything), w)[1](ct)[0]
+        return garbage(jax.lax.ragged_dot(ct, jnp.swapaxes(w, 1, 2), group_sizes_E)), dw
+
+    dot.defvjp(lambda a, w: (dot(a, w), (a, w)), bwd)
+    return dot(a_NxK, w_ExKxM)
+
+
+@pytest.mark.parametrize("case", sorted(SIZES))
+def test_tokamax_wrapper_masks_a_kernels_garbage_padding_rows(case, monkeypatch):
+    """Exact values and gradients through a kernel that writes nothing to padding rows (no tokamax needed)."""
+    monkeypatch.setattr(grouped_kernels, "_tokamax",
+                        lambda: types.SimpleNamespace(ragged_dot=_ragged_dot_with_garbage_padding))
+    _assert_matches_ragged_dot(grouped_kernels.grouped_swiglu_tokamax, SIZES[case])
 
 
 def test_tma_alignment_rule():
