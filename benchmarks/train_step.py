@@ -16,6 +16,8 @@ the optimizer, the bias update and the metrics.
 """
 
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
@@ -37,17 +39,17 @@ from train import optim
 from train.config import check, execution
 from train.flops import measure_peak_flops
 from train.state import init_state
-from train.step import forward, make_train_step
+from train.step import forward, make_train_step, objective
 
 
 def _config(name: str, dispatch: str, n_experts: int, capacity_factor: float, grouped: str, attention: str,
-            batch: int = 0, loss_chunks: int = 1):
+            batch: int = 0, loss_chunks: int = 0):
     p = preset(name, n_experts)
     c = base_config()
     c.model.update(**p["model"])
     c.execution.update(**{**p["execution"], "dispatch": dispatch, "capacity_factor": capacity_factor,
                           "grouped_matmul": "auto" if grouped == "-" else grouped, "attention_impl": attention,
-                          "loss_chunks": loss_chunks})
+                          **({"loss_chunks": loss_chunks} if loss_chunks else {})})
     c.data.seq_len = p["seq_len"]
     # The preset's batch is per device: on N devices the (data-parallel) step sees N times the rows.
     c.train.update(batch_size=(batch or p["batch"]) * jax.device_count(), steps=1000, warmup_steps=10)
@@ -62,10 +64,10 @@ def _batch(B: int, L: int, V: int, mesh):
     return jax.device_put(b, NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
 
 
-def _parts(graphdef, ex):
-    """Jitted forward and forward + backward of the step's loss (train.step.forward summed), for --breakdown."""
+def _parts(graphdef, ex, forward_fn):
+    """Jitted forward and forward + backward of the step's loss (train.step.objective), for --breakdown."""
     def loss(params, bias, batch):
-        return forward(graphdef, params, bias, batch, ex)[0].sum()
+        return objective(*forward_fn(graphdef, params, bias, batch, ex))
 
     fwd = jax.jit(loss)
     grad = jax.jit(jax.grad(loss))
@@ -74,7 +76,7 @@ def _parts(graphdef, ex):
 
 
 def prepare(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto", attention="blockwise", batch=0,
-            breakdown=False, loss_chunks=1):
+            breakdown=False, loss_chunks=0, loss="fused"):
     """(calls, finish): the (fn, args) to time -- the step, then with `breakdown` its forward and forward +
     backward passes -- and finish(seconds per call of each) -> the table row."""
     c = _config(name, dispatch, n_experts, capacity_factor, grouped, attention, batch, loss_chunks)
@@ -83,12 +85,12 @@ def prepare(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto
     tx = optim.optimizer(t)
     graphdef, state, shardings = init_state(mcfg, tx, 0, mesh)
     ex = execution(c, mesh)
-    run = jax.jit(make_train_step(graphdef, tx, optim.schedule(t), t, ex))
+    fwd = functools.partial(forward, fused_loss=loss == "fused")
+    run = jax.jit(make_train_step(graphdef, tx, optim.schedule(t), t, ex, fwd))
     batch = _batch(t.batch_size, c.data.seq_len, mcfg.vocab_size, mesh)
     calls = [(run, (state, batch))]
     if breakdown:
-        fwd, grad = _parts(graphdef, ex)
-        calls += [(fwd, (state, batch)), (grad, (state, batch))]
+        calls += [(part, (state, batch)) for part in _parts(graphdef, ex, fwd)]
     tokens = t.batch_size * c.data.seq_len
     flops = train_flops_per_token(mcfg, c.data.seq_len) * tokens
 
@@ -97,8 +99,10 @@ def prepare(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto
         row = {"dispatch": dispatch, "grouped matmul": grouped, "attention": attention, "experts": n_experts,
                "top_k": mcfg.top_k, "tokens/step": tokens, "step ms": s * 1e3, "tokens/s": tokens / s,
                "MFU %": 100 * flops / s / (peak * jax.device_count()), "peak GiB": peak_memory_gb()}
-        if loss_chunks != 1:
+        if loss_chunks:
             row["loss chunks"] = loss_chunks
+        if loss != "fused":
+            row["loss"] = loss
         if breakdown:
             row["fwd ms"], row["fwd+bwd ms"] = seconds[1] * 1e3, seconds[2] * 1e3
         return row
@@ -107,10 +111,10 @@ def prepare(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto
 
 
 def bench(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto", attention="blockwise", batch=0,
-          steps=0, breakdown=False, loss_chunks=1) -> dict:
+          steps=0, breakdown=False, loss_chunks=0, loss="fused") -> dict:
     """One row, timed on its own (the step and its parts round-robin)."""
     calls, finish = prepare(name, dispatch, n_experts, peak, capacity_factor, grouped, attention, batch, breakdown,
-                            loss_chunks)
+                            loss_chunks, loss)
     return finish(time_fns(calls, steps or PRESETS[name]["steps"]))
 
 
@@ -130,7 +134,11 @@ def bench_round_robin(specs: list[dict], name: str, peak, steps=0) -> list[dict]
 def main(argv=None):
     ap = arg_parser(__doc__.splitlines()[0])
     ap.add_argument("--breakdown", action="store_true", help="also time the forward and forward + backward passes")
-    ap.add_argument("--loss_chunks", default="1", help="execution.loss_chunks values, comma-separated")
+    ap.add_argument("--loss_chunks", default="0",
+                    help="execution.loss_chunks values, comma-separated (0: the config's, 8 by default)")
+    ap.add_argument("--loss", default="fused",
+                    help="fused (the train step's: the LM head's gradient in the forward pass, moe/lm_loss.py) or "
+                         "plain (autodiff of the per-token loss), comma-separated")
     ap.add_argument("--round_robin", action="store_true",
                     help="time all rows together, round-robin (all held in memory at once: CPU A/B runs; no "
                          "per-row peak memory)")
@@ -138,19 +146,21 @@ def main(argv=None):
     peak = a.peak_flops or measure_peak_flops()
     print(describe() + f" | matmul peak {peak / 1e12:.3g} TFLOP/s per device")
     experts_list = [int(e) for e in a.experts.split(",")]
-    combos = [(d, g, att, int(ch)) for d, g in variants(a.dispatch.split(","), a.grouped_matmul.split(","))
-              for att in a.attention_impl.split(",") for ch in a.loss_chunks.split(",")]
+    combos = [(d, g, att, int(ch), lo) for d, g in variants(a.dispatch.split(","), a.grouped_matmul.split(","))
+              for att in a.attention_impl.split(",") for ch in a.loss_chunks.split(",") for lo in a.loss.split(",")]
     specs = [dict(dispatch=d, n_experts=e, capacity_factor=a.capacity_factor, grouped=g, attention=att,
-                  batch=a.batch, breakdown=a.breakdown, loss_chunks=ch) for d, g, att, ch in combos for e in experts_list]
+                  batch=a.batch, breakdown=a.breakdown, loss_chunks=ch, loss=lo)
+             for d, g, att, ch, lo in combos for e in experts_list]
     if a.round_robin:
         rows = bench_round_robin(specs, a.preset, peak, a.steps)
     else:
         rows = [bench(a.preset, peak=peak, steps=a.steps, **spec) for spec in specs]
     print(table(rows))
     if len(experts_list) == 2:
-        for i, (d, g, att, ch) in enumerate(combos):
+        for i, (d, g, att, ch, loss) in enumerate(combos):
             lo, hi = (r["step ms"] for r in rows[2 * i:2 * i + 2])
-            print(f"{d} / {g} / {att}{f' / loss_chunks {ch}' if ch != 1 else ''}: step time x{hi / lo:.3f} from "
+            extra = (f" / loss_chunks {ch}" if ch else "") + (f" / {loss} loss" if loss != "fused" else "")
+            print(f"{d} / {g} / {att}{extra}: step time x{hi / lo:.3f} from "
                   f"{experts_list[0]} to {experts_list[1]} routed experts")
 
 

@@ -56,10 +56,11 @@ class Execution:
     attention_impl: str = "blockwise"
     dtype: str = "float32"  # activations and matmuls; params stay fp32, router and softmax math run in fp32
     remat: bool = False  # recompute each block in the backward pass (activation memory O(1) blocks, not O(depth))
-    # The loss's LM head + cross-entropy (train and eval steps) run over the sequence in this many chunks, each
-    # chunk's logits recomputed in the backward pass (moe/lm_loss.py): [B, L/chunks, V] logits at a time. 1: all
-    # at once.
-    loss_chunks: int = 1
+    # The loss's LM head + cross-entropy run over the sequence in this many chunks (the largest divisor of L not
+    # above it): [B, L/chunks, V] logits at a time. The train step computes each chunk's gradient in its forward
+    # pass (moe/lm_loss.py, weighted_cross_entropy); 8 was the fastest default train step on the 2-core CPU
+    # (docs/performance.md). With the batch sharded, each chunk all-reduces the head's gradient.
+    loss_chunks: int = 8
     # Activations are constrained to this mesh by `rules` (logical axis -> mesh axis); None: no constraints.
     mesh: jax.sharding.Mesh | None = None
     rules: tuple = RULES

@@ -4,12 +4,22 @@ Key: B batch, L length, C positions per chunk, D model, V vocab.
 
 The fp32 logits [B*L, V] and their gradient are the largest activations of a model whose vocabulary is much
 wider than it (V 8192 at D 192 by default: 128 MiB each at 4,096 tokens; 1 GiB each for configs/gpu_1b.py at
-32,768 tokens per device, 4 GiB at a 32k vocabulary). execution.loss_chunks > 1 computes the loss chunk by chunk,
-each chunk's logits recomputed in the backward pass (jax.checkpoint): one [B, C, V] block alive at a time for one
-more head matmul. It is a memory knob, not a speed one: on the 2-core CPU the default train step ran 7-9%
-slower with 8 or 16 chunks (docs/performance.md), so the default is 1. Chunks run along the sequence, so every
-chunk keeps the batch's sharding over data and fsdp.
+32,768 tokens per device, 4 GiB at a 32k vocabulary). Two functions:
+
+- `cross_entropy`: per-token values, differentiable for any cotangent; with chunks > 1 each chunk's logits are
+  recomputed in the backward pass (jax.checkpoint). For evaluation and analysis.
+- `weighted_cross_entropy`: the training objective sum(weights * ce), whose gradient is computed in the forward
+  pass, chunk by chunk (the "fused linear cross-entropy" of Liger-Kernel / Cut Your Losses): softmax - one-hot
+  times the weights, the input gradient and the head gradient, while the chunk's logits are still in cache. No
+  logits survive the forward pass and none are recomputed: the same three head matmuls as autodiff of all logits
+  at once. The train step uses it (train/step.py); execution.loss_chunks sets the chunks.
+
+Chunks run along the sequence, so every chunk keeps the batch's sharding over data and fsdp. With the batch
+sharded, the head gradient of each chunk is all-reduced inside the chunk loop (loss_chunks all-reduces of [D, V]
+instead of one): keep loss_chunks small on a data-parallel mesh with a slow interconnect.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -47,3 +57,57 @@ def cross_entropy(x_BxLxD, head_DxV, targets_BxL, chunks: int = 1, constrain=lam
     ce_NxBxC = jax.lax.map(lambda xt: jax.checkpoint(chunk_ce)(*xt), (x_NxBxCxD, targets_NxBxC))
     return jnp.moveaxis(ce_NxBxC, 0, 1).reshape(B, L)
 
+
+
+def weighted_cross_entropy(x_BxLxD, head_DxV, targets_BxL, weights_BxL, chunks: int = 1,
+                           constrain=lambda x, names: x):
+    """(sum(weights * ce), ce [B, L]): the weighted objective, differentiable in x, head and weights, its
+    gradient computed chunk by chunk in the forward pass (module docstring); and the per-token cross-entropy as
+    values only (no gradient flows through them). Equal to autodiff of `cross_entropy` (tests/test_lm_loss.py)."""
+    objective, ce_BxL = _fused_objective(chunks, constrain, x_BxLxD, head_DxV, targets_BxL, weights_BxL)
+    return objective, jax.lax.stop_gradient(ce_BxL)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _fused_objective(chunks, constrain, x_BxLxD, head_DxV, targets_BxL, weights_BxL):
+    ce_BxL = cross_entropy(x_BxLxD, head_DxV, targets_BxL, chunks, constrain)  # not differentiated: no gradients
+    return jnp.sum(weights_BxL * ce_BxL), ce_BxL
+
+
+def _fused_fwd(chunks, constrain, x_BxLxD, head_DxV, targets_BxL, weights_BxL):
+    B, L, D = x_BxLxD.shape
+    n = chunk_count(L, chunks)
+    C = L // n
+    w_DxV = head_DxV.astype(x_BxLxD.dtype)
+    by_chunk = lambda a: jnp.moveaxis(a.reshape(B, n, C, *a.shape[2:]), 1, 0)
+    by_row = lambda a: jnp.moveaxis(a, 0, 1).reshape(B, L, *a.shape[3:])
+
+    def chunk(dhead_DxV, xs):
+        x_BxCxD, targets_BxC, weights_BxC = xs
+        x_MxD = x_BxCxD.reshape(B * C, D)  # 2-D matmuls: see `logits`
+        logits_BxCxV = constrain(logits(x_MxD, head_DxV).reshape(B, C, -1), ("batch", "length", "act_vocab"))
+        lse_BxC = jax.nn.logsumexp(logits_BxCxV, axis=-1)
+        ce_BxC = lse_BxC - jnp.take_along_axis(logits_BxCxV, targets_BxC[..., None], axis=-1)[..., 0]
+        # d(weights * ce) / d logits = weights * (softmax - one_hot(target)), fp32
+        dlogits_BxCxV = jnp.exp(logits_BxCxV - lse_BxC[..., None])
+        dlogits_BxCxV = (dlogits_BxCxV - jax.nn.one_hot(targets_BxC, dlogits_BxCxV.shape[-1])) * weights_BxC[..., None]
+        dlogits_MxV = dlogits_BxCxV.reshape(B * C, -1).astype(x_BxLxD.dtype)
+        dx_MxD = jnp.dot(dlogits_MxV, w_DxV.T, preferred_element_type=jnp.float32).astype(x_BxLxD.dtype)
+        dhead_DxV = dhead_DxV + jnp.dot(x_MxD.T, dlogits_MxV, preferred_element_type=jnp.float32)
+        return dhead_DxV, (ce_BxC, dx_MxD.reshape(B, C, D))
+
+    xs = (by_chunk(x_BxLxD), by_chunk(targets_BxL), by_chunk(weights_BxL.astype(jnp.float32)))
+    dhead_DxV, (ce_NxBxC, dx_NxBxCxD) = jax.lax.scan(chunk, jnp.zeros(head_DxV.shape, jnp.float32), xs)
+    ce_BxL = by_row(ce_NxBxC)
+    out = (jnp.sum(weights_BxL * ce_BxL), ce_BxL)
+    return out, (by_row(dx_NxBxCxD), dhead_DxV.astype(head_DxV.dtype), ce_BxL, weights_BxL)
+
+
+def _fused_bwd(chunks, constrain, residuals, cotangents):
+    dx_BxLxD, dhead_DxV, ce_BxL, weights_BxL = residuals
+    g, _ = cotangents  # ce's cotangent is zero: weighted_cross_entropy stops its gradient
+    return ((g * dx_BxLxD).astype(dx_BxLxD.dtype), (g * dhead_DxV).astype(dhead_DxV.dtype), None,
+            (g * ce_BxL).astype(weights_BxL.dtype))
+
+
+_fused_objective.defvjp(_fused_fwd, _fused_bwd)

@@ -12,7 +12,7 @@ from flax import nnx
 from moe.config import ModelConfig
 from moe.execution import Execution
 from moe.layers import MLP, Attention, RMSNorm, param
-from moe.lm_loss import cross_entropy, logits
+from moe.lm_loss import cross_entropy, logits, weighted_cross_entropy
 from moe.masks import attention_mask
 from moe.moe_layer import MoE
 
@@ -66,12 +66,20 @@ class Transformer(nnx.Module):
         x_BxLxD, aux = self.trunk(tokens_BxL, execution=execution, **options)
         return self.unembed(x_BxLxD, execution), aux
 
-    def token_losses(self, tokens_BxL, targets_BxL, *, execution: Execution = DEFAULT_EXECUTION, **options):
+    def token_losses(self, tokens_BxL, targets_BxL, *, execution: Execution = DEFAULT_EXECUTION,
+                     loss_weights_BxL=None, **options):
         """Next-token cross-entropy [B,L] (fp32) against targets and `trunk`'s aux dict, without ever holding all
-        [B,L,V] logits: the LM head runs in execution.loss_chunks sequence chunks (moe/lm_loss.py)."""
+        [B,L,V] logits: the LM head runs in execution.loss_chunks sequence chunks (moe/lm_loss.py).
+
+        loss_weights_BxL given (training): aux["objective"] = sum(weights * ce), its gradient computed in the
+        forward pass (lm_loss.weighted_cross_entropy), and the returned ce carries values only, no gradient.
+        """
         x_BxLxD, aux = self.trunk(tokens_BxL, execution=execution, **options)
-        ce_BxL = cross_entropy(self.final_norm(x_BxLxD), self.head(), targets_BxL, execution.loss_chunks,
-                               execution.constrain)
+        args = (self.final_norm(x_BxLxD), self.head(), targets_BxL)
+        if loss_weights_BxL is None:
+            return cross_entropy(*args, execution.loss_chunks, execution.constrain), aux
+        aux["objective"], ce_BxL = weighted_cross_entropy(*args, loss_weights_BxL, execution.loss_chunks,
+                                                          execution.constrain)
         return ce_BxL, aux
 
     def trunk(self, tokens_BxL, *, execution: Execution = DEFAULT_EXECUTION, positions_BxL=None,

@@ -87,12 +87,14 @@ def test_train_step_row(capsys):
 
 
 def test_train_step_round_robin_rows(capsys):
-    """--round_robin times every row together; the loss-chunks column appears for the rows that set it."""
+    """--round_robin times every row together; the loss-chunks and loss columns appear for the rows that set
+    them (the config's chunks, the fused loss: "-")."""
     train_step.main(["--preset", "cpu", "--dispatch", "capacity", "--experts", "8", "--peak_flops", "1e12",
-                     "--batch", "1", "--loss_chunks", "1,4", "--round_robin", "--steps", "2"])
+                     "--batch", "1", "--loss_chunks", "0,4", "--loss", "fused,plain", "--round_robin", "--steps", "2"])
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     header, rows = lines[0], [[c.strip() for c in r.strip("|").split("|")] for r in lines[1:]]
-    assert header.rstrip(" |").endswith("loss chunks") and [r[-1] for r in rows] == ["-", "4"]
+    assert header.rstrip(" |").endswith("loss | loss chunks")  # columns in order of first appearance
+    assert [r[-2:] for r in rows] == [["-", "-"], ["plain", "-"], ["-", "4"], ["plain", "4"]]
     assert all(float(r[6]) > 0 for r in rows)  # step ms
 
 

@@ -150,6 +150,6 @@ def test_activation_bound_follows_attention_impl_and_loss_chunks():
     c = get_config()
     mcfg, rows, L = model_config(c), c.train.batch_size, c.data.seq_len
     logits, square = rows * L * mcfg.vocab_size * 8, rows * mcfg.n_heads * L * L * 8 * mcfg.n_layers
-    assert bound(attention_impl="einsum") == logits + square
-    assert bound(attention_impl="blockwise") == logits + square * 5 // 8
-    assert bound(attention_impl="xla", loss_chunks=8) == logits // 8
+    assert bound(attention_impl="einsum", loss_chunks=1) == logits + square
+    assert bound(attention_impl="blockwise", loss_chunks=1) == logits + square * 5 // 8
+    assert bound(attention_impl="xla") == logits // 8  # the default: 8 chunks

@@ -39,17 +39,23 @@ def test_sharded_forward_matches_single_device(dispatch, grouped):
 
 
 def test_sharded_blockwise_attention_and_chunked_loss_match_single_device():
-    """The default blockwise attention (64 positions: 2 query blocks) and a chunked loss (4 chunks) on a mesh
-    that splits the batch and, along tensor, the heads and the vocabulary: the per-token losses and the gradients
-    of their mean equal one device's einsum attention with all logits at once."""
+    """The default blockwise attention (64 positions: 2 query blocks) and the train step's fused chunked objective
+    (4 chunks, its gradient computed in the forward pass) on a mesh that splits the batch and, along tensor, the
+    heads and the vocabulary: the per-token losses and the gradients of their mean equal one device's einsum
+    attention with autodiff of all logits at once."""
     mesh = sharding.make_mesh(2, 1, 1, 2)
     graphdef, state = nnx.split(tiny_model(vocab_size=64))  # the vocabulary splits over tensor
     tokens, targets = jax.random.randint(jax.random.key(0), (2, 4, 64), 0, 64)
+    ce_shape, ce_size = targets.shape, targets.size
 
     def losses_and_grads(state, tokens, ex):
         def mean_loss(state):
-            ce, _ = nnx.merge(graphdef, state).token_losses(tokens, targets, execution=ex)
-            return ce.mean(), ce
+            if ex.mesh is None:  # autodiff of the per-token losses
+                ce, _ = nnx.merge(graphdef, state).token_losses(tokens, targets, execution=ex)
+                return ce.mean(), ce
+            ce, aux = nnx.merge(graphdef, state).token_losses(tokens, targets, execution=ex,
+                                                              loss_weights_BxL=jnp.full(ce_shape, 1 / ce_size))
+            return aux["objective"], ce
         (_, ce), grads = jax.value_and_grad(mean_loss, has_aux=True)(state)
         return ce, grads
 

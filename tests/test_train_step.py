@@ -1,5 +1,7 @@
 """The sharded train step equals the single-device step; aux-loss-free balancing drives load toward balance."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,7 @@ from tests.conftest import tiny_config
 from train import optim
 from train.config import check
 from train.state import init_state, split_model
-from train.step import make_train_step
+from train.step import forward, make_train_step
 
 
 def _batch(B=8, L=16, V=64, seed=0):
@@ -26,15 +28,16 @@ def _batch(B=8, L=16, V=64, seed=0):
             "domains": rng.integers(0, 3, (B, L)).astype(np.int32)}
 
 
-def _two_steps(mesh_shape, grad_accum=1, dispatch="dropless"):
+def _two_steps(mesh_shape, grad_accum=1, dispatch="dropless", loss_chunks=1, fused_loss=True):
     c = tiny_config(**{"model.vocab_size": 64, "train.grad_accum": grad_accum, "train.bias_update_rate": 1e-2})
     mcfg = check(c)
     n = int(np.prod(mesh_shape))
     mesh = sharding.make_mesh(*mesh_shape, devices=jax.devices()[:n])
     tx = optim.optimizer(c.train)
     graphdef, state, shardings = init_state(mcfg, tx, 0, mesh)
-    ex = Execution(dispatch=dispatch, mesh=mesh)
-    step = jax.jit(make_train_step(graphdef, tx, optim.schedule(c.train), c.train, ex))
+    ex = Execution(dispatch=dispatch, mesh=mesh, loss_chunks=loss_chunks)
+    step = jax.jit(make_train_step(graphdef, tx, optim.schedule(c.train), c.train, ex,
+                                   functools.partial(forward, fused_loss=fused_loss)))
     spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
     metrics = []
     for s in range(2):
@@ -64,6 +67,19 @@ def test_sharded_step_equals_single_device(single_device, mesh_shape, dispatch):
     for a, b in zip(jax.tree.leaves(state["bias"]), jax.tree.leaves(ref_state["bias"])):
         np.testing.assert_allclose(a, b, atol=1e-7)
     assert any(np.abs(b).max() > 0 for b in jax.tree.leaves(state["bias"]))
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 1, 1, 1), (2, 2, 1, 2)])
+def test_fused_loss_step_equals_autodiff_of_the_per_token_loss(mesh_shape):
+    """The default step (its LM head's gradient computed in the forward pass, here in 4 chunks; masked tokens,
+    two micro-batches) against autodiff of the per-token cross-entropy on one device, two steps."""
+    ref_state, ref_metrics = _two_steps((1, 1, 1, 1), grad_accum=2, fused_loss=False)
+    state, metrics = _two_steps(mesh_shape, grad_accum=2, loss_chunks=4)
+    for a, b in zip(metrics, ref_metrics):
+        np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5)
+        np.testing.assert_allclose(a["grad_norm"], b["grad_norm"], rtol=1e-4)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref_state)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_grad_accumulation_equals_one_big_batch(single_device):

@@ -91,7 +91,9 @@ def migrate(config: dict) -> dict:
 
 
 # Keys added after the model/execution split, with the default that reproduces the runs from before them.
-ADDED_KEYS = {"eval.dispatch": "", "execution.loss_chunks": 1}
+# (loss_chunks: the runs before it computed all logits at once, the same function as the chunked default up to
+# rounding; analysis.experiments.fingerprint leaves any value out.)
+ADDED_KEYS = {"eval.dispatch": "", "execution.loss_chunks": 8}
 
 
 def pre_split_layout(config: dict) -> dict:

@@ -13,12 +13,22 @@ from moe import Execution, router
 from train.state import merge_model
 
 
-def forward(graphdef, params, bias, batch, ex: Execution):
+def forward(graphdef, params, bias, batch, ex: Execution, fused_loss: bool = True):
+    """(masked ce [B, L], aux). fused_loss: the model computes the LM head's gradient in its forward pass
+    (moe/lm_loss.py) and returns aux["objective"] = sum(loss_mask * ce), differentiable, and the ce are values
+    only; False: autodiff of the per-token ce (the reference, and benchmarks.train_step --loss plain)."""
     model = merge_model(graphdef, params, bias)
     ce_BxL, aux = model.token_losses(batch["tokens"], batch["targets"], execution=ex,
-                                     positions_BxL=batch["positions"], segment_ids_BxL=batch["segment_ids"],
-                                     prefix_len_B=batch.get("prefix_len"))
+                                     loss_weights_BxL=batch["loss_mask"] if fused_loss else None,
+                                     positions_BxL=batch["positions"],
+                                     segment_ids_BxL=batch["segment_ids"], prefix_len_B=batch.get("prefix_len"))
     return ce_BxL * batch["loss_mask"], aux
+
+
+def objective(ce_BxL, aux):
+    """What a forward_fn's caller differentiates: aux["objective"] when the forward gives one (the masked ce's sum
+    with a gradient of its own: `forward`'s fused loss, whose ce are values only), else the masked ce's sum."""
+    return aux["objective"] if "objective" in aux else ce_BxL.sum()
 
 
 def _micro_batches(batch, n: int):
@@ -28,7 +38,8 @@ def _micro_batches(batch, n: int):
 
 def make_train_step(graphdef, tx, lr_schedule, t, ex: Execution, forward_fn=forward):
     """forward_fn(graphdef, params, bias, batch, ex) -> (masked ce [B, T], aux): `forward` for the decoder-only
-    model; analysis.encdec_task.forward for the encoder-decoder of the 2x2 study, trained by this same step."""
+    model; analysis.encdec_task.forward for the encoder-decoder of the 2x2 study, trained by this same step. It
+    differentiates `objective`."""
     gamma_stop = int(t.bias_update_stop * t.steps)
 
     def train_step(state, batch):
@@ -37,7 +48,7 @@ def make_train_step(graphdef, tx, lr_schedule, t, ex: Execution, forward_fn=forw
         def loss_fn(params, bias, mb):
             ce_BxL, aux = forward_fn(graphdef, params, bias, mb, ex)
             balance = t.balance_loss_weight * aux["balance_loss"]
-            loss = ce_BxL.sum() / n_targets + balance / t.grad_accum
+            loss = objective(ce_BxL, aux) / n_targets + balance / t.grad_accum
             return loss, (ce_BxL.sum(), balance, aux["expert_load"], aux["dropped_frac"])
 
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
