@@ -90,7 +90,7 @@ def build_fn(c, cell: Cell):
     """(build(mcfg, rngs), forward_fn, rows -> batch) of a cell."""
     n_enc = cell.encoder_layers
     if not n_enc:
-        return Transformer, step.forward, lambda rows: rows
+        return Transformer, step.train_forward, lambda rows: rows
     S, T = encdec_task.lengths(int(c.data.seq_len), float(c.data.prefix_frac))
     return (functools.partial(EncoderDecoder, n_encoder_layers=n_enc), encdec_task.forward,
             lambda rows: encdec_task.encdec_rows(rows, S, T))

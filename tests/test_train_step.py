@@ -1,7 +1,5 @@
 """The sharded train step equals the single-device step; aux-loss-free balancing drives load toward balance."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +11,7 @@ from tests.conftest import tiny_config
 from train import optim
 from train.config import check
 from train.state import init_state, split_model
-from train.step import forward, make_train_step
+from train.step import forward, make_train_step, train_forward
 
 
 def _batch(B=8, L=16, V=64, seed=0):
@@ -37,7 +35,7 @@ def _two_steps(mesh_shape, grad_accum=1, dispatch="dropless", loss_chunks=1, fus
     graphdef, state, shardings = init_state(mcfg, tx, 0, mesh)
     ex = Execution(dispatch=dispatch, mesh=mesh, loss_chunks=loss_chunks)
     step = jax.jit(make_train_step(graphdef, tx, optim.schedule(c.train), c.train, ex,
-                                   functools.partial(forward, fused_loss=fused_loss)))
+                                   train_forward if fused_loss else forward))
     spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
     metrics = []
     for s in range(2):

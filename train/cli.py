@@ -91,8 +91,8 @@ def migrate(config: dict) -> dict:
 
 
 # Keys added after the model/execution split, with the default that reproduces the runs from before them.
-# (loss_chunks: the runs before it computed all logits at once, the same function as the chunked default up to
-# rounding; analysis.experiments.fingerprint leaves any value out.)
+# (loss_chunks: the runs before it computed all logits at once, which the chunked default reproduces up to
+# floating-point rounding only; analysis.experiments.fingerprint leaves any value out.)
 ADDED_KEYS = {"eval.dispatch": "", "execution.loss_chunks": 8}
 
 

@@ -5,6 +5,8 @@ accumulation and sharding don't change it) + alpha * sequence-wise balance loss.
 routing biases follow the expert load of the whole global batch: b += gamma * sign(mean_load - load).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -13,16 +15,20 @@ from moe import Execution, router
 from train.state import merge_model
 
 
-def forward(graphdef, params, bias, batch, ex: Execution, fused_loss: bool = True):
-    """(masked ce [B, L], aux). fused_loss: the model computes the LM head's gradient in its forward pass
-    (moe/lm_loss.py) and returns aux["objective"] = sum(loss_mask * ce), differentiable, and the ce are values
-    only; False: autodiff of the per-token ce (the reference, and benchmarks.train_step --loss plain)."""
+def forward(graphdef, params, bias, batch, ex: Execution, fused_loss: bool = False):
+    """(masked ce [B, L], aux). fused_loss (the train step's, `train_forward`): the model computes the LM head's
+    gradient in its forward pass (moe/lm_loss.py) and returns aux["objective"] = sum(loss_mask * ce),
+    differentiable, and the ce are values only -- differentiate `objective`, never the ce. False: the per-token ce,
+    differentiable as they are (evaluation, and the reference: benchmarks.train_step --loss plain)."""
     model = merge_model(graphdef, params, bias)
     ce_BxL, aux = model.token_losses(batch["tokens"], batch["targets"], execution=ex,
                                      loss_weights_BxL=batch["loss_mask"] if fused_loss else None,
                                      positions_BxL=batch["positions"],
                                      segment_ids_BxL=batch["segment_ids"], prefix_len_B=batch.get("prefix_len"))
     return ce_BxL * batch["loss_mask"], aux
+
+
+train_forward = functools.partial(forward, fused_loss=True)
 
 
 def objective(ce_BxL, aux):
@@ -36,8 +42,8 @@ def _micro_batches(batch, n: int):
     return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1), batch)
 
 
-def make_train_step(graphdef, tx, lr_schedule, t, ex: Execution, forward_fn=forward):
-    """forward_fn(graphdef, params, bias, batch, ex) -> (masked ce [B, T], aux): `forward` for the decoder-only
+def make_train_step(graphdef, tx, lr_schedule, t, ex: Execution, forward_fn=train_forward):
+    """forward_fn(graphdef, params, bias, batch, ex) -> (masked ce [B, T], aux): `train_forward` for the decoder-only
     model; analysis.encdec_task.forward for the encoder-decoder of the 2x2 study, trained by this same step. It
     differentiates `objective`."""
     gamma_stop = int(t.bias_update_stop * t.steps)
