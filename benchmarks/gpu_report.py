@@ -80,8 +80,7 @@ def train_section(preset: str, experts: list[int], grouped: str, attention: str,
         print(table(rows[-1:]), flush=True)
     out = [table(rows)]
     if len(experts) == 2:
-        lo, hi = (r["step ms"] for r in rows)
-        out.append(f"- {grouped}: step time x{hi / lo:.3f} from {experts[0]} to {experts[1]} routed experts")
+        out.append("- " + train_step.expert_ratio(grouped, rows, experts))
     return "\n".join(out)
 
 

@@ -131,6 +131,12 @@ def bench_round_robin(specs: list[dict], name: str, peak, steps=0) -> list[dict]
     return rows
 
 
+def expert_ratio(label: str, rows: list[dict], experts: list[int]) -> str:
+    """The step-time ratio of two rows timed at experts[0] and experts[1] routed experts, as one line."""
+    lo, hi = (r["step ms"] for r in rows)
+    return f"{label}: step time x{hi / lo:.3f} from {experts[0]} to {experts[1]} routed experts"
+
+
 def main(argv=None):
     ap = arg_parser(__doc__.splitlines()[0])
     ap.add_argument("--breakdown", action="store_true", help="also time the forward and forward + backward passes")
@@ -158,10 +164,8 @@ def main(argv=None):
     print(table(rows))
     if len(experts_list) == 2:
         for i, (d, g, att, ch, loss) in enumerate(combos):
-            lo, hi = (r["step ms"] for r in rows[2 * i:2 * i + 2])
             extra = (f" / loss_chunks {ch}" if ch else "") + (f" / {loss} loss" if loss != "fused" else "")
-            print(f"{d} / {g} / {att}{extra}: step time x{hi / lo:.3f} from "
-                  f"{experts_list[0]} to {experts_list[1]} routed experts")
+            print(expert_ratio(f"{d} / {g} / {att}{extra}", rows[2 * i:2 * i + 2], experts_list))
 
 
 if __name__ == "__main__":

@@ -58,7 +58,6 @@ def cross_entropy(x_BxLxD, head_DxV, targets_BxL, chunks: int = 1, constrain=lam
     return jnp.moveaxis(ce_NxBxC, 0, 1).reshape(B, L)
 
 
-
 def weighted_cross_entropy(x_BxLxD, head_DxV, targets_BxL, weights_BxL, chunks: int = 1,
                            constrain=lambda x, names: x):
     """(sum(weights * ce), ce [B, L]): the weighted objective, differentiable in x, head and weights, its
