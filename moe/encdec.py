@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moe.execution import Execution
-from moe.layers import MLP, Attention, RMSNorm, param
+from moe.layers import MLP, Attention, RMSNorm, matmul_rows, param
 from moe.masks import attention_mask
 from moe.model import DEFAULT_EXECUTION, Block
 from moe.moe_layer import MoE
@@ -38,15 +38,15 @@ class CrossAttention(nnx.Module):
         cfg, dt = self.cfg, x_BxTxD.dtype
         B, T, _ = x_BxTxD.shape
         H, N, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        q_BxTxNxGxDh = jnp.einsum("btd,dhk->bthk", x_BxTxD, self.wq[...].astype(dt)).reshape(B, T, N, H // N, Dh)
-        k_BxSxNxDh = jnp.einsum("bsd,dnk->bsnk", mem_BxSxD, self.wk[...].astype(dt))
-        v_BxSxNxDh = jnp.einsum("bsd,dnk->bsnk", mem_BxSxD, self.wv[...].astype(dt))
+        q_BxTxNxGxDh = matmul_rows(x_BxTxD, self.wq[...].astype(dt)).reshape(B, T, N, H // N, Dh)
+        k_BxSxNxDh = matmul_rows(mem_BxSxD, self.wk[...].astype(dt))
+        v_BxSxNxDh = matmul_rows(mem_BxSxD, self.wv[...].astype(dt))
         logits = jnp.einsum("btngk,bsnk->bngts", q_BxTxNxGxDh, k_BxSxNxDh,
                             preferred_element_type=jnp.float32) * Dh**-0.5
         logits = jnp.where(mask_Bx1xTxS[:, :, None], logits, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(logits, axis=-1)
         out = jnp.einsum("bngts,bsnk->btngk", probs.astype(dt), v_BxSxNxDh).reshape(B, T, H, Dh)
-        return jnp.einsum("bthk,hkd->btd", out, self.wo[...].astype(dt))
+        return matmul_rows(out, self.wo[...].astype(dt), contract=2)
 
 
 class DecoderBlock(nnx.Module):

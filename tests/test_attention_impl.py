@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from moe import Execution
-from moe.layers import causal_blocks, fused_attention_impl
+from moe.layers import causal_blocks, fused_attention_impl, rope, softmax_attention
 from tests.model_fixtures import tiny_model
 
 L = 12
@@ -92,3 +92,46 @@ def test_cudnn_equals_einsum_on_gpu(mask):
     assert _relative_error(got_logits, want_logits) < 2e-2
     for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
         assert _relative_error(a, b) < 5e-2
+
+
+def test_softmax_attention_normalizing_the_output_equals_normalizing_the_probabilities():
+    """The training path divides exp(logits - max) v by the row sum; the probabilities path is the plain
+    softmax then v. Values and gradients agree, with grouped-query heads, a holed mask and a fully masked row."""
+    ks = jax.random.split(jax.random.key(0), 4)
+    B, L, N, G, Dh = 2, 7, 2, 3, 8
+    q = jax.random.normal(ks[0], (B, L, N, G, Dh))
+    k, v = (jax.random.normal(kk, (B, L, N, Dh)) for kk in ks[1:3])
+    mask = jax.random.bernoulli(ks[3], 0.6, (B, 1, L, L)).at[1, 0, 4].set(False)
+    cotangent = jax.random.normal(jax.random.key(5), (B, L, N, G, Dh))
+
+    def run(return_probs):
+        def f(q, k, v):
+            return jnp.sum(softmax_attention(q, k, v, mask, return_probs)[0] * cotangent)
+        return jax.value_and_grad(f, argnums=(0, 1, 2))(q, k, v)
+
+    (got, got_grads), (want, want_grads) = run(False), run(True)
+    assert softmax_attention(q, k, v, mask)[1] is None
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("rot_dim", [None, 4])
+def test_rope_turns_each_pair_by_its_angle(rot_dim):
+    """rope against the textbook rotate-half form x cos + [-x2, x1] sin (partial rotary: the tail passes
+    through), and the property it exists for: q . k depends only on the distance between their positions."""
+    ks = jax.random.split(jax.random.key(0), 2)
+    x = jax.random.normal(ks[0], (2, 5, 3, 8))
+    pos = jnp.asarray([[0, 1, 2, 3, 4], [7, 3, 11, 0, 2]])
+    R = rot_dim or 8
+    inv_freq = 1.0 / (1e4 ** (jnp.arange(0, R, 2) / R))
+    angles = jnp.concatenate([pos[..., None] * inv_freq] * 2, -1)[:, :, None, :]
+    x_rot = x[..., :R]
+    rotated = jnp.concatenate([-x_rot[..., R // 2:], x_rot[..., :R // 2]], -1)
+    want = jnp.concatenate([x_rot * jnp.cos(angles) + rotated * jnp.sin(angles), x[..., R:]], -1)
+    np.testing.assert_allclose(rope(x, pos, 1e4, rot_dim), want, rtol=1e-5, atol=1e-6)
+
+    q, k = jax.random.normal(ks[1], (2, 1, 1, 1, 8))  # [B, L, H, Dh] each
+    dot = lambda i, j: jnp.sum(rope(q, jnp.asarray([[i]]), 1e4, rot_dim) * rope(k, jnp.asarray([[j]]), 1e4, rot_dim))
+    np.testing.assert_allclose(dot(3, 1), dot(12, 10), rtol=1e-4)
+    assert abs(dot(3, 1) - dot(3, 2)) > 1e-3
