@@ -8,9 +8,11 @@ the smallest of the static slab sizes ceil(f * N / E), f in `factors`, that hold
 padded-block path (experts.grouped_swiglu_blocked), exact for any routing. The choice is one `lax.switch`.
 
 The VJP is written by hand (`jax.custom_vjp`): differentiating a `lax.switch` makes XLA carry every branch's
-residuals and cost ~2x here; this forward keeps only the gate/up pre-activations, in sorted-row order ([N, F]
-whichever slab ran, so no branch pads them to the largest slab: ~7% faster at 8 experts on XLA:CPU; the
-backward gathers them and x back into its slab), and the fallback recomputes its forward in the backward pass.
+residuals and cost ~2x here; every branch's forward keeps only the gate/up pre-activations, in sorted-row order
+([N, F] whichever branch ran, so no branch pads them to the largest slab: ~7% faster at 8 experts on XLA:CPU;
+the backward moves them and x back into its slab or blocks), so no backward recomputes a forward matmul. The
+fallback matters in practice: a young router collapses (MaxVio 3-7 in the default run's first 40 steps), and
+saving its pre-activations made that step x1.07 faster (docs/performance.md).
 `grouped_swiglu_padded` (plain autodiff) and the loop reference are what the hand-written gradient is tested
 against (tests/test_grouped_kernels.py).
 """
@@ -56,37 +58,77 @@ def grouped_swiglu_padded(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down
     return _gather(y_ExCxD.reshape(E * capacity, D), dest_N)
 
 
+def _swiglu_fwd(x_BxCxD, w_gate_BxDxF, w_up_BxDxF, w_down_BxFxD):
+    """Batched SwiGLU (b: an expert's slab, or a padded block with its expert's weights): (y, gate and up
+    pre-activations)."""
+    a_BxCxF = jnp.einsum("ecd,edf->ecf", x_BxCxD, w_gate_BxDxF)
+    b_BxCxF = jnp.einsum("ecd,edf->ecf", x_BxCxD, w_up_BxDxF)
+    return jnp.einsum("ecf,efd->ecd", jax.nn.silu(a_BxCxF) * b_BxCxF, w_down_BxFxD), a_BxCxF, b_BxCxF
+
+
+def _swiglu_bwd(dy_BxCxD, x_BxCxD, a_BxCxF, b_BxCxF, w_gate_BxDxF, w_up_BxDxF, w_down_BxFxD):
+    """_swiglu_fwd's gradients (dx, dw_gate, dw_up, dw_down) from its saved pre-activations: no forward matmul
+    is recomputed."""
+    sig_a = jax.nn.sigmoid(a_BxCxF)
+    silu_a = a_BxCxF * sig_a
+    dw_down = jnp.einsum("ecf,ecd->efd", silu_a * b_BxCxF, dy_BxCxD)
+    dh_BxCxF = jnp.einsum("ecd,efd->ecf", dy_BxCxD, w_down_BxFxD)
+    db_BxCxF = dh_BxCxF * silu_a
+    da_BxCxF = dh_BxCxF * b_BxCxF * sig_a * (1 + a_BxCxF * (1 - sig_a))  # silu'(a) = s + a s (1 - s)
+    dw_gate = jnp.einsum("ecd,ecf->edf", x_BxCxD, da_BxCxF)
+    dw_up = jnp.einsum("ecd,ecf->edf", x_BxCxD, db_BxCxF)
+    dx_BxCxD = (jnp.einsum("ecf,edf->ecd", da_BxCxF, w_gate_BxDxF)
+                + jnp.einsum("ecf,edf->ecd", db_BxCxF, w_up_BxDxF))
+    return dx_BxCxD, dw_gate, dw_up, dw_down
+
+
 def _slab_fwd(C, x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
     N, D = x_NxD.shape
     E = group_sizes_E.shape[0]
     F = w_gate_ExDxF.shape[-1]
     src_ExC, dest_N = _layout(group_sizes_E, N, C)
-    x_ExCxD = _gather(x_NxD, src_ExC)
-    a_ExCxF = jnp.einsum("ecd,edf->ecf", x_ExCxD, w_gate_ExDxF)
-    b_ExCxF = jnp.einsum("ecd,edf->ecf", x_ExCxD, w_up_ExDxF)
-    y_ExCxD = jnp.einsum("ecf,efd->ecd", jax.nn.silu(a_ExCxF) * b_ExCxF, w_down_ExFxD)
+    y_ExCxD, a_ExCxF, b_ExCxF = _swiglu_fwd(_gather(x_NxD, src_ExC), w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
     # the pre-activations saved in sorted-row order: the same shape whatever slab ran (no padding to the largest)
     rows = lambda r: _gather(r.reshape(E * C, F), dest_N)
     return _gather(y_ExCxD.reshape(E * C, D), dest_N), (rows(a_ExCxF), rows(b_ExCxF))
 
 
-def _slab_bwd(C, dy_NxD, res, x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
+def _slab_bwd(C, dy_NxD, res, x_NxD, group_sizes_E, *ws):
     N, D = dy_NxD.shape
     E = group_sizes_E.shape[0]
     src_ExC, dest_N = _layout(group_sizes_E, N, C)
     x_ExCxD, a_ExCxF, b_ExCxF = (_gather(r, src_ExC) for r in (x_NxD, *res))
     dy_ExCxD = _gather(dy_NxD, src_ExC)  # transpose of the output gather (a bijection on used rows)
-    sig_a = jax.nn.sigmoid(a_ExCxF)
-    silu_a = a_ExCxF * sig_a
-    dw_down = jnp.einsum("ecf,ecd->efd", silu_a * b_ExCxF, dy_ExCxD)
-    dh_ExCxF = jnp.einsum("ecd,efd->ecf", dy_ExCxD, w_down_ExFxD)
-    db_ExCxF = dh_ExCxF * silu_a
-    da_ExCxF = dh_ExCxF * b_ExCxF * sig_a * (1 + a_ExCxF * (1 - sig_a))  # silu'(a) = s + a s (1 - s)
-    dw_gate = jnp.einsum("ecd,ecf->edf", x_ExCxD, da_ExCxF)
-    dw_up = jnp.einsum("ecd,ecf->edf", x_ExCxD, db_ExCxF)
-    dx_ExCxD = (jnp.einsum("ecf,edf->ecd", da_ExCxF, w_gate_ExDxF)
-                + jnp.einsum("ecf,edf->ecd", db_ExCxF, w_up_ExDxF))
-    return _gather(dx_ExCxD.reshape(E * C, D), dest_N), dw_gate, dw_up, dw_down
+    dx_ExCxD, *dws = _swiglu_bwd(dy_ExCxD, x_ExCxD, a_ExCxF, b_ExCxF, *ws)
+    return _gather(dx_ExCxD.reshape(E * C, D), dest_N), *dws
+
+
+def _blocked_fwd(block, x_NxD, group_sizes_E, *ws):
+    """The fallback for any routing: experts.grouped_swiglu_blocked's padded blocks, saving the same sorted-row
+    pre-activations as a slab branch (so its backward pass recomputes no forward matmul either)."""
+    N, D = x_NxD.shape
+    F = ws[0].shape[-1]
+    n_blocks, dest_N, used_N, expert_B = experts.padded_blocks(group_sizes_E, N, block)
+    x_BxSxD = jnp.zeros((n_blocks * block, D), x_NxD.dtype).at[dest_N].set(x_NxD).reshape(n_blocks, block, D)
+    y_BxSxD, a_BxSxF, b_BxSxF = _swiglu_fwd(x_BxSxD, *(w[expert_B] for w in ws))
+    rows = lambda r, width: r.reshape(n_blocks * block, width)[dest_N]
+    y_NxD = jnp.where(used_N[:, None], rows(y_BxSxD, D), 0)
+    return y_NxD, (rows(a_BxSxF, F), rows(b_BxSxF, F))
+
+
+def _blocked_bwd(block, dy_NxD, res, x_NxD, group_sizes_E, *ws):
+    N, D = x_NxD.shape
+    E = group_sizes_E.shape[0]
+    n_blocks, dest_N, used_N, expert_B = experts.padded_blocks(group_sizes_E, N, block)
+    # rows past the groups get a zero output gradient, so they add nothing to any weight's gradient
+    dy_NxD = jnp.where(used_N[:, None], dy_NxD, 0)
+    to_blocks = lambda r: (jnp.zeros((n_blocks * block, r.shape[-1]), r.dtype).at[dest_N].set(r)
+                           .reshape(n_blocks, block, -1))
+    dx_BxSxD, *dws_B = _swiglu_bwd(to_blocks(dy_NxD), *(to_blocks(r) for r in (x_NxD, *res)),
+                                   *(w[expert_B] for w in ws))
+    # each block's weight gradient added into its expert's (blocks come in expert order)
+    dws = [jax.ops.segment_sum(dw_B, expert_B, E, indices_are_sorted=True) for dw_B in dws_B]
+    return jnp.where(used_N[:, None], dx_BxSxD.reshape(n_blocks * block, D)[dest_N], 0), *dws
 
 
 def _uniform(branch):
@@ -120,32 +162,21 @@ def _reduce_like(g, primal):
 
 @functools.cache
 def _slab_fn(caps: tuple[int, ...], block: int):
-    blocked = functools.partial(experts.grouped_swiglu_blocked, block=block)
-
     def index(group_sizes_E):  # the smallest slab that holds the largest group; len(caps): none does
         return jnp.searchsorted(jnp.asarray(caps, jnp.int32), group_sizes_E.max())
-
-    def fallback_fwd(x_NxD, group_sizes_E, *ws):
-        N, F = x_NxD.shape[0], ws[0].shape[-1]
-        zeros = jnp.zeros((N, F), x_NxD.dtype)
-        return blocked(x_NxD, group_sizes_E, *ws), (zeros, zeros)
-
-    def fallback_bwd(dy_NxD, res, x_NxD, group_sizes_E, *ws):
-        _, vjp = jax.vjp(lambda x, *w: blocked(x, group_sizes_E, *w), x_NxD, *ws)
-        return vjp(dy_NxD)
 
     @jax.custom_vjp
     def slab(x_NxD, group_sizes_E, *ws):
         return fwd(x_NxD, group_sizes_E, *ws)[0]
 
     def fwd(x_NxD, group_sizes_E, *ws):
-        branches = [functools.partial(_slab_fwd, C) for C in caps] + [fallback_fwd]
+        branches = [functools.partial(_slab_fwd, C) for C in caps] + [functools.partial(_blocked_fwd, block)]
         y_NxD, res = jax.lax.switch(index(group_sizes_E), [_uniform(b) for b in branches], x_NxD, group_sizes_E, *ws)
         return y_NxD, (res, x_NxD, group_sizes_E, ws)
 
     def bwd(saved, dy_NxD):
         res, x_NxD, group_sizes_E, ws = saved
-        branches = [functools.partial(_slab_bwd, C) for C in caps] + [fallback_bwd]
+        branches = [functools.partial(_slab_bwd, C) for C in caps] + [functools.partial(_blocked_bwd, block)]
         dx, dwg, dwu, dwd = jax.lax.switch(index(group_sizes_E), [_uniform(b) for b in branches], dy_NxD, res,
                                            x_NxD, group_sizes_E, *ws)
         grads = [_reduce_like(g, p) for g, p in zip((dx, dwg, dwu, dwd), (x_NxD, *ws))]
