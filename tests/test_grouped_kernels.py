@@ -19,6 +19,7 @@ SIZES = {
     "balanced": [7, 8, 6, 9, 8, 10],  # fits the smallest slab
     "skewed": [30, 0, 2, 0, 9, 7],  # no slab holds 30 rows: the padded-block fallback
     "empty_and_padding": [5, 0, 7, 3, 0, 6],  # 21 of 48 rows in groups, the rest padding
+    "skewed_and_padding": [20, 0, 2, 0, 5, 1],  # the fallback with 20 padding rows
 }
 
 
