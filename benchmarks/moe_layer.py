@@ -37,6 +37,11 @@ from benchmarks.common import arg_parser, describe, preset, table, time_fns, var
 from moe import expert_parallel, experts, grouped_slab, router
 
 
+def _expert_matmuls(*args):
+    """The experts' batched SwiGLU on given slabs, no dispatch: its output only."""
+    return experts.swiglu_batched(*args)[0]
+
+
 def _grouped(name: str):
     """A grouped_matmul name, or `slab:F1/F2/...`: the slab path with those slab sizes (multiples of N / E)."""
     if name.startswith("slab:"):
@@ -145,11 +150,11 @@ def bench(name: str, n_experts: int, dispatches, grouped_matmuls=("auto",), capa
         slab_rows = next((c for c in caps if c >= int(sizes.max())), None)
         if slab_rows is not None:
             xs = jax.random.normal(ks[0], (n_experts, slab_rows, D), dt)
-            add(f"expert matmuls alone, {slab_rows} rows each (this routing's slab)", "-", experts._swiglu_batched,
+            add(f"expert matmuls alone, {slab_rows} rows each (this routing's slab)", "-", _expert_matmuls,
                 xs, *ws, routing=routing, maxvio=maxvio)
     # What dispatch cannot go below: the experts' batched matmuls alone on perfectly balanced rows (N / E each).
     C = -(-T * K // n_experts)
-    add(f"expert matmuls alone, {C} rows each (balanced)", "-", experts._swiglu_batched,
+    add(f"expert matmuls alone, {C} rows each (balanced)", "-", _expert_matmuls,
         jax.random.normal(ks[0], (n_experts, C, D), dt), *ws, maxvio=0.0)
     dense = [(jax.random.normal(k, s, jnp.float32) * s[0] ** -0.5).astype(dt)
              for k, s in zip(ks[2:5], [(D, K * F), (D, K * F), (K * F, D)])]

@@ -37,10 +37,12 @@ def grouped_swiglu_ragged(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down
     return jax.lax.ragged_dot(h_NxF, w_down_ExFxD, group_sizes_E)
 
 
-def _swiglu_batched(x_BxSxD, w_gate_BxDxF, w_up_BxDxF, w_down_BxFxD):
-    h_BxSxF = jax.nn.silu(jnp.einsum("bsd,bdf->bsf", x_BxSxD, w_gate_BxDxF)) * jnp.einsum(
-        "bsd,bdf->bsf", x_BxSxD, w_up_BxDxF)
-    return jnp.einsum("bsf,bfd->bsd", h_BxSxF, w_down_BxFxD)
+def swiglu_batched(x_BxSxD, w_gate_BxDxF, w_up_BxDxF, w_down_BxFxD):
+    """Batched SwiGLU (b: an expert's slab, a padded block with its expert's weights, ...): (y, and the gate and
+    up pre-activations, which hand-written backward passes save instead of recomputing them)."""
+    a_BxSxF = jnp.einsum("bsd,bdf->bsf", x_BxSxD, w_gate_BxDxF)
+    b_BxSxF = jnp.einsum("bsd,bdf->bsf", x_BxSxD, w_up_BxDxF)
+    return jnp.einsum("bsf,bfd->bsd", jax.nn.silu(a_BxSxF) * b_BxSxF, w_down_BxFxD), a_BxSxF, b_BxSxF
 
 
 def _group_of_rows(sizes_G, n_rows: int):
@@ -62,14 +64,19 @@ def grouped_swiglu_blocked(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_dow
     avoids both when the groups are balanced and falls back to this otherwise. (A version moving rows by gathers
     instead of the scatter below measured 1.3x slower at 64 experts on XLA:CPU: kept as is.)
     """
+    return blocked_swiglu_rows(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, block=block)[0]
+
+
+def blocked_swiglu_rows(x_NxD, group_sizes_E, *ws, block: int):
+    """grouped_swiglu_blocked's forward: (y [N, D], and the gate and up pre-activations [N, F]), all in sorted-row
+    order (rows past the groups: y is 0). Autodiff of y alone drops the unused pre-activations."""
     N, D = x_NxD.shape
+    F = ws[0].shape[-1]
     n_blocks, dest_N, used_N, expert_B = padded_blocks(group_sizes_E, N, block)
-    x_PxD = jnp.zeros((n_blocks * block, D), x_NxD.dtype).at[dest_N].set(x_NxD)
-    x_BxSxD = x_PxD.reshape(n_blocks, block, D)
-    h = jax.nn.silu(jnp.einsum("bsd,bdf->bsf", x_BxSxD, w_gate_ExDxF[expert_B])) * jnp.einsum(
-        "bsd,bdf->bsf", x_BxSxD, w_up_ExDxF[expert_B])
-    y_PxD = jnp.einsum("bsf,bfd->bsd", h, w_down_ExFxD[expert_B]).reshape(n_blocks * block, D)
-    return jnp.where(used_N[:, None], y_PxD[dest_N], 0)
+    x_BxSxD = jnp.zeros((n_blocks * block, D), x_NxD.dtype).at[dest_N].set(x_NxD).reshape(n_blocks, block, D)
+    y_BxSxD, a_BxSxF, b_BxSxF = swiglu_batched(x_BxSxD, *(w[expert_B] for w in ws))
+    rows = lambda r, width: r.reshape(n_blocks * block, width)[dest_N]
+    return jnp.where(used_N[:, None], rows(y_BxSxD, D), 0), rows(a_BxSxF, F), rows(b_BxSxF, F)
 
 
 def padded_blocks(group_sizes_E, N: int, block: int):

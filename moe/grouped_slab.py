@@ -54,20 +54,12 @@ def grouped_swiglu_padded(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down
     N, D = x_NxD.shape
     E = group_sizes_E.shape[0]
     src_ExC, dest_N = _layout(group_sizes_E, N, capacity)
-    y_ExCxD = experts._swiglu_batched(_gather(x_NxD, src_ExC), w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
+    y_ExCxD = experts.swiglu_batched(_gather(x_NxD, src_ExC), w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)[0]
     return _gather(y_ExCxD.reshape(E * capacity, D), dest_N)
 
 
-def _swiglu_fwd(x_BxCxD, w_gate_BxDxF, w_up_BxDxF, w_down_BxFxD):
-    """Batched SwiGLU (b: an expert's slab, or a padded block with its expert's weights): (y, gate and up
-    pre-activations)."""
-    a_BxCxF = jnp.einsum("ecd,edf->ecf", x_BxCxD, w_gate_BxDxF)
-    b_BxCxF = jnp.einsum("ecd,edf->ecf", x_BxCxD, w_up_BxDxF)
-    return jnp.einsum("ecf,efd->ecd", jax.nn.silu(a_BxCxF) * b_BxCxF, w_down_BxFxD), a_BxCxF, b_BxCxF
-
-
 def _swiglu_bwd(dy_BxCxD, x_BxCxD, a_BxCxF, b_BxCxF, w_gate_BxDxF, w_up_BxDxF, w_down_BxFxD):
-    """_swiglu_fwd's gradients (dx, dw_gate, dw_up, dw_down) from its saved pre-activations: no forward matmul
+    """experts.swiglu_batched's gradients (dx, dw_gate, dw_up, dw_down) from its saved pre-activations: no forward matmul
     is recomputed."""
     sig_a = jax.nn.sigmoid(a_BxCxF)
     silu_a = a_BxCxF * sig_a
@@ -87,7 +79,7 @@ def _slab_fwd(C, x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
     E = group_sizes_E.shape[0]
     F = w_gate_ExDxF.shape[-1]
     src_ExC, dest_N = _layout(group_sizes_E, N, C)
-    y_ExCxD, a_ExCxF, b_ExCxF = _swiglu_fwd(_gather(x_NxD, src_ExC), w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
+    y_ExCxD, a_ExCxF, b_ExCxF = experts.swiglu_batched(_gather(x_NxD, src_ExC), w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
     # the pre-activations saved in sorted-row order: the same shape whatever slab ran (no padding to the largest)
     rows = lambda r: _gather(r.reshape(E * C, F), dest_N)
     return _gather(y_ExCxD.reshape(E * C, D), dest_N), (rows(a_ExCxF), rows(b_ExCxF))
@@ -106,14 +98,8 @@ def _slab_bwd(C, dy_NxD, res, x_NxD, group_sizes_E, *ws):
 def _blocked_fwd(block, x_NxD, group_sizes_E, *ws):
     """The fallback for any routing: experts.grouped_swiglu_blocked's padded blocks, saving the same sorted-row
     pre-activations as a slab branch (so its backward pass recomputes no forward matmul either)."""
-    N, D = x_NxD.shape
-    F = ws[0].shape[-1]
-    n_blocks, dest_N, used_N, expert_B = experts.padded_blocks(group_sizes_E, N, block)
-    x_BxSxD = jnp.zeros((n_blocks * block, D), x_NxD.dtype).at[dest_N].set(x_NxD).reshape(n_blocks, block, D)
-    y_BxSxD, a_BxSxF, b_BxSxF = _swiglu_fwd(x_BxSxD, *(w[expert_B] for w in ws))
-    rows = lambda r, width: r.reshape(n_blocks * block, width)[dest_N]
-    y_NxD = jnp.where(used_N[:, None], rows(y_BxSxD, D), 0)
-    return y_NxD, (rows(a_BxSxF, F), rows(b_BxSxF, F))
+    y_NxD, a_NxF, b_NxF = experts.blocked_swiglu_rows(x_NxD, group_sizes_E, *ws, block=block)
+    return y_NxD, (a_NxF, b_NxF)
 
 
 def _blocked_bwd(block, dy_NxD, res, x_NxD, group_sizes_E, *ws):
