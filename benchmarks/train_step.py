@@ -9,12 +9,11 @@ dispatch path, grouped matmul, attention implementation and routed-expert count 
 MFU = model FLOPs (moe.accounting.train_flops_per_token, the loop's figure) / the measured peak of a large matmul
 (bf16 on accelerators, fp32 on CPU: train.flops.measure_peak_flops) x devices.
 
---routing balanced times the step with the routing biases that aux-loss-free training converges to (fitted by
-the training loop's rule, router.update_bias after every batch, gamma stepped down, on fresh random batches of the
-same shape: `balanced_bias`; the timed batch is not one of them), as a trained model routes; `random` (default)
-keeps the fresh router's, whose busiest expert gets well above the mean. The MaxVio column is the timed batch's
-(the mean over MoE layers). The 8 -> 64 expert ratio depends on it: the grouped matmul's slab follows the busiest
-expert's rows.
+The MaxVio column is the timed batch's (mean over MoE layers; the router at initialization): `slab`'s slab follows the
+busiest expert's rows, so the 8 -> 64 expert ratio depends on it. (A routing bias fitted to the fresh router's scores
+balances the batches it was fitted on, MaxVio < 0.04, but not fresh ones, 0.5-1.7 per layer at 64 experts: at
+initialization the tokens of a sequence route alike, so a batch's load swings like that of its 16 sequences. A
+balanced train step needs a trained router: benchmarks.train_experts measures real training.)
 
 --breakdown also times the step's parts on the same state and batch, round-robin with the step
 (benchmarks.common.time_fns, so load hits all three alike): the forward pass alone (`fwd ms`) and the forward +
@@ -40,7 +39,7 @@ from benchmarks.common import (
     variants,
 )
 from configs.base import base_config
-from moe import router, train_flops_per_token
+from moe import train_flops_per_token
 from train import mesh as mesh_lib
 from train import optim
 from train.config import check, execution
@@ -63,41 +62,12 @@ def _config(name: str, dispatch: str, n_experts: int, capacity_factor: float, gr
     return c
 
 
-def _random_batch(key, B: int, L: int, V: int) -> dict:
-    tokens = jax.random.randint(key, (B, L + 1), 0, V)
-    return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": jnp.ones((B, L), jnp.int32),
-            "positions": jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L)),
-            "loss_mask": jnp.ones((B, L), jnp.float32), "domains": jnp.zeros((B, L), jnp.int32)}
-
-
 def _batch(B: int, L: int, V: int, mesh):
-    """The timed batch (key 1; balanced_bias fits on other keys)."""
-    return jax.device_put(_random_batch(jax.random.key(1), B, L, V),
-                          NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
-
-
-FIT_SCHEDULE = ((1e-2, 60), (1e-3, 60), (1e-4, 30))  # (gamma, bias updates): coarse, then settling on the mean
-
-
-def balanced_bias(graphdef, state, ex, B: int, L: int, V: int, schedule=FIT_SCHEDULE):
-    """The routing biases (state["bias"]'s tree) that aux-loss-free balancing converges to for this model on random
-    batches: the training loop's rule (router.update_bias with each MoE layer's load) after every forward pass, each
-    on a fresh batch (keys never the timed batch's), gamma stepped down so the sign updates settle on the expected
-    load rather than one batch's noise. The parameters stay as they are; only the selection moves."""
-    tree = jax.tree.structure(state["bias"])
-
-    @jax.jit
-    def update(bias, i, gamma):
-        batch = _random_batch(jax.random.fold_in(jax.random.key(2), i), B, L, V)
-        _, aux = forward(graphdef, state["params"], bias, batch, ex)
-        return jax.tree.unflatten(tree, [router.update_bias(b, load_E, gamma) for b, load_E
-                                         in zip(jax.tree.leaves(bias), aux["expert_load"], strict=True)])
-
-    bias, i = state["bias"], 0
-    for gamma, n in schedule:
-        for _ in range(n):
-            bias, i = update(bias, i, jnp.float32(gamma)), i + 1
-    return bias
+    tokens = jax.random.randint(jax.random.key(1), (B, L + 1), 0, V)
+    b = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": jnp.ones((B, L), jnp.int32),
+         "positions": jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L)),
+         "loss_mask": jnp.ones((B, L), jnp.float32), "domains": jnp.zeros((B, L), jnp.int32)}
+    return jax.device_put(b, NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
 
 
 def _parts(graphdef, ex, forward_fn):
@@ -112,7 +82,7 @@ def _parts(graphdef, ex, forward_fn):
 
 
 def prepare(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto", attention="blockwise", batch=0,
-            breakdown=False, loss_chunks=0, loss="fused", routing="random"):
+            breakdown=False, loss_chunks=0, loss="fused"):
     """(calls, finish): the (fn, args) to time -- the step, then with `breakdown` its forward and forward +
     backward passes -- and finish(seconds per call of each) -> the table row."""
     c = _config(name, dispatch, n_experts, capacity_factor, grouped, attention, batch, loss_chunks)
@@ -124,10 +94,6 @@ def prepare(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto
     fwd = functools.partial(forward, fused_loss=loss == "fused")
     run = jax.jit(make_train_step(graphdef, tx, optim.schedule(t), t, ex, fwd))
     batch = _batch(t.batch_size, c.data.seq_len, mcfg.vocab_size, mesh)
-    if routing == "balanced":
-        state = {**state, "bias": balanced_bias(graphdef, state, ex, t.batch_size, c.data.seq_len, mcfg.vocab_size)}
-    elif routing != "random":
-        raise ValueError(f"routing {routing!r}: random or balanced")
     calls = [(run, (state, batch))]
     if breakdown:
         calls += [(part, (state, batch)) for part in _parts(graphdef, ex, fwd)]
@@ -138,8 +104,7 @@ def prepare(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto
         s = seconds[0]
         maxvio = jax.device_get(run(state, batch)[1]["maxvio"])  # the timed batch's, per MoE layer
         row = {"dispatch": dispatch, "grouped matmul": grouped, "attention": attention, "experts": n_experts,
-               "top_k": mcfg.top_k, "routing": routing, "MaxVio": float(maxvio.mean()) if maxvio.size else None,
-               "tokens/step": tokens, "step ms": s * 1e3, "tokens/s": tokens / s,
+               "top_k": mcfg.top_k, "MaxVio": float(maxvio.mean()) if maxvio.size else None, "tokens/step": tokens, "step ms": s * 1e3, "tokens/s": tokens / s,
                "MFU %": 100 * flops / s / (peak * jax.device_count()), "peak GiB": peak_memory_gb()}
         if loss_chunks:
             row["loss chunks"] = loss_chunks
@@ -153,10 +118,10 @@ def prepare(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto
 
 
 def bench(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto", attention="blockwise", batch=0,
-          steps=0, breakdown=False, loss_chunks=0, loss="fused", routing="random") -> dict:
+          steps=0, breakdown=False, loss_chunks=0, loss="fused") -> dict:
     """One row, timed on its own (the step and its parts round-robin)."""
     calls, finish = prepare(name, dispatch, n_experts, peak, capacity_factor, grouped, attention, batch, breakdown,
-                            loss_chunks, loss, routing)
+                            loss_chunks, loss)
     return finish(time_fns(calls, steps or PRESETS[name]["steps"]))
 
 
@@ -187,9 +152,6 @@ def main(argv=None):
     ap.add_argument("--loss", default="fused",
                     help="fused (the train step's: the LM head's gradient in the forward pass, moe/lm_loss.py) or "
                          "plain (autodiff of the per-token loss), comma-separated")
-    ap.add_argument("--routing", default="random",
-                    help="random (the fresh router's selection) or balanced (the biases aux-loss-free training "
-                         "converges to: balanced_bias), comma-separated")
     ap.add_argument("--round_robin", action="store_true",
                     help="time all rows together, round-robin (all held in memory at once: CPU A/B runs; no "
                          "per-row peak memory)")
@@ -197,24 +159,19 @@ def main(argv=None):
     peak = a.peak_flops or measure_peak_flops()
     print(describe() + f" | matmul peak {peak / 1e12:.3g} TFLOP/s per device")
     experts_list = [int(e) for e in a.experts.split(",")]
-    routings = a.routing.split(",")
-    if not set(routings) <= {"random", "balanced"}:
-        ap.error(f"--routing {a.routing!r}: random and/or balanced")
-    combos = [(d, g, att, int(ch), lo, ro) for d, g in variants(a.dispatch.split(","), a.grouped_matmul.split(","))
-              for att in a.attention_impl.split(",") for ch in a.loss_chunks.split(",") for lo in a.loss.split(",")
-              for ro in routings]
+    combos = [(d, g, att, int(ch), lo) for d, g in variants(a.dispatch.split(","), a.grouped_matmul.split(","))
+              for att in a.attention_impl.split(",") for ch in a.loss_chunks.split(",") for lo in a.loss.split(",")]
     specs = [dict(dispatch=d, n_experts=e, capacity_factor=a.capacity_factor, grouped=g, attention=att,
-                  batch=a.batch, breakdown=a.breakdown, loss_chunks=ch, loss=lo, routing=ro)
-             for d, g, att, ch, lo, ro in combos for e in experts_list]
+                  batch=a.batch, breakdown=a.breakdown, loss_chunks=ch, loss=lo)
+             for d, g, att, ch, lo in combos for e in experts_list]
     if a.round_robin:
         rows = bench_round_robin(specs, a.preset, peak, a.steps)
     else:
         rows = [bench(a.preset, peak=peak, steps=a.steps, **spec) for spec in specs]
     print(table(rows))
     if len(experts_list) == 2:
-        for i, (d, g, att, ch, loss, ro) in enumerate(combos):
-            extra = (f" / loss_chunks {ch}" if ch else "") + (f" / {loss} loss" if loss != "fused" else "") + \
-                f" / {ro} routing"
+        for i, (d, g, att, ch, loss) in enumerate(combos):
+            extra = (f" / loss_chunks {ch}" if ch else "") + (f" / {loss} loss" if loss != "fused" else "")
             print(expert_ratio(f"{d} / {g} / {att}{extra}", rows[2 * i:2 * i + 2], experts_list))
 
 

@@ -78,13 +78,13 @@ def test_train_step_row(capsys):
     row = next(line for line in out.splitlines() if line.startswith("| dropless"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[:4] == ["dropless", "blocked", "xla", "8"]
-    assert cells[5] == "random" and 0 <= float(cells[6]) < 8  # the fresh router; MaxVio of the timed batch
-    assert int(cells[7]) == 8 * 256  # tokens/step: one row of 256 per (fake) device
-    mfu = float(cells[10])
+    assert 0 <= float(cells[5]) <= 8 / 2 - 1  # MaxVio of the timed batch (8 experts, top-2: at most E / K - 1)
+    assert int(cells[6]) == 8 * 256  # tokens/step: one row of 256 per (fake) device
+    mfu = float(cells[9])
     assert 0 < mfu < 100
     header = next(line for line in out.splitlines() if line.startswith("| dispatch"))
     assert header.rstrip(" |").endswith("fwd ms | fwd+bwd ms")  # --breakdown: the step's parts, timed
-    assert float(cells[12]) > 0 and float(cells[13]) > 0
+    assert float(cells[11]) > 0 and float(cells[12]) > 0
 
 
 def test_train_step_round_robin_rows(capsys):
@@ -96,19 +96,7 @@ def test_train_step_round_robin_rows(capsys):
     header, rows = lines[0], [[c.strip() for c in r.strip("|").split("|")] for r in lines[1:]]
     assert header.rstrip(" |").endswith("loss | loss chunks")  # columns in order of first appearance
     assert [r[-2:] for r in rows] == [["-", "-"], ["plain", "-"], ["-", "4"], ["plain", "4"]]
-    assert all(float(r[8]) > 0 for r in rows)  # step ms
-
-
-def test_train_step_balanced_routing_evens_the_timed_batchs_load(capsys):
-    """--routing balanced: the biases fitted on other random batches even out the timed batch's expert load (8 fake
-    devices x 16 rows x 32 tokens: ~1,024 copies per expert, so batch noise alone leaves MaxVio well under 0.1)."""
-    train_step.main(["--preset", "tiny", "--dispatch", "dropless", "--experts", "8", "--peak_flops", "1e12",
-                     "--batch", "16", "--routing", "random,balanced", "--steps", "1"])
-    rows = [[c.strip() for c in r.strip("|").split("|")] for r in capsys.readouterr().out.splitlines()
-            if r.startswith("| dropless")]
-    maxvio = {r[5]: float(r[6]) for r in rows}
-    assert set(maxvio) == {"random", "balanced"}
-    assert maxvio["balanced"] < 0.5 * maxvio["random"], maxvio
+    assert all(float(r[7]) > 0 for r in rows)  # step ms
 
 
 def test_train_experts_alternates_runs_and_reads_the_balanced_windows(tmp_path):
