@@ -133,7 +133,7 @@ def loss_rows(labels: list[str], runs: list, every: int) -> list[dict]:
     """The first round's train loss every `every` steps (and at the last logged step), one column per revision."""
     steps = sorted(set.intersection(*(set(rr[0]["loss"]) for rr in runs)))
     shown = [s for s in steps if s % every == 0 or s == steps[-1]]
-    return [{"step": s, **{label: round(rr[0]["loss"][s], 5) for label, rr in zip(labels, runs)}} for s in shown]
+    return [{"step": s, **{label: f"{rr[0]['loss'][s]:.5f}" for label, rr in zip(labels, runs)}} for s in shown]
 
 
 def main(argv=None):

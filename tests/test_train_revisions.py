@@ -53,7 +53,7 @@ def test_measure_alternates_revisions_and_takes_ratios_within_rounds(tmp_path, m
     assert rows[1]["per round x first"] == "1.50, 2.00" and rows[0]["windows"] == 19
     losses = tr.loss_rows(["old", "new"], runs, 100)
     assert [x["step"] for x in losses] == [100, 200]
-    assert losses[0] == {"step": 100, "old": 8.0, "new": 8.0001}
+    assert losses[0] == {"step": 100, "old": "8.00000", "new": "8.00010"}
 
 
 def test_main_never_writes_into_a_nonempty_out(tmp_path, capsys):
