@@ -104,7 +104,8 @@ def prepare(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto
         s = seconds[0]
         maxvio = jax.device_get(run(state, batch)[1]["maxvio"])  # the timed batch's, per MoE layer
         row = {"dispatch": dispatch, "grouped matmul": grouped, "attention": attention, "experts": n_experts,
-               "top_k": mcfg.top_k, "MaxVio": float(maxvio.mean()) if maxvio.size else None, "tokens/step": tokens, "step ms": s * 1e3, "tokens/s": tokens / s,
+               "top_k": mcfg.top_k, "MaxVio": float(maxvio.mean()) if maxvio.size else None,
+               "tokens/step": tokens, "step ms": s * 1e3, "tokens/s": tokens / s,
                "MFU %": 100 * flops / s / (peak * jax.device_count()), "peak GiB": peak_memory_gb()}
         if loss_chunks:
             row["loss chunks"] = loss_chunks
