@@ -95,12 +95,17 @@ def peak_memory_gb() -> float | None:
     return None if peak is None else peak / 2**30
 
 
-def describe() -> str:
-    dev = jax.devices()[0]
+def host_cpu() -> str:
+    """The host's CPU model and core count (no JAX call: safe before the runs a script starts take the device)."""
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
+    return f"host {cpu}, nproc {os.cpu_count()}"
+
+
+def describe() -> str:
+    dev = jax.devices()[0]
     return (f"{datetime.date.today()} | jax {jax.__version__} | backend {jax.default_backend()} | "
-            f"device {dev.device_kind} x{jax.device_count()} | host {cpu}, nproc {os.cpu_count()}")
+            f"device {dev.device_kind} x{jax.device_count()} | {host_cpu()}")
 
 
 def table(rows: list[dict]) -> str:

@@ -24,7 +24,6 @@ import datetime
 import importlib.metadata
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -35,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import table
+from benchmarks.common import host_cpu, table
 from train.errors import UserError, exit_with, os_error
 
 WORKTREE = "WORKTREE"
@@ -168,10 +167,7 @@ def loss_rows(labels: list[str], runs: list, every: int) -> list[dict]:
 
 def host() -> str:
     """Date, JAX version and host, without starting JAX here (on a GPU that would take the memory the runs need)."""
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
-    return (f"{datetime.date.today()} | jax {importlib.metadata.version('jax')} | host {cpu}, nproc "
-            f"{os.cpu_count()}")
+    return f"{datetime.date.today()} | jax {importlib.metadata.version('jax')} | {host_cpu()}"
 
 
 def remove(paths) -> None:
