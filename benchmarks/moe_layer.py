@@ -5,8 +5,8 @@ active FLOPs (width top_k * moe_d_ff), at n_routed_experts = 8 and 64 (fixed top
     python -m benchmarks.moe_layer --preset gpu --grouped_matmul ragged_dot,blocked
     # against an older experts.py (e.g. `git show REV:moe/experts.py > /tmp/experts_before.py`), same process:
     python -m benchmarks.moe_layer --preset cpu --baseline_experts /tmp/experts_before.py --steps 15
-    # other slab sizes than grouped_slab.SLAB_FACTORS (multiples of the mean rows per expert):
-    python -m benchmarks.moe_layer --preset cpu --dispatch dropless --grouped_matmul slab,slab:1.25/1.5/1.75/2
+    # other pure-slab sizes than grouped_slab.SLAB_FACTORS (multiples of the mean rows per expert), no spill layouts:
+    python -m benchmarks.moe_layer --preset cpu --dispatch dropless --grouped_matmul slab,slab:1.25/1.5/2
     # the routing of a freshly initialized router and of one balanced by the routing bias, as in training:
     python -m benchmarks.moe_layer --preset default --routing random,balanced
     # dropless's backward with scatter-adds (autodiff) or gathers only (experts.permute_copies):
@@ -16,8 +16,8 @@ All rows of one expert count are timed round-robin (benchmarks.common.time_fns):
 With `dropless` among the dispatches, a row times its dispatch alone (the grouped matmul replaced by the
 identity: sort, row gathers, un-permute and gate sum, forward and backward). Two rows time the experts' batched
 matmuls with no dispatch at all, on N / E rows per expert (perfect balance)
-and on the slab `slab` takes for the benchmark's routing under `dropless` (expert_parallel's slab sees its capacity
-rows instead): the floor of any batched-matmul path, and what imbalance adds to it. Their TFLOP/s count the useful
+and on the slabs of the layout `slab` takes for the benchmark's routing under `dropless` (its spill blocks left out;
+expert_parallel's slab sees its capacity rows instead): the floor of any batched-matmul path, and what imbalance adds to it. Their TFLOP/s count the useful
 FLOPs (T * K rows), like every row, not the padded slab's.
 
 --routing: `random` (default) routes with the random router alone, as at step 0 of training: its busiest expert
@@ -43,10 +43,11 @@ def _expert_matmuls(*args):
 
 
 def _grouped(name: str):
-    """A grouped_matmul name, or `slab:F1/F2/...`: the slab path with those slab sizes (multiples of N / E)."""
+    """A grouped_matmul name, or `slab:F1/F2/...`: the slab path with only pure slabs of those sizes (multiples of
+    N / E) and the padded-block fallback (the slab path before its spill layouts)."""
     if name.startswith("slab:"):
         factors = tuple(float(f) for f in name[len("slab:"):].split("/"))
-        return functools.partial(grouped_slab.grouped_swiglu_slab, factors=factors)
+        return functools.partial(grouped_slab.grouped_swiglu_slab, fractions=(), factors=factors)
     return name
 
 
@@ -128,7 +129,7 @@ def bench(name: str, n_experts: int, dispatches, grouped_matmuls=("auto",), capa
         rows.append({"path": name, "grouped matmul": grouped, "routing": routing,
                      "MaxVio": "-" if maxvio is None else round(maxvio, 3), "experts": n_experts, "tokens": T})
 
-    caps = grouped_slab.capacities(T * K, n_experts)
+    lays = grouped_slab.layouts(T * K, n_experts)
     for routing in routings:
         bias = jnp.zeros(n_experts, jnp.float32)
         if routing == "balanced":  # fitted on other batches of the same distribution, timed on this one
@@ -146,12 +147,12 @@ def bench(name: str, n_experts: int, dispatches, grouped_matmuls=("auto",), capa
             add(f"{d} dispatch alone (grouped matmul = identity)", "-",
                 lambda x, wg, wu, wd, fn=fn, ids=ids, gates=gates: fn(x, ids, gates, wg, wu, wd),
                 x, *ws, routing=routing, maxvio=maxvio)
-        # The slab the `slab` path picks for this routing: its row padding is the cost of imbalance.
-        slab_rows = next((c for c in caps if c >= int(sizes.max())), None)
-        if slab_rows is not None:
-            xs = jax.random.normal(ks[0], (n_experts, slab_rows, D), dt)
-            add(f"expert matmuls alone, {slab_rows} rows each (this routing's slab)", "-", _expert_matmuls,
-                xs, *ws, routing=routing, maxvio=maxvio)
+        # The slabs of the layout `slab` picks for this routing (its spill blocks left out): what imbalance adds.
+        C, S, b = next(lay for lay in lays if grouped_slab.fits(sizes, lay))
+        if C:
+            xs = jax.random.normal(ks[0], (n_experts, C, D), dt)
+            add(f"expert matmuls alone, {C} rows each (this routing's slabs; + {S} spill blocks of {b})", "-",
+                _expert_matmuls, xs, *ws, routing=routing, maxvio=maxvio)
     # What dispatch cannot go below: the experts' batched matmuls alone on perfectly balanced rows (N / E each).
     C = -(-T * K // n_experts)
     add(f"expert matmuls alone, {C} rows each (balanced)", "-", _expert_matmuls,

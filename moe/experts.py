@@ -61,22 +61,15 @@ def grouped_swiglu_blocked(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_dow
 
     Exact, like ragged_dot, for any group sizes, at the cost of a static bound of N + E * (block - 1) rows
     computed and one weight gather per block (a scatter-add in the backward pass). `slab` (moe/grouped_slab.py)
-    avoids both when the groups are balanced and falls back to this otherwise. (A version moving rows by gathers
-    instead of the scatter below measured 1.3x slower at 64 experts on XLA:CPU: kept as is.)
+    puts most rows in per-expert slabs with the weights in place and only the rest in such blocks. (A version
+    moving rows by gathers instead of the scatter below measured 1.3x slower at 64 experts on XLA:CPU: kept as is.)
     """
-    return blocked_swiglu_rows(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, block=block)[0]
-
-
-def blocked_swiglu_rows(x_NxD, group_sizes_E, *ws, block: int):
-    """grouped_swiglu_blocked's forward: (y [N, D], and the gate and up pre-activations [N, F]), all in sorted-row
-    order (rows past the groups: y is 0). Autodiff of y alone drops the unused pre-activations."""
     N, D = x_NxD.shape
-    F = ws[0].shape[-1]
+    ws = (w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
     n_blocks, dest_N, used_N, expert_B = padded_blocks(group_sizes_E, N, block)
     x_BxSxD = jnp.zeros((n_blocks * block, D), x_NxD.dtype).at[dest_N].set(x_NxD).reshape(n_blocks, block, D)
-    y_BxSxD, a_BxSxF, b_BxSxF = swiglu_batched(x_BxSxD, *(w[expert_B] for w in ws))
-    rows = lambda r, width: r.reshape(n_blocks * block, width)[dest_N]
-    return jnp.where(used_N[:, None], rows(y_BxSxD, D), 0), rows(a_BxSxF, F), rows(b_BxSxF, F)
+    y_BxSxD = swiglu_batched(x_BxSxD, *(w[expert_B] for w in ws))[0]
+    return jnp.where(used_N[:, None], y_BxSxD.reshape(n_blocks * block, D)[dest_N], 0)
 
 
 def padded_blocks(group_sizes_E, N: int, block: int):

@@ -1,61 +1,138 @@
-"""`slab` grouped SwiGLU (`execution.grouped_matmul="slab"`): exact, and close to dense cost when routing is balanced.
+"""`slab` grouped SwiGLU (`execution.grouped_matmul="slab"`): exact for any routing, near dense cost when balanced.
 
-Every expert's rows (already sorted by expert) go to a slab of C rows, and the experts run as [E, C, D] x [E, D, F]
-batched matmuls: the weights are used in place (no per-block weight gather, so no weight scatter-add in the
-backward pass), and rows move by gathers both ways (sorted row <-> slab slot is a bijection on the used rows,
-so even the transposes are gathers). It is exact only while max(group_sizes) <= C, so C is picked on the data:
-the smallest of the static slab sizes ceil(f * N / E), f in `factors`, that holds the largest group, else the
-padded-block path (experts.grouped_swiglu_blocked), exact for any routing. The choice is one `lax.switch`.
+A *layout* splits every expert's rows (already sorted by expert) in two:
+- its first C rows go to its **slab** of C rows, and the experts run as `[E, C, D] x [E, D, F]` batched matmuls
+  with the weights used in place (no weight gather, no weight scatter-add in the backward pass);
+- the rows past C **spill** into S blocks of b rows (each expert's spill padded to whole blocks), run as
+  `[S, b, D] x [S, D, F]` with each block's expert weights gathered (their gradients summed back per expert).
+Rows move by gathers both ways (sorted row <-> slot is a bijection on the used rows, so even the transposes are
+gathers). A layout is exact when the spill fits its S blocks. The layouts tried are static (`layouts`): slabs
+of C = the mean rows per expert with spill budgets of `SPILL_FRACTIONS` of the rows, pure slabs
+(`SLAB_FACTORS` x the mean, no spill), and the padded-block fallback (C = 0: every row in blocks, enough for any
+routing). The cheapest layout that fits runs, picked on the data by one `lax.switch`; their costs are static.
+Balanced or not, the rows computed stay close to N: the busiest experts overflow into a few blocks instead of
+sizing every expert's slab (at 64 experts and the router's initialization, 1.2-1.3 N rows against 1.9-2.0 N for
+slabs alone; docs/performance.md).
 
 The VJP is written by hand (`jax.custom_vjp`): differentiating a `lax.switch` makes XLA carry every branch's
-residuals and cost ~2x here; every branch's forward keeps only the gate/up pre-activations, in sorted-row order
-([N, F] whichever branch ran, so no branch pads them to the largest slab: ~7% faster at 8 experts on XLA:CPU;
-the backward moves them and x back into its slab or blocks), so no backward recomputes a forward matmul. The
-fallback matters in practice: a young router collapses (MaxVio 3-7 in the default run's first 40 steps), and
-saving its pre-activations made that step x1.07 faster (docs/performance.md).
-`grouped_swiglu_padded` (plain autodiff) and the loop reference are what the hand-written gradient is tested
-against (tests/test_grouped_kernels.py).
+residuals and cost ~2x here. Every branch's forward keeps only the gate/up pre-activations, in sorted-row order
+([N, F] whichever layout ran; the backward moves them and x back into its slots), so no backward recomputes a
+forward matmul. `grouped_swiglu_layout` (one layout, plain autodiff) and the loop reference are what the
+hand-written gradient is tested against (tests/test_grouped_kernels.py).
 """
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from moe import experts
 
-SLAB_FACTORS = (1.25, 1.5, 2.0)  # slab sizes tried, as multiples of the mean rows per expert N / E
+SPILL_FRACTIONS = (1 / 16, 1 / 8, 3 / 16, 1 / 4, 1 / 2)  # spill budgets tried beside mean-sized slabs, x N rows
+SLAB_FACTORS = (1.25,)  # pure slabs tried, as multiples of the mean rows per expert N / E
+# A spill row's cost against a slab row's: its block's weights are gathered (and their gradients summed back).
+# From the profile of the default train step at 64 experts: the blocks' matmuls run at the slabs' rate, and the
+# weight gather and segment sums add ~25% (docs/performance.md).
+SPILL_ROW_COST = 1.25
 
 
-def capacities(N: int, E: int, factors=SLAB_FACTORS) -> tuple[int, ...]:
-    """The static slab sizes: ceil(f * N / E) rounded up to 8 rows, at most N."""
-    return tuple(sorted({min(N, -(-math.ceil(f * N / E) // 8) * 8) for f in factors}))
+class Layout(NamedTuple):
+    capacity: int  # C: slab rows per expert (0: no slab)
+    spill_blocks: int  # S: blocks for the rows past each expert's slab (0: no spill)
+    block: int  # b: rows per spill block
+
+    def cost(self, n_experts: int) -> float:
+        return n_experts * self.capacity + SPILL_ROW_COST * self.spill_blocks * self.block
 
 
-def _layout(group_sizes_E, N: int, C: int):
-    """src_ExC: the sorted row in slot (e, c) (N where empty); dest_N: the slot e * C + c of sorted row n (E * C
-    for rows past sum(group_sizes) or past the slab). Each is the other's inverse on the used rows."""
+def spill_block_rows(N: int, E: int) -> int:
+    """About a quarter of the mean rows per expert, a power of 2 in [16, 64]: small enough that an expert just past
+    its slab pads little, large enough for the batched matmul to stay efficient."""
+    return int(min(64, max(16, 2 ** math.floor(math.log2(max(N / E / 4, 1))))))
+
+
+def layouts(N: int, E: int, fractions=SPILL_FRACTIONS, factors=SLAB_FACTORS, block: int = 0) -> tuple[Layout, ...]:
+    """The static layouts for N sorted rows and E experts, cheapest first; the last (the padded-block fallback)
+    fits any routing. Slab sizes are rounded up to 8 rows, at most N."""
+    b = block or spill_block_rows(N, E)
+    round8 = lambda rows: min(N, -(-math.ceil(rows) // 8) * 8)
+    candidates = {Layout(round8(N / E), math.ceil(f * N / b), b) for f in fractions}
+    candidates |= {Layout(round8(f * N / E), 0, b) for f in factors}
+    fallback = Layout(0, -(-(N + E * (b - 1)) // b), b)
+    cheaper = sorted((lay for lay in candidates if lay.cost(E) < fallback.cost(E)), key=lambda lay: (lay.cost(E), lay))
+    return (*cheaper, fallback)
+
+
+def fits(group_sizes_E, lay: Layout):
+    """Whether every row past its expert's slab finds a place in the layout's spill blocks."""
+    over_E = jnp.maximum(group_sizes_E - lay.capacity, 0)
+    return jnp.sum(-(-over_E // lay.block)) <= lay.spill_blocks
+
+
+class _Maps(NamedTuple):
+    src_ExC: jax.Array  # the sorted row in slab slot (e, c); N where empty
+    slab_N: jax.Array  # sorted row n's slab slot e * C + c; E * C (out of range) if not in a slab
+    src_J: jax.Array  # the sorted row in spill slot j (block j // b); N where empty
+    spill_N: jax.Array  # sorted row n's spill slot; S * b (out of range) if not spilled
+    expert_S: jax.Array  # each spill block's expert (trailing empty blocks: the last expert)
+
+
+def _maps(group_sizes_E, N: int, lay: Layout) -> _Maps:
+    """Where each sorted row goes in the layout, and back. Rows past sum(group_sizes) go nowhere (output 0)."""
+    C, S, b = lay
     E = group_sizes_E.shape[0]
-    start_E = jnp.cumsum(group_sizes_E) - group_sizes_E
+    group_N, offset_N, start_E = experts._group_of_rows(group_sizes_E, N)  # group_N == E past the groups
+    in_group_N = group_N < E
     slot_C = jnp.arange(C)
     src_ExC = jnp.where(slot_C < group_sizes_E[:, None], start_E[:, None] + slot_C, N)
-    group_N, offset_N, _ = experts._group_of_rows(group_sizes_E, N)
-    dest_N = jnp.where((group_N < E) & (offset_N < C), group_N * C + offset_N, E * C)
-    return src_ExC, dest_N
+    slab_N = jnp.where(in_group_N & (offset_N < C), group_N * C + offset_N, E * C)
+    over_E = jnp.maximum(group_sizes_E - C, 0)
+    padded_E = -(-over_E // b) * b
+    spill_end_E = jnp.cumsum(padded_E)
+    spill_start_E = spill_end_E - padded_E
+    g_N = jnp.minimum(group_N, E - 1)
+    spill_N = jnp.where(in_group_N & (offset_N >= C), spill_start_E[g_N] + offset_N - C, S * b)
+    slot_J = jnp.arange(S * b)
+    expert_J = jnp.minimum(jnp.searchsorted(spill_end_E, slot_J, side="right"), E - 1)
+    offset_J = slot_J - spill_start_E[expert_J]
+    src_J = jnp.where((slot_J < spill_end_E[-1]) & (offset_J < over_E[expert_J]),
+                      start_E[expert_J] + C + offset_J, N)
+    return _Maps(src_ExC, slab_N, src_J, spill_N, expert_J[::b])
 
 
 def _gather(a_RxD, idx):
     return jnp.take(a_RxD, idx, axis=0, mode="fill", fill_value=0)
 
 
-def grouped_swiglu_padded(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, capacity: int):
-    """One slab of `capacity` rows per expert, plain autodiff. Exact only when max(group_sizes) <= capacity."""
-    N, D = x_NxD.shape
-    E = group_sizes_E.shape[0]
-    src_ExC, dest_N = _layout(group_sizes_E, N, capacity)
-    y_ExCxD = experts.swiglu_batched(_gather(x_NxD, src_ExC), w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)[0]
-    return _gather(y_ExCxD.reshape(E * capacity, D), dest_N)
+def _to_sorted_rows(maps: _Maps, slab, spill):
+    """Rows of the slab ([E, C, W]) and spill ([S, b, W]) results back in sorted-row order ([N, W]; 0 where unused)."""
+    out = 0
+    if slab is not None:
+        out = out + _gather(slab.reshape(-1, slab.shape[-1]), maps.slab_N)
+    if spill is not None:
+        out = out + _gather(spill.reshape(-1, spill.shape[-1]), maps.spill_N)
+    return out
+
+
+def _layout_fwd(lay: Layout, x_NxD, group_sizes_E, *ws):
+    """The layout's forward: (y [N, D], and the gate and up pre-activations [N, F]), in sorted-row order."""
+    C, S, b = lay
+    maps = _maps(group_sizes_E, x_NxD.shape[0], lay)
+    slab = spill = (None, None, None)
+    if C:
+        slab = experts.swiglu_batched(_gather(x_NxD, maps.src_ExC), *ws)
+    if S:
+        x_SxbxD = _gather(x_NxD, maps.src_J).reshape(S, b, -1)
+        spill = experts.swiglu_batched(x_SxbxD, *(w[maps.expert_S] for w in ws))
+    y_NxD, a_NxF, b_NxF = (_to_sorted_rows(maps, r, p) for r, p in zip(slab, spill))
+    return y_NxD, (a_NxF, b_NxF)
+
+
+def grouped_swiglu_layout(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, layout: Layout):
+    """One layout's forward, plain autodiff: exact only when the layout fits the groups (`fits`)."""
+    return _layout_fwd(layout, x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)[0]
 
 
 def _swiglu_bwd(dy_BxCxD, x_BxCxD, a_BxCxF, b_BxCxF, w_gate_BxDxF, w_up_BxDxF, w_down_BxFxD):
@@ -74,47 +151,23 @@ def _swiglu_bwd(dy_BxCxD, x_BxCxD, a_BxCxF, b_BxCxF, w_gate_BxDxF, w_up_BxDxF, w
     return dx_BxCxD, dw_gate, dw_up, dw_down
 
 
-def _slab_fwd(C, x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
-    N, D = x_NxD.shape
+def _layout_bwd(lay: Layout, dy_NxD, res, x_NxD, group_sizes_E, *ws):
+    """The layout's gradients (dx, dw_gate, dw_up, dw_down) from the saved sorted-row pre-activations."""
+    C, S, b = lay
     E = group_sizes_E.shape[0]
-    F = w_gate_ExDxF.shape[-1]
-    src_ExC, dest_N = _layout(group_sizes_E, N, C)
-    y_ExCxD, a_ExCxF, b_ExCxF = experts.swiglu_batched(_gather(x_NxD, src_ExC), w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
-    # the pre-activations saved in sorted-row order: the same shape whatever slab ran (no padding to the largest)
-    rows = lambda r: _gather(r.reshape(E * C, F), dest_N)
-    return _gather(y_ExCxD.reshape(E * C, D), dest_N), (rows(a_ExCxF), rows(b_ExCxF))
-
-
-def _slab_bwd(C, dy_NxD, res, x_NxD, group_sizes_E, *ws):
-    N, D = dy_NxD.shape
-    E = group_sizes_E.shape[0]
-    src_ExC, dest_N = _layout(group_sizes_E, N, C)
-    x_ExCxD, a_ExCxF, b_ExCxF = (_gather(r, src_ExC) for r in (x_NxD, *res))
-    dy_ExCxD = _gather(dy_NxD, src_ExC)  # transpose of the output gather (a bijection on used rows)
-    dx_ExCxD, *dws = _swiglu_bwd(dy_ExCxD, x_ExCxD, a_ExCxF, b_ExCxF, *ws)
-    return _gather(dx_ExCxD.reshape(E * C, D), dest_N), *dws
-
-
-def _blocked_fwd(block, x_NxD, group_sizes_E, *ws):
-    """The fallback for any routing: experts.grouped_swiglu_blocked's padded blocks, saving the same sorted-row
-    pre-activations as a slab branch (so its backward pass recomputes no forward matmul either)."""
-    y_NxD, a_NxF, b_NxF = experts.blocked_swiglu_rows(x_NxD, group_sizes_E, *ws, block=block)
-    return y_NxD, (a_NxF, b_NxF)
-
-
-def _blocked_bwd(block, dy_NxD, res, x_NxD, group_sizes_E, *ws):
-    N, D = x_NxD.shape
-    E = group_sizes_E.shape[0]
-    n_blocks, dest_N, used_N, expert_B = experts.padded_blocks(group_sizes_E, N, block)
-    # rows past the groups get a zero output gradient, so they add nothing to any weight's gradient
-    dy_NxD = jnp.where(used_N[:, None], dy_NxD, 0)
-    to_blocks = lambda r: (jnp.zeros((n_blocks * block, r.shape[-1]), r.dtype).at[dest_N].set(r)
-                           .reshape(n_blocks, block, -1))
-    dx_BxSxD, *dws_B = _swiglu_bwd(to_blocks(dy_NxD), *(to_blocks(r) for r in (x_NxD, *res)),
-                                   *(w[expert_B] for w in ws))
-    # each block's weight gradient added into its expert's (blocks come in expert order)
-    dws = [jax.ops.segment_sum(dw_B, expert_B, E, indices_are_sorted=True) for dw_B in dws_B]
-    return jnp.where(used_N[:, None], dx_BxSxD.reshape(n_blocks * block, D)[dest_N], 0), *dws
+    maps = _maps(group_sizes_E, x_NxD.shape[0], lay)
+    rows = (dy_NxD, x_NxD, *res)  # rows past the groups are in no slot, so they add to no gradient
+    dx_slab = dx_spill = None
+    dws = [0, 0, 0]
+    if C:
+        dx_slab, *dws = _swiglu_bwd(*(_gather(r, maps.src_ExC) for r in rows), *ws)
+    if S:
+        spilled = (_gather(r, maps.src_J).reshape(S, b, -1) for r in rows)
+        dx_spill, *dws_S = _swiglu_bwd(*spilled, *(w[maps.expert_S] for w in ws))
+        # each block's weight gradient added into its expert's (blocks come in expert order)
+        dws = [dw + jax.ops.segment_sum(dw_S, maps.expert_S, E, indices_are_sorted=True)
+               for dw, dw_S in zip(dws, dws_S)]
+    return _to_sorted_rows(maps, dx_slab, dx_spill), *dws
 
 
 def _uniform(branch):
@@ -147,24 +200,29 @@ def _reduce_like(g, primal):
 
 
 @functools.cache
-def _slab_fn(caps: tuple[int, ...], block: int):
-    def index(group_sizes_E):  # the smallest slab that holds the largest group; len(caps): none does
-        return jnp.searchsorted(jnp.asarray(caps, jnp.int32), group_sizes_E.max())
+def grouped_swiglu_layouts(lays: tuple[Layout, ...]):
+    """The exact grouped SwiGLU running the first of `lays` that fits (the last must fit any routing)."""
+    def index(group_sizes_E):  # the first (cheapest) layout that fits; the last fits any routing
+        return jnp.argmax(jnp.stack([fits(group_sizes_E, lay) for lay in lays]))
+
+    def switch(parts, group_sizes_E, *args):
+        if len(parts) == 1:
+            return parts[0](*args)
+        return jax.lax.switch(index(group_sizes_E), [_uniform(p) for p in parts], *args)
 
     @jax.custom_vjp
     def slab(x_NxD, group_sizes_E, *ws):
         return fwd(x_NxD, group_sizes_E, *ws)[0]
 
     def fwd(x_NxD, group_sizes_E, *ws):
-        branches = [functools.partial(_slab_fwd, C) for C in caps] + [functools.partial(_blocked_fwd, block)]
-        y_NxD, res = jax.lax.switch(index(group_sizes_E), [_uniform(b) for b in branches], x_NxD, group_sizes_E, *ws)
+        parts = [functools.partial(_layout_fwd, lay) for lay in lays]
+        y_NxD, res = switch(parts, group_sizes_E, x_NxD, group_sizes_E, *ws)
         return y_NxD, (res, x_NxD, group_sizes_E, ws)
 
     def bwd(saved, dy_NxD):
         res, x_NxD, group_sizes_E, ws = saved
-        branches = [functools.partial(_slab_bwd, C) for C in caps] + [functools.partial(_blocked_bwd, block)]
-        dx, dwg, dwu, dwd = jax.lax.switch(index(group_sizes_E), [_uniform(b) for b in branches], dy_NxD, res,
-                                           x_NxD, group_sizes_E, *ws)
+        parts = [functools.partial(_layout_bwd, lay) for lay in lays]
+        dx, dwg, dwu, dwd = switch(parts, group_sizes_E, dy_NxD, res, x_NxD, group_sizes_E, *ws)
         grads = [_reduce_like(g, p) for g, p in zip((dx, dwg, dwu, dwd), (x_NxD, *ws))]
         return grads[0], None, *grads[1:]
 
@@ -172,10 +230,8 @@ def _slab_fn(caps: tuple[int, ...], block: int):
     return slab
 
 
-def grouped_swiglu_slab(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, factors=SLAB_FACTORS,
-                        block: int = 64):
+def grouped_swiglu_slab(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, fractions=SPILL_FRACTIONS,
+                        factors=SLAB_FACTORS, block: int = 0):
     """Exact grouped SwiGLU (rows past sum(group_sizes) give 0): see the module docstring."""
-    caps = capacities(x_NxD.shape[0], group_sizes_E.shape[0], factors)
-    if not caps:
-        return experts.grouped_swiglu_blocked(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, block)
-    return _slab_fn(caps, block)(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
+    lays = layouts(x_NxD.shape[0], group_sizes_E.shape[0], fractions, factors, block)
+    return grouped_swiglu_layouts(lays)(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)

@@ -14,11 +14,11 @@ def test_variants_cover_grouped_matmuls_only_where_they_apply():
 
 def test_moe_layer_rows_and_dense_baseline():
     rows = moe_layer.bench("cpu", 8, ["dropless", "capacity"], ["blocked"])
-    # 1024 tokens x top-2 over 8 experts: 256 rows each when balanced; this router's busiest expert has 309, so
-    # `slab` takes its 1.25x slab (320 rows)
+    # 1024 tokens x top-2 over 8 experts: 256 rows each when balanced; this router's experts have 309, 275, 258,
+    # 257 and fewer rows, so `slab` takes slabs of the mean 256 rows and spills 53, 19, 2, 1 rows: 4 blocks of 64
     assert [r["path"] for r in rows] == ["dropless", "capacity",
                                          "dropless dispatch alone (grouped matmul = identity)",
-                                         "expert matmuls alone, 320 rows each (this routing's slab)",
+                                         "expert matmuls alone, 256 rows each (this routing's slabs; + 4 spill blocks of 64)",
                                          "expert matmuls alone, 256 rows each (balanced)",
                                          "dense FFN (same active FLOPs)"]
     assert [r["routing"] for r in rows] == ["random"] * 4 + ["-", "-"]
@@ -65,8 +65,9 @@ def test_moe_layer_routing_flag(capsys):
 def test_slab_factor_variants_reach_the_grouped_matmul():
     from moe import experts
 
-    fn = moe_layer._grouped("slab:1.25/1.5/1.75/2")
-    assert fn.keywords == {"factors": (1.25, 1.5, 1.75, 2.0)} and experts.grouped_swiglu_for(fn) is fn
+    fn = moe_layer._grouped("slab:1.25/1.5/1.75/2")  # pure slabs only: no spill layouts
+    assert fn.keywords == {"fractions": (), "factors": (1.25, 1.5, 1.75, 2.0)}
+    assert experts.grouped_swiglu_for(fn) is fn
     assert moe_layer._grouped("blocked") == "blocked"
 
 

@@ -41,10 +41,24 @@ def _assert_matches_ragged_dot(fn, sizes, rtol=1e-5, atol=1e-5):
         np.testing.assert_allclose(a, b, rtol=10 * rtol, atol=10 * atol)
 
 
-def test_slab_capacities_are_static_multiples_of_8():
-    assert grouped_slab.capacities(2048, 64) == (40, 48, 64)  # 1.25, 1.5, 2 x the mean 32 rows
-    assert grouped_slab.capacities(N, E) == (16,)  # the three round up to one size
-    assert grouped_slab.capacities(10, 2, (8.0,)) == (10,)  # never more than N
+def test_slab_layouts_are_static_cheapest_first_ending_with_the_fallback():
+    lays = grouped_slab.layouts(8192, 64)  # the default train step's 2 x 4,096 rows over 64 experts
+    costs = [lay.cost(64) for lay in lays]
+    assert costs == sorted(costs)
+    assert {lay.block for lay in lays} == {32}  # a quarter of the mean 128 rows per expert
+    assert all(lay.capacity % 8 == 0 and lay.capacity <= 8192 for lay in lays)
+    assert (128, 16, 32) in lays and (160, 0, 32) in lays  # mean slabs + N / 16 spill; a 1.25x slab, no spill
+    C, S, b = lays[-1]  # the padded-block fallback: every row in blocks, room for any routing
+    assert C == 0 and S * b >= 8192 + 64 * (b - 1)
+    assert grouped_slab.layouts(10, 2, (), (4.0,), block=8)[0].capacity == 10  # never more than N
+
+
+def test_a_layout_fits_when_its_spill_blocks_hold_the_rows_past_the_slabs():
+    sizes = jnp.asarray([7, 8, 6, 9, 8, 10])  # rows past 8: 0 0 0 1 0 2 -> one 4-row block each for two experts
+    assert bool(grouped_slab.fits(sizes, grouped_slab.Layout(8, 2, 4)))
+    assert not bool(grouped_slab.fits(sizes, grouped_slab.Layout(8, 1, 4)))
+    assert not bool(grouped_slab.fits(sizes, grouped_slab.Layout(9, 0, 4)))
+    assert bool(grouped_slab.fits(sizes, grouped_slab.Layout(10, 0, 4)))
 
 
 @pytest.mark.parametrize("case", sorted(SIZES))
@@ -52,19 +66,27 @@ def test_slab_equals_ragged_dot(case):
     _assert_matches_ragged_dot(grouped_slab.grouped_swiglu_slab, SIZES[case])
 
 
-@pytest.mark.parametrize("factors", [(), (1.0,), (4.0,), (1.0, 2.0, 4.0)])
-def test_slab_each_branch_equals_ragged_dot(factors):
-    """No slab (blocked only), a slab too small for the largest group (fallback), a slab holding every group, and
-    three slab sizes (8, 16, 32 rows) whose first, second and last branch the three cases take."""
-    fn = functools.partial(grouped_slab.grouped_swiglu_slab, factors=factors, block=4)
+LAYOUTS = grouped_slab.layouts(N, E, block=4)  # slabs of the mean 8 rows + 1, 2, 3, 6 spill blocks; blocks only
+
+
+@pytest.mark.parametrize("lay", LAYOUTS, ids=lambda lay: f"C{lay.capacity}-S{lay.spill_blocks}")
+def test_slab_each_layout_equals_ragged_dot(lay):
+    """Each layout (slab only, slab + spill, blocks only) through the hand-written VJP: run where it fits the
+    routing, the fallback where it does not; every layout fits at least one case."""
+    fn = grouped_slab.grouped_swiglu_layouts((lay, LAYOUTS[-1]))
+    fit = [bool(grouped_slab.fits(jnp.asarray(s), lay)) for s in SIZES.values()]
+    assert any(fit)
     for sizes in SIZES.values():
         _assert_matches_ragged_dot(fn, sizes)
 
 
-def test_padded_is_the_autodiff_twin_of_the_slab_branch():
-    cap = max(max(s) for s in SIZES.values())
-    _assert_matches_ragged_dot(functools.partial(grouped_slab.grouped_swiglu_padded, capacity=cap),
-                               SIZES["skewed"])
+@pytest.mark.parametrize("lay", [(8, 2, 4), (8, 6, 4), (0, 24, 4), (16, 0, 4)], ids=str)
+def test_layout_autodiff_is_the_twin_of_the_hand_written_gradient(lay):
+    """One layout under plain autodiff (its forward maps alone) == ragged_dot where it fits."""
+    lay = grouped_slab.Layout(*lay)
+    for sizes in SIZES.values():
+        if bool(grouped_slab.fits(jnp.asarray(sizes), lay)):
+            _assert_matches_ragged_dot(functools.partial(grouped_slab.grouped_swiglu_layout, layout=lay), sizes)
 
 
 @pytest.mark.parametrize("case", sorted(SIZES))
