@@ -9,7 +9,9 @@ Rows move by gathers both ways (sorted row <-> slot is a bijection on the used r
 gathers). A layout is exact when the spill fits its S blocks. The layouts tried are static (`layouts`): slabs
 of C = the mean rows per expert with spill budgets of `SPILL_FRACTIONS` of the rows, pure slabs
 (`SLAB_FACTORS` x the mean, no spill), and the padded-block fallback (C = 0: every row in blocks, enough for any
-routing). The cheapest layout that fits runs, picked on the data by one `lax.switch`; their costs are static.
+routing); spill layouts on CPU, where they are measured, pure slabs of 1.25 / 1.5 / 2 x the mean elsewhere
+(`default_layout_sets`). The cheapest layout that fits runs, picked on the data by one `lax.switch`; their costs
+are static.
 Balanced or not, the rows computed stay close to N: the busiest experts overflow into a few blocks instead of
 sizing every expert's slab (at 64 experts and the router's initialization, 1.2-1.3 N rows against 1.9-2.0 N for
 slabs alone; docs/performance.md).
@@ -32,6 +34,15 @@ from moe import experts
 
 SPILL_FRACTIONS = (1 / 16, 1 / 8, 3 / 16, 1 / 4, 1 / 2)  # spill budgets tried beside mean-sized slabs, x N rows
 SLAB_FACTORS = (1.25,)  # pure slabs tried, as multiples of the mean rows per expert N / E
+# Spill blocks are measured on XLA:CPU only. Elsewhere the layouts measured on an H200 (pure slabs of 1.25 / 1.5 /
+# 2 x the mean, then the fallback) stay the default until a GPU A/B says otherwise: at GPU widths a spill block's
+# weights are ~15x its rows' bytes (configs/gpu_1b.py), a cost this CPU-fitted model does not see.
+NO_SPILL_SLAB_FACTORS = (1.25, 1.5, 2.0)
+
+
+def default_layout_sets(backend: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(spill fractions, slab factors) for a backend: spill layouts on CPU, pure slabs elsewhere."""
+    return (SPILL_FRACTIONS, SLAB_FACTORS) if backend == "cpu" else ((), NO_SPILL_SLAB_FACTORS)
 # A spill row's cost against a slab row's: its block's weights are gathered (and their gradients summed back).
 # From the profile of the default train step at 64 experts: the blocks' matmuls run at the slabs' rate, and the
 # weight gather and segment sums add ~25% (docs/performance.md).
@@ -230,8 +241,12 @@ def grouped_swiglu_layouts(lays: tuple[Layout, ...]):
     return slab
 
 
-def grouped_swiglu_slab(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, fractions=SPILL_FRACTIONS,
-                        factors=SLAB_FACTORS, block: int = 0):
-    """Exact grouped SwiGLU (rows past sum(group_sizes) give 0): see the module docstring."""
+def grouped_swiglu_slab(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, fractions=None, factors=None,
+                        block: int = 0):
+    """Exact grouped SwiGLU (rows past sum(group_sizes) give 0): see the module docstring. fractions / factors:
+    the spill budgets and pure slab sizes tried (None: `default_layout_sets` of this backend)."""
+    default_fractions, default_factors = default_layout_sets(jax.default_backend())
+    fractions = default_fractions if fractions is None else fractions
+    factors = default_factors if factors is None else factors
     lays = layouts(x_NxD.shape[0], group_sizes_E.shape[0], fractions, factors, block)
     return grouped_swiglu_layouts(lays)(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)

@@ -53,6 +53,13 @@ def test_slab_layouts_are_static_cheapest_first_ending_with_the_fallback():
     assert grouped_slab.layouts(10, 2, (), (4.0,), block=8)[0].capacity == 10  # never more than N
 
 
+def test_spill_layouts_are_the_default_on_cpu_only():
+    assert grouped_slab.default_layout_sets("cpu") == (grouped_slab.SPILL_FRACTIONS, grouped_slab.SLAB_FACTORS)
+    fractions, factors = grouped_slab.default_layout_sets("gpu")  # the H200-measured pure slabs until a GPU A/B
+    assert fractions == () and factors == (1.25, 1.5, 2.0)
+    assert all(lay.spill_blocks == 0 or lay.capacity == 0 for lay in grouped_slab.layouts(8192, 64, fractions, factors))
+
+
 def test_a_layout_fits_when_its_spill_blocks_hold_the_rows_past_the_slabs():
     sizes = jnp.asarray([7, 8, 6, 9, 8, 10])  # rows past 8: 0 0 0 1 0 2 -> one 4-row block each for two experts
     assert bool(grouped_slab.fits(sizes, grouped_slab.Layout(8, 2, 4)))
