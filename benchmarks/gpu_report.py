@@ -59,6 +59,9 @@ def run_gpu_tests(tiny: bool) -> str:
 
 
 def layer_section(preset: str, experts: list[int], grouped: list[str]) -> str:
+    """The layer rows per grouped matmul; with `slab` also `slab:spill`, its spill layouts (the CPU default, not
+    measured on a GPU yet: moe/grouped_slab.py's default_layout_sets)."""
+    grouped = grouped + ["slab:spill"] * ("slab" in grouped)
     rows = []
     for e in experts:
         rows += moe_layer.bench(preset, e, ["dropless", "dropless:gather", "capacity"], grouped)

@@ -7,6 +7,8 @@ active FLOPs (width top_k * moe_d_ff), at n_routed_experts = 8 and 64 (fixed top
     python -m benchmarks.moe_layer --preset cpu --baseline_experts /tmp/experts_before.py --steps 15
     # other pure-slab sizes than grouped_slab.SLAB_FACTORS (multiples of the mean rows per expert), no spill layouts:
     python -m benchmarks.moe_layer --preset cpu --dispatch dropless --grouped_matmul slab,slab:1.25/1.5/2
+    # on a GPU, slab's spill layouts (the CPU default) against its pure slabs (the GPU default):
+    python -m benchmarks.moe_layer --preset gpu --dispatch dropless --grouped_matmul slab,slab:spill
     # the routing of a freshly initialized router and of one balanced by the routing bias, as in training:
     python -m benchmarks.moe_layer --preset default --routing random,balanced
     # dropless's backward with scatter-adds (autodiff) or gathers only (experts.permute_copies):
@@ -43,8 +45,12 @@ def _expert_matmuls(*args):
 
 
 def _grouped(name: str):
-    """A grouped_matmul name, or `slab:F1/F2/...`: the slab path with only pure slabs of those sizes (multiples of
-    N / E) and the padded-block fallback (the slab path before its spill layouts)."""
+    """A grouped_matmul name; `slab:F1/F2/...`: the slab path with only pure slabs of those sizes (multiples of
+    N / E) and the padded-block fallback (the slab path before its spill layouts); `slab:spill`: the slab path
+    with its CPU layouts (spill blocks) on any backend (on GPU `slab` takes pure slabs: this is the A/B)."""
+    if name == "slab:spill":
+        return functools.partial(grouped_slab.grouped_swiglu_slab, fractions=grouped_slab.SPILL_FRACTIONS,
+                                 factors=grouped_slab.SLAB_FACTORS)
     if name.startswith("slab:"):
         factors = tuple(float(f) for f in name[len("slab:"):].split("/"))
         return functools.partial(grouped_slab.grouped_swiglu_slab, fractions=(), factors=factors)

@@ -4,7 +4,7 @@ import jax
 import pytest
 
 from benchmarks import common, moe_layer, train_step
-from moe import router
+from moe import grouped_slab, router
 
 
 def test_variants_cover_grouped_matmuls_only_where_they_apply():
@@ -69,6 +69,8 @@ def test_slab_factor_variants_reach_the_grouped_matmul():
     assert fn.keywords == {"fractions": (), "factors": (1.25, 1.5, 1.75, 2.0)}
     assert experts.grouped_swiglu_for(fn) is fn
     assert moe_layer._grouped("blocked") == "blocked"
+    spill = moe_layer._grouped("slab:spill")  # the CPU layouts on any backend: the GPU A/B
+    assert spill.keywords == {"fractions": grouped_slab.SPILL_FRACTIONS, "factors": grouped_slab.SLAB_FACTORS}
 
 
 def test_train_step_row(capsys):
