@@ -53,7 +53,8 @@ def _grouped(name: str):
                                  factors=grouped_slab.SLAB_FACTORS)
     if name.startswith("slab:"):
         factors = tuple(float(f) for f in name[len("slab:"):].split("/"))
-        return functools.partial(grouped_slab.grouped_swiglu_slab, fractions=(), factors=factors)
+        return functools.partial(grouped_slab.grouped_swiglu_slab, fractions=(), factors=factors,
+                                 block=grouped_slab.NO_SPILL_BLOCK)
     return name
 
 
@@ -135,7 +136,7 @@ def bench(name: str, n_experts: int, dispatches, grouped_matmuls=("auto",), capa
         rows.append({"path": name, "grouped matmul": grouped, "routing": routing,
                      "MaxVio": "-" if maxvio is None else round(maxvio, 3), "experts": n_experts, "tokens": T})
 
-    lays = grouped_slab.layouts(T * K, n_experts)
+    lays = grouped_slab.layouts(T * K, n_experts, *grouped_slab.default_layout_sets(jax.default_backend()))
     for routing in routings:
         bias = jnp.zeros(n_experts, jnp.float32)
         if routing == "balanced":  # fitted on other batches of the same distribution, timed on this one

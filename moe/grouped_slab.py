@@ -9,8 +9,9 @@ Rows move by gathers both ways (sorted row <-> slot is a bijection on the used r
 gathers). A layout is exact when the spill fits its S blocks. The layouts tried are static (`layouts`): slabs
 of C = the mean rows per expert with spill budgets of `SPILL_FRACTIONS` of the rows, pure slabs
 (`SLAB_FACTORS` x the mean, no spill), and the padded-block fallback (C = 0: every row in blocks, enough for any
-routing); spill layouts on CPU, where they are measured, pure slabs of 1.25 / 1.5 / 2 x the mean elsewhere
-(`default_layout_sets`). The cheapest layout that fits runs, picked on the data by one `lax.switch`; their costs
+routing); spill layouts on CPU, where they are measured, pure slabs of 1.25 / 1.5 / 2 x the mean
+elsewhere (`default_layout_sets`: the layouts measured on an H200; the fallback now moves rows by
+gathers, as every layout does). The cheapest layout that fits runs, picked on the data by one `lax.switch`; their costs
 are static.
 Balanced or not, the rows computed stay close to N: the busiest experts overflow into a few blocks instead of
 sizing every expert's slab (at 64 experts and the router's initialization, 1.2-1.3 N rows against 1.9-2.0 N for
@@ -35,18 +36,23 @@ from moe import experts
 SPILL_FRACTIONS = (1 / 16, 1 / 8, 3 / 16, 1 / 4, 1 / 2)  # spill budgets tried beside mean-sized slabs, x N rows
 SLAB_FACTORS = (1.25,)  # pure slabs tried, as multiples of the mean rows per expert N / E
 # Spill blocks are measured on XLA:CPU only. Elsewhere the layouts measured on an H200 (pure slabs of 1.25 / 1.5 /
-# 2 x the mean, then the fallback) stay the default until a GPU A/B says otherwise: at GPU widths a spill block's
-# weights are ~15x its rows' bytes (configs/gpu_1b.py), a cost this CPU-fitted model does not see.
+# 2 x the mean, then the fallback in 64-row blocks) stay the default until a GPU A/B says otherwise: at GPU widths a
+# spill block's weights are ~15x its rows' bytes (configs/gpu_1b.py), a cost this CPU-fitted model does not see.
 NO_SPILL_SLAB_FACTORS = (1.25, 1.5, 2.0)
-
-
-def default_layout_sets(backend: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """(spill fractions, slab factors) for a backend: spill layouts on CPU, pure slabs elsewhere."""
-    return (SPILL_FRACTIONS, SLAB_FACTORS) if backend == "cpu" else ((), NO_SPILL_SLAB_FACTORS)
+NO_SPILL_BLOCK = 64
+# The all-blocks fallback runs when the routing is collapsed (a young router): 64-row blocks there, whatever the
+# spill blocks' size (at 64 experts, a collapsed routing: 132 ms against 159 for 32-row blocks; fallback_ab.py).
+FALLBACK_BLOCK = 64
 # A spill row's cost against a slab row's: its block's weights are gathered (and their gradients summed back).
 # From the profile of the default train step at 64 experts: the blocks' matmuls run at the slabs' rate, and the
 # weight gather and segment sums add ~25% (docs/performance.md).
 SPILL_ROW_COST = 1.25
+
+
+def default_layout_sets(backend: str) -> tuple[tuple[float, ...], tuple[float, ...], int]:
+    """(spill fractions, slab factors, block rows; 0: `spill_block_rows`) for a backend: spill layouts on CPU, pure
+    slabs and 64-row fallback blocks elsewhere."""
+    return (SPILL_FRACTIONS, SLAB_FACTORS, 0) if backend == "cpu" else ((), NO_SPILL_SLAB_FACTORS, NO_SPILL_BLOCK)
 
 
 class Layout(NamedTuple):
@@ -64,16 +70,19 @@ def spill_block_rows(N: int, E: int) -> int:
     return int(min(64, max(16, 2 ** math.floor(math.log2(max(N / E / 4, 1))))))
 
 
-def layouts(N: int, E: int, fractions=SPILL_FRACTIONS, factors=SLAB_FACTORS, block: int = 0) -> tuple[Layout, ...]:
-    """The static layouts for N sorted rows and E experts, cheapest first; the last (the padded-block fallback)
-    fits any routing. Slab sizes are rounded up to 8 rows, at most N."""
-    b = block or spill_block_rows(N, E)
+def layouts(N: int, E: int, fractions=SPILL_FRACTIONS, factors=SLAB_FACTORS, block: int = 0,
+            fallback_block: int = FALLBACK_BLOCK) -> tuple[Layout, ...]:
+    """The static layouts for N sorted rows and E experts, cheapest first; the last (the padded-block fallback, in
+    blocks of `fallback_block` rows) fits any routing. Spill blocks have `block` rows (0: `spill_block_rows`). Slab
+    sizes are rounded up to 8 rows, at most N. Spill layouts are kept only where cheaper than the fallback; pure
+    slabs always (each is the fallback's alternative when its routing fits)."""
+    b, fb = block or spill_block_rows(N, E), fallback_block
     round8 = lambda rows: min(N, -(-math.ceil(rows) // 8) * 8)
-    candidates = {Layout(round8(N / E), math.ceil(f * N / b), b) for f in fractions}
+    fallback = Layout(0, -(-(N + E * (fb - 1)) // fb), fb)
+    spills = {Layout(round8(N / E), math.ceil(f * N / b), b) for f in fractions}
+    candidates = {lay for lay in spills if lay.cost(E) < fallback.cost(E)}
     candidates |= {Layout(round8(f * N / E), 0, b) for f in factors}
-    fallback = Layout(0, -(-(N + E * (b - 1)) // b), b)
-    cheaper = sorted((lay for lay in candidates if lay.cost(E) < fallback.cost(E)), key=lambda lay: (lay.cost(E), lay))
-    return (*cheaper, fallback)
+    return (*sorted(candidates, key=lambda lay: (lay.cost(E), lay)), fallback)
 
 
 def fits(group_sizes_E, lay: Layout):
@@ -213,8 +222,8 @@ def _reduce_like(g, primal):
 @functools.cache
 def grouped_swiglu_layouts(lays: tuple[Layout, ...]):
     """The exact grouped SwiGLU running the first of `lays` that fits (the last must fit any routing)."""
-    def index(group_sizes_E):  # the first (cheapest) layout that fits; the last fits any routing
-        return jnp.argmax(jnp.stack([fits(group_sizes_E, lay) for lay in lays]))
+    def index(group_sizes_E):  # the first (cheapest) layout that fits; the last fits any routing (sum <= N)
+        return jnp.argmax(jnp.stack([fits(group_sizes_E, lay) for lay in lays[:-1]] + [jnp.array(True)]))
 
     def switch(parts, group_sizes_E, *args):
         if len(parts) == 1:
@@ -242,11 +251,11 @@ def grouped_swiglu_layouts(lays: tuple[Layout, ...]):
 
 
 def grouped_swiglu_slab(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, fractions=None, factors=None,
-                        block: int = 0):
+                        block: int = 0, fallback_block: int = FALLBACK_BLOCK):
     """Exact grouped SwiGLU (rows past sum(group_sizes) give 0): see the module docstring. fractions / factors:
     the spill budgets and pure slab sizes tried (None: `default_layout_sets` of this backend)."""
-    default_fractions, default_factors = default_layout_sets(jax.default_backend())
+    default_fractions, default_factors, default_block = default_layout_sets(jax.default_backend())
     fractions = default_fractions if fractions is None else fractions
     factors = default_factors if factors is None else factors
-    lays = layouts(x_NxD.shape[0], group_sizes_E.shape[0], fractions, factors, block)
+    lays = layouts(x_NxD.shape[0], group_sizes_E.shape[0], fractions, factors, block or default_block, fallback_block)
     return grouped_swiglu_layouts(lays)(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)

@@ -66,7 +66,7 @@ def test_slab_factor_variants_reach_the_grouped_matmul():
     from moe import experts
 
     fn = moe_layer._grouped("slab:1.25/1.5/1.75/2")  # pure slabs only: no spill layouts
-    assert fn.keywords == {"fractions": (), "factors": (1.25, 1.5, 1.75, 2.0)}
+    assert fn.keywords == {"fractions": (), "factors": (1.25, 1.5, 1.75, 2.0), "block": 64}
     assert experts.grouped_swiglu_for(fn) is fn
     assert moe_layer._grouped("blocked") == "blocked"
     spill = moe_layer._grouped("slab:spill")  # the CPU layouts on any backend: the GPU A/B

@@ -24,8 +24,8 @@ def test_sharded_forward_matches_single_device(dispatch, grouped):
     assert w.sharding.spec[0] == "expert"
     assert {s.data.shape[0] for s in w.addressable_shards} == {w.shape[0] // 2}
 
-    # slab: XLA partitions its lax.switch; its padded-block fallback runs in one of the tiny model's two MoE
-    # layers (groups of 32 and 52 copies for slabs of 32-48 rows), its slab branch in the other.
+    # slab: XLA partitions its lax.switch; the tiny model's MoE layers (groups of up to 32 and 52 copies over
+    # slabs of 24 rows) take spill layouts.
     ex = Execution(dispatch=dispatch, grouped_matmul=grouped, mesh=mesh)
 
     @jax.jit
