@@ -9,13 +9,11 @@ Rows move by gathers both ways (sorted row <-> slot is a bijection on the used r
 gathers). A layout is exact when the spill fits its S blocks. The layouts tried are static (`layouts`): slabs
 of C = the mean rows per expert with spill budgets of `SPILL_FRACTIONS` of the rows, pure slabs
 (`SLAB_FACTORS` x the mean, no spill), and the padded-block fallback (C = 0: every row in blocks, enough for any
-routing); spill layouts on CPU, where they are measured, pure slabs of 1.25 / 1.5 / 2 x the mean
-elsewhere (`default_layout_sets`: the layouts measured on an H200; the fallback now moves rows by
-gathers, as every layout does). The cheapest layout that fits runs, picked on the data by one `lax.switch`; their costs
-are static.
-Balanced or not, the rows computed stay close to N: the busiest experts overflow into a few blocks instead of
-sizing every expert's slab (at 64 experts and the router's initialization, 1.2-1.3 N rows against 1.9-2.0 N for
-slabs alone; docs/performance.md).
+routing); spill layouts on CPU, where they are measured, pure slabs of 1.25 / 1.5 / 2 x the mean elsewhere
+(`default_layout_sets`: the layouts measured on an H200). The cheapest layout that fits runs, picked on the data
+by one `lax.switch`; their costs are static. Balanced or not, the rows computed stay close to N: the busiest
+experts overflow into a few blocks instead of sizing every expert's slab (at 64 experts and the router's
+initialization, 1.19-1.25 N rows against 1.5-2.0 N for slabs alone; docs/performance.md).
 
 The VJP is written by hand (`jax.custom_vjp`): differentiating a `lax.switch` makes XLA carry every branch's
 residuals and cost ~2x here. Every branch's forward keeps only the gate/up pre-activations, in sorted-row order
@@ -117,8 +115,8 @@ def _maps(group_sizes_E, N: int, lay: Layout) -> _Maps:
     slot_J = jnp.arange(S * b)
     expert_J = jnp.minimum(jnp.searchsorted(spill_end_E, slot_J, side="right"), E - 1)
     offset_J = slot_J - spill_start_E[expert_J]
-    src_J = jnp.where((slot_J < spill_end_E[-1]) & (offset_J < over_E[expert_J]),
-                      start_E[expert_J] + C + offset_J, N)
+    # slots past the last spill fall to the last expert with offset_J >= its padded spill: empty
+    src_J = jnp.where(offset_J < over_E[expert_J], start_E[expert_J] + C + offset_J, N)
     return _Maps(src_ExC, slab_N, src_J, spill_N, expert_J[::b])
 
 
