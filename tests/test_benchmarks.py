@@ -149,3 +149,32 @@ def test_profile_step_lists_the_steps_ops(capsys, tmp_path):
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines if line.startswith("| ")][1:]
     assert len(rows) == 8 and all(float(r[1]) > 0 for r in rows)
     assert any("dot_general" in r[4] for r in rows)  # op_name read back from the compiled HLO
+
+
+def test_cpu_dots_compiles_each_library_differently():
+    """The compile options take effect: the batched dot goes to YNNPACK by default and to XLA's own dot under
+    `eigen` (a renamed XLA flag would make every library the same program, and the table meaningless)."""
+    import jax.numpy as jnp
+
+    from benchmarks import cpu_dots
+
+    args = (jnp.ones((4, 16, 32)), jnp.ones((4, 32, 16)))
+    fn = lambda x, w: jnp.einsum("ecd,edf->ecf", x, w)
+    hlo = {lib: cpu_dots.compiled(fn, args, lib).as_text() for lib in cpu_dots.LIBRARIES}
+    assert "ynn_fusion" in hlo["default"]
+    assert "ynn_fusion" not in hlo["eigen"] and " dot(" in hlo["eigen"]
+
+
+def test_cpu_dots_table(capsys):
+    from benchmarks import cpu_dots
+
+    cpu_dots.main(["--preset", "tiny", "--experts", "8", "--libraries", "default,eigen", "--steps", "1"])
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| 8 ")]
+    assert len(rows) == 8  # 4 ops x 2 libraries
+    by = {(r[1], r[2]): float(r[3]) for r in rows}
+    batched = next(r for r in rows if r[1].startswith("gate dot, batched") and r[2] == "eigen")
+    flat = next(op for op, lib in by if op.startswith("gate dot, flat"))
+    assert float(batched[5].strip(" |")) == pytest.approx(by[(batched[1], "eigen")] / by[(flat, "eigen")], rel=1e-3)
+    with pytest.raises(SystemExit) as e:
+        cpu_dots.main(["--libraries", "mkl"])
+    assert e.value.code == 2 and "--libraries" in capsys.readouterr().err
