@@ -9,6 +9,8 @@ import time
 
 import jax
 
+from train import host_memory
+
 # Shapes per preset. cpu: small enough for a shared 2-core box (figures show relative cost only);
 # gpu: configs/gpu_1b.py (bf16, sequence 2048, top-6 of 64 experts of width 320), one micro-batch of 16 rows.
 # `batch` is per device (the train-step benchmark multiplies it by the device count).
@@ -105,7 +107,7 @@ def host_cpu() -> str:
 def describe() -> str:
     dev = jax.devices()[0]
     return (f"{datetime.date.today()} | jax {jax.__version__} | backend {jax.default_backend()} | "
-            f"device {dev.device_kind} x{jax.device_count()} | {host_cpu()}")
+            f"device {dev.device_kind} x{jax.device_count()} | {host_cpu()} | {host_memory.status()}")
 
 
 def table(rows: list[dict]) -> str:

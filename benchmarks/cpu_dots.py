@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from benchmarks.common import PRESETS, describe, preset, table, time_fns
 from moe import experts
+from train import host_memory
 
 LIBRARIES = {
     "default": None,
@@ -100,6 +101,7 @@ def bench(name: str, expert_counts, libraries, steps: int, step: bool = False) -
 
 
 def main(argv=None):
+    host_memory.keep_freed_memory()  # as `python -m train` runs (train/host_memory.py)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="default", choices=sorted(PRESETS), help="the widths and tokens per step")
     ap.add_argument("--experts", default="8,16,32,64,128", help="comma-separated routed-expert counts")

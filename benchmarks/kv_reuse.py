@@ -24,6 +24,7 @@ from flax import nnx
 from benchmarks.common import describe, preset, table, time_fn
 from moe import ModelConfig, Transformer, decode
 from moe.accounting import matmul_params_per_token
+from train import host_memory
 
 ARMS = (("causal", "reuse"), ("causal", "recompute"), ("prefix", "recompute"), ("mixed", "recompute"))
 
@@ -90,6 +91,7 @@ def totals(rows) -> list[dict]:
 
 
 def main(argv=None):
+    host_memory.keep_freed_memory()  # as `python -m train` runs (train/host_memory.py)
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="python -m benchmarks.kv_reuse", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="cpu", choices=["cpu", "gpu"])

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 
 from benchmarks.common import arg_parser, describe, preset, table, time_fns, variants
 from moe import expert_parallel, experts, grouped_slab, router
+from train import host_memory
 
 
 def _expert_matmuls(*args):
@@ -181,6 +182,7 @@ def bench(name: str, n_experts: int, dispatches, grouped_matmuls=("auto",), capa
 
 
 def main(argv=None):
+    host_memory.keep_freed_memory()  # as `python -m train` runs (train/host_memory.py)
     ap = arg_parser(__doc__.splitlines()[0])
     ap.add_argument("--baseline_experts", default="", help="path of another experts.py to time beside")
     ap.add_argument("--routing", default="random", help="comma-separated from random,balanced (see above)")

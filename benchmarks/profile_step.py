@@ -25,6 +25,7 @@ import jax
 
 from benchmarks.common import PRESETS, describe, table, time_fns
 from benchmarks.train_step import prepare
+from train import host_memory
 
 
 def op_metadata(hlo_text: str) -> dict:
@@ -73,6 +74,7 @@ def profile(preset: str, dispatch: str, experts: int, grouped: str, attention: s
 
 
 def main(argv=None):
+    host_memory.keep_freed_memory()  # as `python -m train` runs (train/host_memory.py)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="default", choices=sorted(PRESETS))
     ap.add_argument("--dispatch", default="dropless")

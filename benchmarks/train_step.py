@@ -40,8 +40,8 @@ from benchmarks.common import (
 )
 from configs.base import base_config
 from moe import train_flops_per_token
+from train import host_memory, optim
 from train import mesh as mesh_lib
-from train import optim
 from train.config import check, execution
 from train.flops import measure_peak_flops
 from train.state import init_state
@@ -146,6 +146,7 @@ def expert_ratio(label: str, rows: list[dict], experts: list[int]) -> str:
 
 
 def main(argv=None):
+    host_memory.keep_freed_memory()  # as `python -m train` runs (train/host_memory.py)
     ap = arg_parser(__doc__.splitlines()[0])
     ap.add_argument("--breakdown", action="store_true", help="also time the forward and forward + backward passes")
     ap.add_argument("--loss_chunks", default="0",
