@@ -2,15 +2,16 @@
 
 XLA:CPU mallocs every step's temporaries. glibc serves large blocks with fresh mmaps and lets its per-thread
 arenas shrink, so each train step page-faults its whole working set in again, zero-filled by the kernel: ~100,000
-to 120,000 faults (400-470 MiB) per step of the default config, 12-17% of its time (docs/performance.md,
-2026-11-27). With large blocks taken from one heap that is never trimmed, freed memory is reused as is: no faults
-after the first steps, the same peak memory (RSS does not shrink after a peak, which a training process does
-not need).
+to 120,000 faults (400-470 MiB) per step of the default config, 12-17% of its time. With large blocks taken from
+one heap that is never trimmed, freed memory is reused as is: almost no faults after the first steps. The price
+(docs/performance.md, 2026-11-27): compiling takes ~2 s longer (one arena for all threads) and the process keeps
+its high-water mark, higher than before (3.3 GB against 1.7 GB for the default `python -m train`): fine for a
+training process, which needs that memory again every step.
 
 Only on the CPU backend (an accelerator's working set is device memory; host buffers there, e.g. a checkpoint
-being written, may well be returned to the OS) and only before the process's first computation: afterwards XLA's
-threads already have their arenas and the settings change nothing (measured). `MOE_KEEP_FREED_MEMORY=0` turns
-it off.
+being written, may well be returned to the OS), and only from the start: a thread that already has its arena
+keeps it, so the settings are made before JAX's backend starts its threads (or they change little; measured).
+`MOE_KEEP_FREED_MEMORY=0` turns it off.
 """
 
 import ctypes
