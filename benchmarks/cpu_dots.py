@@ -8,7 +8,8 @@ ways in one process (compile options per executable, everything timed round-robi
 
 - `default`: XLA:CPU as shipped: YNNPACK takes every dot it supports (row-major operands), and reductions;
 - `eigen`: YNNPACK's fusions off (`xla_cpu_experimental_ynn_fusion_type=""`): XLA's own dot thunk (Eigen).
-  (XNNPACK's `xla_cpu_experimental_xnn_fusion_type` leaves the same plain dot in the program and times like it.)
+  (XNNPACK's `xla_cpu_experimental_xnn_fusion_type` leaves a plain dot in the program, so which library ran
+  cannot be checked: not offered; docs/performance.md, 2026-11-27, has one run of it.)
 
 Per expert count E, with N = tokens x top-k rows and N / E rows per expert (perfect balance), the rows are: the
 gate projection as the experts' batched dot `[E, N/E, D] x [E, D, F]` and as the flat dot `[N, D] x [D, F]` of the
@@ -101,7 +102,6 @@ def bench(name: str, expert_counts, libraries, steps: int, step: bool = False) -
 
 
 def main(argv=None):
-    host_memory.keep_freed_memory()  # as `python -m train` runs (train/host_memory.py)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="default", choices=sorted(PRESETS), help="the widths and tokens per step")
     ap.add_argument("--experts", default="8,16,32,64,128", help="comma-separated routed-expert counts")
@@ -109,6 +109,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=30, help="timed calls per row (median)")
     ap.add_argument("--step", action="store_true", help="also time the train step per library")
     a = ap.parse_args(argv)
+    host_memory.keep_freed_memory()  # as `python -m train` runs (train/host_memory.py)
     libraries = [lib for lib in a.libraries.split(",") if lib]
     if not libraries or any(lib not in LIBRARIES for lib in libraries):
         ap.error(f"--libraries takes a comma-separated subset of {','.join(LIBRARIES)}, got {a.libraries!r}")

@@ -91,7 +91,6 @@ def totals(rows) -> list[dict]:
 
 
 def main(argv=None):
-    host_memory.keep_freed_memory()  # as `python -m train` runs (train/host_memory.py)
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="python -m benchmarks.kv_reuse", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="cpu", choices=["cpu", "gpu"])
@@ -100,6 +99,7 @@ def main(argv=None):
     p.add_argument("--reply_tokens", type=int, default=16)
     p.add_argument("--steps", type=int, default=3, help="timed calls per point (median)")
     args = p.parse_args(argv)
+    host_memory.keep_freed_memory()  # as `python -m train` runs (train/host_memory.py)
     if min(args.turns, args.user_tokens, args.steps) < 1 or args.reply_tokens < 0:
         p.exit(2, "error: --turns, --user_tokens and --steps must be positive, --reply_tokens >= 0\n")
     model = dict(preset(args.preset)["model"])

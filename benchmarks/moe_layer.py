@@ -182,11 +182,11 @@ def bench(name: str, n_experts: int, dispatches, grouped_matmuls=("auto",), capa
 
 
 def main(argv=None):
-    host_memory.keep_freed_memory()  # as `python -m train` runs (train/host_memory.py)
     ap = arg_parser(__doc__.splitlines()[0])
     ap.add_argument("--baseline_experts", default="", help="path of another experts.py to time beside")
     ap.add_argument("--routing", default="random", help="comma-separated from random,balanced (see above)")
     a = ap.parse_args(argv)
+    host_memory.keep_freed_memory()  # as `python -m train` runs (train/host_memory.py)
     routings = [r for r in a.routing.split(",") if r]
     if not routings or any(r not in ROUTINGS for r in routings):
         ap.error(f"--routing takes a comma-separated subset of {','.join(ROUTINGS)}, got {a.routing!r}")

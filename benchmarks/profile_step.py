@@ -74,7 +74,6 @@ def profile(preset: str, dispatch: str, experts: int, grouped: str, attention: s
 
 
 def main(argv=None):
-    host_memory.keep_freed_memory()  # as `python -m train` runs (train/host_memory.py)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="default", choices=sorted(PRESETS))
     ap.add_argument("--dispatch", default="dropless")
@@ -85,6 +84,7 @@ def main(argv=None):
     ap.add_argument("--top", type=int, default=30, help="ops listed")
     ap.add_argument("--trace_dir", default="", help="where the trace goes (default: a temporary directory)")
     a = ap.parse_args(argv)
+    host_memory.keep_freed_memory()  # as `python -m train` runs (train/host_memory.py)
     print(describe())
     print(profile(a.preset, a.dispatch, a.experts, a.grouped_matmul, a.attention_impl, a.steps, a.top, a.trace_dir))
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import describe, table
+from train import host_memory
 from train.cli import config_from_argv
 from train.errors import UserError, exit_with
 
@@ -96,6 +97,7 @@ def main(argv=None):
         out = Path(a.out) if a.out else Path(tempfile.mkdtemp(prefix="train_experts_"))
         if a.out and out.exists() and any(out.iterdir()):
             raise UserError(f"--out {out} is not empty; give a new directory (runs are never written over)")
+        host_memory.keep_freed_memory()  # before describe() starts JAX, as `python -m train` runs
         print(describe())
         rows = measure(base, experts, a.steps, a.warm_frac, a.repeats, out, a.keep)
         if not a.out and not a.keep:

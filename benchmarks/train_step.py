@@ -146,7 +146,6 @@ def expert_ratio(label: str, rows: list[dict], experts: list[int]) -> str:
 
 
 def main(argv=None):
-    host_memory.keep_freed_memory()  # as `python -m train` runs (train/host_memory.py)
     ap = arg_parser(__doc__.splitlines()[0])
     ap.add_argument("--breakdown", action="store_true", help="also time the forward and forward + backward passes")
     ap.add_argument("--loss_chunks", default="0",
@@ -158,6 +157,7 @@ def main(argv=None):
                     help="time all rows together, round-robin (all held in memory at once: CPU A/B runs; no "
                          "per-row peak memory)")
     a = ap.parse_args(argv)
+    host_memory.keep_freed_memory()  # as `python -m train` runs (train/host_memory.py)
     peak = a.peak_flops or measure_peak_flops()
     print(describe() + f" | matmul peak {peak / 1e12:.3g} TFLOP/s per device")
     experts_list = [int(e) for e in a.experts.split(",")]

@@ -10,6 +10,10 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# glibc's malloc defaults in the test processes and their children: train.loop.run and the benchmarks' mains, run
+# in-process here, would change them after the first computation (train/host_memory.py; tests/test_host_memory.py
+# sets it per subprocess).
+os.environ.setdefault("MOE_KEEP_FREED_MEMORY", "0")
 # Identical programs compiled again in the same session (several train.loop.run calls) hit this cache.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", f"/tmp/moe-lm-jax-cache-{os.getpid()}")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

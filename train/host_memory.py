@@ -2,21 +2,23 @@
 
 XLA:CPU mallocs every step's temporaries. glibc serves large blocks with fresh mmaps and lets its per-thread
 arenas shrink, so each train step page-faults its whole working set in again, zero-filled by the kernel: ~100,000
-to 120,000 faults (400-470 MiB) per step of the default config, 12-17% of its time. With large blocks taken from
-one heap that is never trimmed, freed memory is reused as is: almost no faults after the first steps. The price
-(docs/performance.md, 2026-11-27): compiling takes ~2 s longer (one arena for all threads) and the process keeps
-its high-water mark, higher than before (3.3 GB against 1.7 GB for the default `python -m train`): fine for a
-training process, which needs that memory again every step.
+to 120,000 faults (390-460 MiB) per step of the default config. With large blocks taken from one heap that is
+never trimmed, freed memory is reused as is: almost no faults after the first steps; the default `python -m train`
+runs x1.085 faster. The price (docs/performance.md, 2026-11-27): a few seconds more start-up (compiling with one
+arena for all threads) and a higher resident high-water mark, kept for the life of the process.
 
-Only on the CPU backend (an accelerator's working set is device memory; host buffers there, e.g. a checkpoint
-being written, may well be returned to the OS), and only from the start: a thread that already has its arena
-keeps it, so the settings are made before JAX's backend starts its threads (or they change little; measured).
-`MOE_KEEP_FREED_MEMORY=0` turns it off.
+Only where JAX will compute on the CPU, decided without starting JAX's backend: the settings must come before
+its threads take their arenas (a thread keeps the arena it has; made afterwards, the settings removed none of the
+faults, measured), and an accelerator host keeps glibc's defaults, which glibc cannot fully restore once changed.
+Only with glibc itself (not musl or macOS, nor an allocator preloaded in its place). `MOE_KEEP_FREED_MEMORY=0`
+turns it off.
 """
 
 import ctypes
-import ctypes.util
+import importlib.metadata
+import importlib.util
 import os
+import pkgutil
 
 import jax
 
@@ -25,43 +27,59 @@ M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
 SETTINGS = ((M_MMAP_MAX, 0),  # no mmap for large blocks: they come from the heap and go back to it
             (M_TRIM_THRESHOLD, 2**31 - 1),  # never give the heap's free top back to the kernel (the largest value)
             (M_ARENA_MAX, 1))  # one arena for all threads: worker-thread arenas would shrink (and fault) anyway
-# glibc's defaults, restored off the CPU (the trim threshold then stays fixed instead of adapting; 0 arenas: its
-# own limit, 8 per core)
-DEFAULTS = ((M_MMAP_MAX, 65536), (M_TRIM_THRESHOLD, 128 * 1024), (M_ARENA_MAX, 0))
 ENV = "MOE_KEEP_FREED_MEMORY"
+PRELOADED_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
 
-_applied = False
+_state = None  # None: not decided yet; else (applied, reason) for status()
 
 
-def _glibc():
-    """The C library if it is glibc (has mallopt and gnu_get_libc_version), else None (macOS, musl, Windows)."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-    except OSError:
+def glibc():
+    """This process's C library if it is glibc's malloc (the symbols already loaded: no ldconfig), else None."""
+    if any(a in os.environ.get("LD_PRELOAD", "") for a in PRELOADED_ALLOCATORS):
         return None
-    return libc if libc is not None and hasattr(libc, "mallopt") and hasattr(libc, "gnu_get_libc_version") else None
+    try:
+        libc = ctypes.CDLL(None)
+    except OSError:  # Windows
+        return None
+    return libc if hasattr(libc, "mallopt") and hasattr(libc, "gnu_get_libc_version") else None
 
 
-def keep_freed_memory() -> bool:
-    """Apply the settings if this process computes on the CPU with glibc (idempotent); whether they are on.
-
-    They are set before asking JAX for its backend: starting the backend starts XLA's threads, and a thread that
-    has its own arena by then keeps it (page faults on some runs, measured). Off the CPU they are undone."""
-    global _applied
-    if _applied:
-        return True
-    libc = _glibc() if os.environ.get(ENV, "1") != "0" else None
-    if libc is None or not all(libc.mallopt(param, value) == 1 for param, value in SETTINGS):
+def cpu_only(platforms: str | None = None) -> bool:
+    """Whether JAX will compute on the CPU here, decided without starting its backend: JAX_PLATFORMS (or
+    jax.config.jax_platforms) names only cpu, or no accelerator plugin is installed (JAX finds PJRT plugins as
+    `jax_plugins.*` modules or `jax_plugins` entry points; TPUs through `libtpu`)."""
+    platforms = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "") if platforms is None else platforms
+    if platforms:
+        return {p.strip() for p in platforms.split(",") if p.strip()} == {"cpu"}
+    try:
+        import jax_plugins  # the namespace package CUDA / ROCm plugins install into (importing it loads none)
+        if any(True for _ in pkgutil.iter_modules(jax_plugins.__path__)):
+            return False
+    except ImportError:
+        pass
+    if any(True for _ in importlib.metadata.entry_points(group="jax_plugins")):
         return False
-    if jax.default_backend() != "cpu":
-        for param, value in DEFAULTS:
-            libc.mallopt(param, value)
-        return False
-    _applied = True
-    return True
+    return importlib.util.find_spec("libtpu") is None
+
+
+def keep_freed_memory(libc=None) -> bool:
+    """Apply the settings if this process computes on the CPU with glibc; whether they are on. Decided once per
+    process; call it before JAX computes anything (train.loop.run and the benchmarks' mains do). libc: a stand-in
+    for tests."""
+    global _state
+    if _state is None:
+        libc = libc or glibc()
+        if os.environ.get(ENV, "1") == "0":
+            _state = (False, "malloc: glibc default")
+        elif libc is None or not cpu_only():
+            _state = (False, "malloc: n/a")
+        elif all(libc.mallopt(param, value) == 1 for param, value in SETTINGS):
+            _state = (True, "malloc: keep freed")
+        else:  # glibc refuses none of these values; if one ever did, say so rather than half-claim
+            _state = (False, "malloc: glibc, mallopt refused")
+    return _state[0]
 
 
 def status() -> str:
     """For benchmark headers: whether the figures were measured with freed memory kept."""
-    return "malloc: keep freed" if _applied else "malloc: glibc default"
+    return _state[1] if _state else "malloc: not set"

@@ -65,7 +65,7 @@ def run(config, workdir, log=print) -> dict:
     "stopped_by" set when SIGTERM / SIGINT stopped it early (after saving a checkpoint)."""
     mcfg = check(config)
     maybe_init_distributed()
-    host_memory.keep_freed_memory()  # before the first computation, or it changes nothing
+    host_memory.keep_freed_memory()  # before JAX computes anything: made later, it changes little
     t = config.train
     mesh = mesh_lib.make_mesh(config.mesh)
     dp = mesh_lib.data_parallel_size(mesh)
