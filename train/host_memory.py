@@ -39,16 +39,17 @@ def glibc():
         return None
     try:
         libc = ctypes.CDLL(None)
-    except OSError:  # Windows
+    except (OSError, TypeError):  # TypeError: Windows
         return None
     return libc if hasattr(libc, "mallopt") and hasattr(libc, "gnu_get_libc_version") else None
 
 
 def cpu_only(platforms: str | None = None) -> bool:
-    """Whether JAX will compute on the CPU here, decided without starting its backend: JAX_PLATFORMS (or
-    jax.config.jax_platforms) names only cpu, or no accelerator plugin is installed (JAX finds PJRT plugins as
-    `jax_plugins.*` modules or `jax_plugins` entry points; TPUs through `libtpu`)."""
-    platforms = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "") if platforms is None else platforms
+    """Whether JAX will compute on the CPU here, decided without starting its backend: jax_platforms (what
+    JAX_PLATFORMS set when jax was imported) names only cpu, or no accelerator plugin is installed (JAX finds PJRT
+    plugins as `jax_plugins.*` modules or `jax_plugins` entry points; TPUs through `libtpu` or TPU_LIBRARY_PATH).
+    Conservative: a CPU-only host with a CUDA plugin installed keeps glibc's defaults."""
+    platforms = (jax.config.jax_platforms or "") if platforms is None else platforms
     if platforms:
         return {p.strip() for p in platforms.split(",") if p.strip()} == {"cpu"}
     try:
@@ -59,7 +60,7 @@ def cpu_only(platforms: str | None = None) -> bool:
         pass
     if any(True for _ in importlib.metadata.entry_points(group="jax_plugins")):
         return False
-    return importlib.util.find_spec("libtpu") is None
+    return importlib.util.find_spec("libtpu") is None and "TPU_LIBRARY_PATH" not in os.environ
 
 
 def keep_freed_memory(libc=None) -> bool:
@@ -70,7 +71,7 @@ def keep_freed_memory(libc=None) -> bool:
     if _state is None:
         libc = libc or glibc()
         if os.environ.get(ENV, "1") == "0":
-            _state = (False, "malloc: glibc default")
+            _state = (False, f"malloc: default ({ENV}=0)")
         elif libc is None or not cpu_only():
             _state = (False, "malloc: n/a")
         elif all(libc.mallopt(param, value) == 1 for param, value in SETTINGS):

@@ -64,8 +64,8 @@ def run(config, workdir, log=print) -> dict:
     """Train (or resume) the run in `workdir`. Returns the last logged metrics plus the last eval, with
     "stopped_by" set when SIGTERM / SIGINT stopped it early (after saving a checkpoint)."""
     mcfg = check(config)
-    maybe_init_distributed()
     host_memory.keep_freed_memory()  # before JAX computes anything: made later, it changes little
+    maybe_init_distributed()
     t = config.train
     mesh = mesh_lib.make_mesh(config.mesh)
     dp = mesh_lib.data_parallel_size(mesh)
