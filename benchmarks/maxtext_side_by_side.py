@@ -29,6 +29,7 @@ import tempfile
 
 from benchmarks import train_step
 from benchmarks.common import describe, preset, table
+from train import host_memory
 from train.flops import measure_peak_flops
 
 STEP_RE = re.compile(r"completed step: (\d+), seconds: ([\d.]+), TFLOP/s/device: ([\d.]+), "
@@ -103,6 +104,7 @@ def main(argv=None):
     ap.add_argument("--timeout", type=int, default=3600)
     ap.add_argument("--skip_maxtext", action="store_true")
     a = ap.parse_args(argv)
+    host_memory.keep_freed_memory()  # our side as `python -m train` runs (train/host_memory.py)
     moe = a.maxtext_moe or ("dense" if a.shape == "cpu" else "tokamax")
     attention = a.attention_impl or ("blockwise" if a.shape == "cpu" else "cudnn")
     name = f"maxtext_{a.shape}"
