@@ -119,6 +119,14 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def comma_subset(ap: argparse.ArgumentParser, flag: str, value: str, allowed) -> list[str]:
+    """The non-empty comma-separated items of a flag's value, each one of `allowed`; else ap.error (exit 2)."""
+    items = [v for v in value.split(",") if v]
+    if not items or any(v not in allowed for v in items):
+        ap.error(f"{flag} takes a comma-separated subset of {','.join(allowed)}, got {value!r}")
+    return items
+
+
 def arg_parser(description: str) -> argparse.ArgumentParser:
     """The flags every benchmark takes: preset, dispatch paths, grouped matmuls, attention, expert counts, capacity
     factor. Lists are comma-separated; each combination is one row."""

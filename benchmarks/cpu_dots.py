@@ -24,7 +24,7 @@ import argparse
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import PRESETS, describe, preset, table, time_fns
+from benchmarks.common import PRESETS, comma_subset, describe, preset, table, time_fns
 from moe import experts
 from train import host_memory
 
@@ -110,9 +110,7 @@ def main(argv=None):
     ap.add_argument("--step", action="store_true", help="also time the train step per library")
     a = ap.parse_args(argv)
     host_memory.keep_freed_memory()  # as `python -m train` runs (train/host_memory.py)
-    libraries = [lib for lib in a.libraries.split(",") if lib]
-    if not libraries or any(lib not in LIBRARIES for lib in libraries):
-        ap.error(f"--libraries takes a comma-separated subset of {','.join(LIBRARIES)}, got {a.libraries!r}")
+    libraries = comma_subset(ap, "--libraries", a.libraries, LIBRARIES)
     if jax.default_backend() != "cpu":
         ap.error(f"this compares XLA:CPU's matmul libraries: run it on the CPU, not {jax.default_backend()}")
     print(describe())

@@ -35,7 +35,7 @@ import importlib.util
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import arg_parser, describe, preset, table, time_fns, variants
+from benchmarks.common import arg_parser, comma_subset, describe, preset, table, time_fns, variants
 from moe import expert_parallel, experts, grouped_slab, router
 from train import host_memory
 
@@ -187,9 +187,7 @@ def main(argv=None):
     ap.add_argument("--routing", default="random", help="comma-separated from random,balanced (see above)")
     a = ap.parse_args(argv)
     host_memory.keep_freed_memory()  # as `python -m train` runs (train/host_memory.py)
-    routings = [r for r in a.routing.split(",") if r]
-    if not routings or any(r not in ROUTINGS for r in routings):
-        ap.error(f"--routing takes a comma-separated subset of {','.join(ROUTINGS)}, got {a.routing!r}")
+    routings = comma_subset(ap, "--routing", a.routing, ROUTINGS)
     print(describe())
     rows = []
     for e in map(int, a.experts.split(",")):
