@@ -16,9 +16,10 @@ initialization the tokens of a sequence route alike, so a batch's load swings li
 balanced train step needs a trained router: benchmarks.train_experts measures real training.)
 
 --breakdown also times the step's parts on the same state and batch, round-robin with the step
-(benchmarks.common.time_fns, so load hits all three alike): the forward pass alone (`fwd ms`) and the forward +
-backward pass (`fwd+bwd ms`) of the cross-entropy (without the optional balance loss); the rest of `step ms` is
-the optimizer, the bias update and the metrics.
+(benchmarks.common.time_fns, so load hits all four alike): the forward pass alone (`fwd ms`), the forward +
+backward pass (`fwd+bwd ms`) of the cross-entropy (without the optional balance loss), and the optimizer's update
+alone (`opt ms`: clipping, AdamW and the new parameters, on gradients shaped like the parameters); the rest of
+`step ms` is the bias update, the metrics and what XLA could not overlap or fuse across the parts.
 """
 
 
@@ -26,6 +27,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from benchmarks.common import (
@@ -70,15 +72,22 @@ def _batch(B: int, L: int, V: int, mesh):
     return jax.device_put(b, NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
 
 
-def _parts(graphdef, ex, forward_fn):
-    """Jitted forward and forward + backward of the step's loss (train.step.objective), for --breakdown."""
+def _parts(graphdef, ex, forward_fn, tx):
+    """Jitted forward and forward + backward of the step's loss (train.step.objective), and the optimizer's
+    update (tx on gradients shaped like the parameters, then the new parameters), for --breakdown."""
     def loss(params, bias, batch):
         return objective(*forward_fn(graphdef, params, bias, batch, ex))
 
+    def update(params, opt, grads):
+        updates, opt = tx.update(grads, opt, params)
+        return optax.apply_updates(params, updates), opt
+
     fwd = jax.jit(loss)
     grad = jax.jit(jax.grad(loss))
+    opt_update = jax.jit(update)
     return (lambda state, batch: fwd(state["params"], state["bias"], batch),
-            lambda state, batch: grad(state["params"], state["bias"], batch))
+            lambda state, batch: grad(state["params"], state["bias"], batch),
+            lambda state, batch: opt_update(state["params"], state["opt"], state["params"]))
 
 
 def prepare(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto", attention="blockwise", batch=0,
@@ -96,7 +105,7 @@ def prepare(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto
     batch = _batch(t.batch_size, c.data.seq_len, mcfg.vocab_size, mesh)
     calls = [(run, (state, batch))]
     if breakdown:
-        calls += [(part, (state, batch)) for part in _parts(graphdef, ex, fwd)]
+        calls += [(part, (state, batch)) for part in _parts(graphdef, ex, fwd, tx)]
     tokens = t.batch_size * c.data.seq_len
     flops = train_flops_per_token(mcfg, c.data.seq_len) * tokens
 
@@ -112,7 +121,7 @@ def prepare(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto
         if loss != "fused":
             row["loss"] = loss
         if breakdown:
-            row["fwd ms"], row["fwd+bwd ms"] = seconds[1] * 1e3, seconds[2] * 1e3
+            row["fwd ms"], row["fwd+bwd ms"], row["opt ms"] = (x * 1e3 for x in seconds[1:4])
         return row
 
     return calls, finish

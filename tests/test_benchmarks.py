@@ -86,8 +86,8 @@ def test_train_step_row(capsys):
     mfu = float(cells[9])
     assert 0 < mfu < 100
     header = next(line for line in out.splitlines() if line.startswith("| dispatch"))
-    assert header.rstrip(" |").endswith("fwd ms | fwd+bwd ms")  # --breakdown: the step's parts, timed
-    assert float(cells[11]) > 0 and float(cells[12]) > 0
+    assert header.rstrip(" |").endswith("fwd ms | fwd+bwd ms | opt ms")  # --breakdown: the step's parts, timed
+    assert float(cells[11]) > 0 and float(cells[12]) > 0 and float(cells[13]) > 0
 
 
 def test_train_step_round_robin_rows(capsys):
