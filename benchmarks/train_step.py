@@ -18,8 +18,11 @@ balanced train step needs a trained router: benchmarks.train_experts measures re
 --breakdown also times the step's parts on the same state and batch, round-robin with the step
 (benchmarks.common.time_fns, so load hits all four alike): the forward pass alone (`fwd ms`), the forward +
 backward pass (`fwd+bwd ms`) of the cross-entropy (without the optional balance loss), and the optimizer's update
-alone (`opt ms`: clipping, AdamW and the new parameters, on gradients shaped like the parameters); the rest of
-`step ms` is the bias update, the metrics and what XLA could not overlap or fuse across the parts.
+alone (`opt ms`: clipping, AdamW and the new parameters, on gradients shaped like the parameters). Each part is a
+program of its own writing fresh outputs (nothing donated), so the parts do not add up to `step ms`: compare a
+part across rows (8 -> 64 experts), not with the step. The training loop donates its state, and the optimizer's
+update donated is faster (7.4 / 17.1 ms at 8 / 64 experts against `opt ms` 11.3 / 25.5 in another run of the same
+code: docs/cpu/2026-11-27-third/).
 """
 
 
@@ -92,8 +95,8 @@ def _parts(graphdef, ex, forward_fn, tx):
 
 def prepare(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto", attention="blockwise", batch=0,
             breakdown=False, loss_chunks=0, loss="fused"):
-    """(calls, finish): the (fn, args) to time -- the step, then with `breakdown` its forward and forward +
-    backward passes -- and finish(seconds per call of each) -> the table row."""
+    """(calls, finish): the (fn, args) to time -- the step, then with `breakdown` its forward pass, forward +
+    backward pass and optimizer update -- and finish(seconds per call of each) -> the table row."""
     c = _config(name, dispatch, n_experts, capacity_factor, grouped, attention, batch, loss_chunks)
     mcfg, t = check(c), c.train
     mesh = mesh_lib.make_mesh(c.mesh)
@@ -156,7 +159,7 @@ def expert_ratio(label: str, rows: list[dict], experts: list[int]) -> str:
 
 def main(argv=None):
     ap = arg_parser(__doc__.splitlines()[0])
-    ap.add_argument("--breakdown", action="store_true", help="also time the forward and forward + backward passes")
+    ap.add_argument("--breakdown", action="store_true", help="also time the forward pass, the forward + backward pass and the optimizer's update")
     ap.add_argument("--loss_chunks", default="0",
                     help="execution.loss_chunks values, comma-separated (0: the config's, 8 by default)")
     ap.add_argument("--loss", default="fused",

@@ -82,8 +82,8 @@ def make_train_step(graphdef, tx, lr_schedule, t, ex: Execution, forward_fn=trai
         metrics = {
             "loss": ce_sum / n_targets,
             "balance_loss": bal / t.grad_accum,
-            "grad_norm": optax.global_norm(grads),
-            "param_norm": optax.global_norm(params),  # non-finite params must never reach a checkpoint
+            "grad_norm": optax.tree.norm(grads),  # as train.optim clips by (optax.global_norm is deprecated)
+            "param_norm": optax.tree.norm(params),  # non-finite params must never reach a checkpoint
             "lr": lr_schedule(state["step"]),
             "targets": n_targets,
             "maxvio": router.max_violation(load_MxE),
