@@ -69,10 +69,9 @@ def keep_freed_memory(libc=None) -> bool:
     for tests."""
     global _state
     if _state is None:
-        libc = libc or glibc()
         if os.environ.get(ENV, "1") == "0":
             _state = (False, f"malloc: default ({ENV}=0)")
-        elif libc is None or not cpu_only():
+        elif (libc := libc or glibc()) is None or not cpu_only():
             _state = (False, "malloc: n/a")
         elif all(libc.mallopt(param, value) == 1 for param, value in SETTINGS):
             _state = (True, "malloc: keep freed")
