@@ -8,6 +8,8 @@ dispatch path, grouped matmul, attention implementation and routed-expert count 
 
 MFU = model FLOPs (moe.accounting.train_flops_per_token, the loop's figure) / the measured peak of a large matmul
 (bf16 on accelerators, fp32 on CPU: train.flops.measure_peak_flops) x devices.
+`compile s` is the step's lowering and compilation (cold unless JAX_COMPILATION_CACHE_DIR holds it);
+`--scan_layers on,off` times the MoE blocks as one lax.scan against unrolled (moe/layer_scan.py).
 
 The MaxVio column is the timed batch's (mean over MoE layers; the router at initialization): `slab`'s slab follows the
 busiest expert's rows, so the 8 -> 64 expert ratio depends on it. (A routing bias fitted to the fresh router's scores
@@ -26,6 +28,7 @@ update runs faster donated (docs/performance.md, "CPU figures (2026-11-27, third
 
 
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -53,13 +56,14 @@ from train.step import forward, make_train_step, objective
 
 
 def _config(name: str, dispatch: str, n_experts: int, capacity_factor: float, grouped: str, attention: str,
-            batch: int = 0, loss_chunks: int = 0):
+            batch: int = 0, loss_chunks: int = 0, scan_layers: str = ""):
     p = preset(name, n_experts)
     c = base_config()
     c.model.update(**p["model"])
     c.execution.update(**{**p["execution"], "dispatch": dispatch, "capacity_factor": capacity_factor,
                           "grouped_matmul": "auto" if grouped == "-" else grouped, "attention_impl": attention,
-                          **({"loss_chunks": loss_chunks} if loss_chunks else {})})
+                          **({"loss_chunks": loss_chunks} if loss_chunks else {}),
+                          **({"scan_layers": scan_layers == "on"} if scan_layers else {})})
     c.data.seq_len = p["seq_len"]
     # The preset's batch is per device: on N devices the (data-parallel) step sees N times the rows.
     c.train.update(batch_size=(batch or p["batch"]) * jax.device_count(), steps=1000, warmup_steps=10)
@@ -93,18 +97,21 @@ def _parts(graphdef, ex, forward_fn, tx):
 
 
 def prepare(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto", attention="blockwise", batch=0,
-            breakdown=False, loss_chunks=0, loss="fused"):
+            breakdown=False, loss_chunks=0, loss="fused", scan_layers=""):
     """(calls, finish): the (fn, args) to time -- the step, then with `breakdown` its forward pass, forward +
-    backward pass and optimizer update -- and finish(seconds per call of each) -> the table row."""
-    c = _config(name, dispatch, n_experts, capacity_factor, grouped, attention, batch, loss_chunks)
+    backward pass and optimizer update -- and finish(seconds per call of each) -> the table row. scan_layers:
+    "on" / "off" overrides execution.scan_layers ("": the preset's). The step is compiled here, timed."""
+    c = _config(name, dispatch, n_experts, capacity_factor, grouped, attention, batch, loss_chunks, scan_layers)
     mcfg, t = check(c), c.train
     mesh = mesh_lib.make_mesh(c.mesh)
     tx = optim.optimizer(t)
     graphdef, state, shardings = init_state(mcfg, tx, 0, mesh)
     ex = execution(c, mesh)
     fwd = functools.partial(forward, fused_loss=loss == "fused")
-    run = jax.jit(make_train_step(graphdef, tx, optim.schedule(t), t, ex, fwd))
     batch = _batch(t.batch_size, c.data.seq_len, mcfg.vocab_size, mesh)
+    t0 = time.perf_counter()
+    run = jax.jit(make_train_step(graphdef, tx, optim.schedule(t), t, ex, fwd)).lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
     calls = [(run, (state, batch))]
     if breakdown:
         calls += [(part, (state, batch)) for part in _parts(graphdef, ex, fwd, tx)]
@@ -117,11 +124,14 @@ def prepare(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto
         row = {"dispatch": dispatch, "grouped matmul": grouped, "attention": attention, "experts": n_experts,
                "top_k": mcfg.top_k, "MaxVio": float(maxvio.mean()) if maxvio.size else None,
                "tokens/step": tokens, "step ms": s * 1e3, "tokens/s": tokens / s,
-               "MFU %": 100 * flops / s / (peak * jax.device_count()), "peak GiB": peak_memory_gb()}
+               "MFU %": 100 * flops / s / (peak * jax.device_count()), "peak GiB": peak_memory_gb(),
+               "compile s": compile_s}
         if loss_chunks:
             row["loss chunks"] = loss_chunks
         if loss != "fused":
             row["loss"] = loss
+        if scan_layers:
+            row["scan layers"] = scan_layers
         if breakdown:
             row["fwd ms"], row["fwd+bwd ms"], row["opt ms"] = (x * 1e3 for x in seconds[1:4])
         return row
@@ -130,10 +140,10 @@ def prepare(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto
 
 
 def bench(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto", attention="blockwise", batch=0,
-          steps=0, breakdown=False, loss_chunks=0, loss="fused") -> dict:
+          steps=0, breakdown=False, loss_chunks=0, loss="fused", scan_layers="") -> dict:
     """One row, timed on its own (the step and its parts round-robin)."""
     calls, finish = prepare(name, dispatch, n_experts, peak, capacity_factor, grouped, attention, batch, breakdown,
-                            loss_chunks, loss)
+                            loss_chunks, loss, scan_layers)
     return finish(time_fns(calls, steps or PRESETS[name]["steps"]))
 
 
@@ -164,6 +174,9 @@ def main(argv=None):
     ap.add_argument("--loss", default="fused",
                     help="fused (the train step's: the LM head's gradient in the forward pass, moe/lm_loss.py) or "
                          "plain (autodiff of the per-token loss), comma-separated")
+    ap.add_argument("--scan_layers", default="",
+                    help="on, off or both (on,off): execution.scan_layers, the MoE blocks as one lax.scan (default: "
+                         "the preset's)")
     ap.add_argument("--round_robin", action="store_true",
                     help="time all rows together, round-robin (all held in memory at once: CPU A/B runs; no "
                          "per-row peak memory)")
@@ -172,19 +185,23 @@ def main(argv=None):
     peak = a.peak_flops or measure_peak_flops()
     print(describe() + f" | matmul peak {peak / 1e12:.3g} TFLOP/s per device")
     experts_list = [int(e) for e in a.experts.split(",")]
-    combos = [(d, g, att, int(ch), lo) for d, g in variants(a.dispatch.split(","), a.grouped_matmul.split(","))
-              for att in a.attention_impl.split(",") for ch in a.loss_chunks.split(",") for lo in a.loss.split(",")]
+    if set(a.scan_layers.split(",")) - {"", "on", "off"}:
+        ap.error(f"--scan_layers takes on, off or on,off; got {a.scan_layers}")
+    combos = [(d, g, att, int(ch), lo, sc) for d, g in variants(a.dispatch.split(","), a.grouped_matmul.split(","))
+              for att in a.attention_impl.split(",") for ch in a.loss_chunks.split(",") for lo in a.loss.split(",")
+              for sc in a.scan_layers.split(",")]
     specs = [dict(dispatch=d, n_experts=e, capacity_factor=a.capacity_factor, grouped=g, attention=att,
-                  batch=a.batch, breakdown=a.breakdown, loss_chunks=ch, loss=lo)
-             for d, g, att, ch, lo in combos for e in experts_list]
+                  batch=a.batch, breakdown=a.breakdown, loss_chunks=ch, loss=lo, scan_layers=sc)
+             for d, g, att, ch, lo, sc in combos for e in experts_list]
     if a.round_robin:
         rows = bench_round_robin(specs, a.preset, peak, a.steps)
     else:
         rows = [bench(a.preset, peak=peak, steps=a.steps, **spec) for spec in specs]
     print(table(rows))
     if len(experts_list) == 2:
-        for i, (d, g, att, ch, loss) in enumerate(combos):
-            extra = (f" / loss_chunks {ch}" if ch else "") + (f" / {loss} loss" if loss != "fused" else "")
+        for i, (d, g, att, ch, loss, sc) in enumerate(combos):
+            extra = (f" / loss_chunks {ch}" if ch else "") + (f" / {loss} loss" if loss != "fused" else "") \
+                + (f" / scan_layers {sc}" if sc else "")
             print(expert_ratio(f"{d} / {g} / {att}{extra}", rows[2 * i:2 * i + 2], experts_list))
 
 

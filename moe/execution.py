@@ -56,6 +56,9 @@ class Execution:
     attention_impl: str = "blockwise"
     dtype: str = "float32"  # activations and matmuls; params stay fp32, router and softmax math run in fp32
     remat: bool = False  # recompute each block in the backward pass (activation memory O(1) blocks, not O(depth))
+    # Consecutive blocks of one structure as one lax.scan (moe/layer_scan.py): one compiled copy of the MoE block
+    # instead of one per layer (compile time), same values; the parameters stay one module per layer.
+    scan_layers: bool = False
     # The loss's LM head + cross-entropy run over the sequence in this many chunks (the largest divisor of L not
     # above it): [B, L/chunks, V] logits at a time. The train step computes each chunk's gradient in its forward
     # pass (moe/lm_loss.py, weighted_cross_entropy); 8 was the fastest default train step on the 2-core CPU
@@ -120,8 +123,9 @@ def validate(ex: Execution) -> None:
                                "attention_impl=xla")
     if isinstance(ex.loss_chunks, bool) or not isinstance(ex.loss_chunks, int) or ex.loss_chunks < 1:
         fail("loss_chunks", f"must be a whole number >= 1 (1: all logits at once), got {ex.loss_chunks!r}")
-    if not isinstance(ex.remat, bool):
-        fail("remat", f"must be true or false, got {ex.remat!r}")
+    for field in ("remat", "scan_layers"):
+        if not isinstance(getattr(ex, field), bool):
+            fail(field, f"must be true or false, got {getattr(ex, field)!r}")
     if ex.dispatch in EXPERT_PARALLEL and ex.mesh is not None and "expert" not in ex.mesh.shape:
         fail("dispatch", f"{ex.dispatch} needs a mesh with an 'expert' axis, got axes {tuple(ex.mesh.shape)}")
 

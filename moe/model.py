@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moe import layer_scan
 from moe.config import ModelConfig
 from moe.execution import Execution
 from moe.layers import MLP, Attention, RMSNorm, param
@@ -116,13 +117,18 @@ class Transformer(nnx.Module):
 
         if ex.remat:
             call = _rematerialized(call)
-        for i, block in enumerate(self.blocks):
-            x_BxLxD, c, p, r = call(block, x_BxLxD, None if cache is None else cache[i])
-            new_cache.append(c)
-            probs.append(p)
-            hidden.append(x_BxLxD)
-            if r is not None:
-                routing.append(r)
+        for start, stop in self._runs(ex, cache):
+            if stop - start > 1:
+                x_BxLxD, outs = layer_scan.scan_blocks(call, self.blocks[start:stop], x_BxLxD, return_hidden)
+            else:
+                x_BxLxD, *out = call(self.blocks[start], x_BxLxD, None if cache is None else cache[start])
+                outs = [(*out, x_BxLxD)]
+            for c, p, r, h in outs:
+                new_cache.append(c)
+                probs.append(p)
+                hidden.append(h)
+                if r is not None:
+                    routing.append(r)
 
         E = self.cfg.n_routed_experts
         aux = {
@@ -139,6 +145,13 @@ class Transformer(nnx.Module):
         if cache is not None:
             aux["cache"] = new_cache
         return x_BxLxD, aux
+
+    def _runs(self, ex: Execution, cache) -> list[tuple[int, int]]:
+        """[start, stop) block ranges run together: runs of equal blocks with execution.scan_layers and no
+        cache (moe/layer_scan.py), else one block each."""
+        if ex.scan_layers and cache is None:
+            return layer_scan.runs_of_equal_blocks(self.blocks)
+        return [(i, i + 1) for i in range(len(self.blocks))]
 
     def attention_inputs(self, tokens_BxL, *, positions_BxL=None, segment_ids_BxL=None, prefix_len_B=None,
                          cache=None, cache_index=None):

@@ -11,9 +11,11 @@ from moe import Execution, sharding
 from tests.model_fixtures import forward_fn, tiny_model
 
 
-@pytest.mark.parametrize("dispatch,grouped", [("dropless", "slab"), ("dropless", "blocked"),
-                                              ("expert_parallel_dropless", "auto")])
-def test_sharded_forward_matches_single_device(dispatch, grouped):
+@pytest.mark.parametrize("dispatch,grouped,scan", [("dropless", "slab", False), ("dropless", "blocked", False),
+                                                   ("expert_parallel_dropless", "auto", False),
+                                                   ("dropless", "slab", True),
+                                                   ("expert_parallel_dropless", "auto", True)])
+def test_sharded_forward_matches_single_device(dispatch, grouped, scan):
     assert jax.device_count() == 8, "tests/conftest.py must set 8 fake CPU devices before jax is imported"
     mesh = sharding.make_mesh(2, 2, 2, 1)
     graphdef, state = nnx.split(tiny_model())
@@ -26,7 +28,8 @@ def test_sharded_forward_matches_single_device(dispatch, grouped):
 
     # slab: XLA partitions its lax.switch; the tiny model's MoE layers (groups of up to 32 and 52 copies over
     # slabs of 24 rows) take spill layouts.
-    ex = Execution(dispatch=dispatch, grouped_matmul=grouped, mesh=mesh)
+    # scan: the two MoE layers as one lax.scan over their stacked (sharded) states.
+    ex = Execution(dispatch=dispatch, grouped_matmul=grouped, mesh=mesh, scan_layers=scan)
 
     @jax.jit
     def fwd(state, tokens):
@@ -38,11 +41,12 @@ def test_sharded_forward_matches_single_device(dispatch, grouped):
     np.testing.assert_allclose(sharded, forward_fn()(jnp.asarray(np.asarray(tokens))), rtol=1e-5, atol=1e-5)
 
 
-def test_sharded_blockwise_attention_and_chunked_loss_match_single_device():
+@pytest.mark.parametrize("scan", [False, True])
+def test_sharded_blockwise_attention_and_chunked_loss_match_single_device(scan):
     """The default blockwise attention (64 positions: 2 query blocks) and the train step's fused chunked objective
     (4 chunks, its gradient computed in the forward pass) on a mesh that splits the batch and, along tensor, the
     heads and the vocabulary: the per-token losses and the gradients of their mean equal one device's einsum
-    attention with autodiff of all logits at once."""
+    attention with autodiff of all logits at once; also with the MoE layers scanned (execution.scan_layers)."""
     mesh = sharding.make_mesh(2, 1, 1, 2)
     graphdef, state = nnx.split(tiny_model(vocab_size=64))  # the vocabulary splits over tensor
     tokens, targets = jax.random.randint(jax.random.key(0), (2, 4, 64), 0, 64)
@@ -63,7 +67,7 @@ def test_sharded_blockwise_attention_and_chunked_loss_match_single_device():
         state, tokens, Execution(attention_impl="einsum", loss_chunks=1))
     sharded_state = jax.device_put(state, sharding.state_shardings(state, mesh))
     batch_spec = jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(("batch", "length")))
-    ex = Execution(attention_impl="blockwise", loss_chunks=4, mesh=mesh)
+    ex = Execution(attention_impl="blockwise", loss_chunks=4, mesh=mesh, scan_layers=scan)
     got_ce, got_grads = jax.jit(losses_and_grads, static_argnums=2)(
         sharded_state, jax.device_put(tokens, batch_spec), ex)
     np.testing.assert_allclose(got_ce, want_ce, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,70 @@
+"""execution.scan_layers (moe/layer_scan.py) against the unrolled loop: values, aux outputs and gradients."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from moe import Execution
+from moe.decode import init_cache
+from moe.layer_scan import runs_of_equal_blocks
+from tests.model_fixtures import TINY, tiny_model
+
+# 5 layers: one dense, four MoE (one scanned run of 4); the interleaved family alternates dense and MoE.
+DEEP = dict(n_layers=5)
+
+
+def test_runs_group_consecutive_blocks_of_one_structure():
+    assert runs_of_equal_blocks(tiny_model(**DEEP).blocks) == [(0, 1), (1, 5)]
+    interleaved = tiny_model(n_layers=5, first_k_dense=0, moe_layer_step=2)  # dense, MoE, dense, MoE, dense
+    assert runs_of_equal_blocks(interleaved.blocks) == [(i, i + 1) for i in range(5)]
+    two_runs = tiny_model(n_layers=6, first_k_dense=2, dense_layers="4,5")  # dense x2, MoE x2, dense x2
+    assert runs_of_equal_blocks(two_runs.blocks) == [(0, 2), (2, 4), (4, 6)]
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_scanned_layers_equal_the_loop_values_and_gradients(remat):
+    model = tiny_model(**DEEP)
+    tokens = jax.random.randint(jax.random.key(3), (2, 9), 0, TINY["vocab_size"])
+    seg = jnp.asarray([[1] * 9, [1] * 6 + [0] * 3])
+
+    def run(scan):
+        ex = Execution(remat=remat, scan_layers=scan)
+
+        def loss(m):
+            logits, aux = m(tokens, execution=ex, segment_ids_BxL=seg, return_routing=True, return_hidden=True)
+            return jnp.mean(jnp.sin(logits)) + aux["balance_loss"], (logits, aux)
+
+        (_, out), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(model)
+        return out, jax.tree.leaves(nnx.state(grads, nnx.Param))
+
+    (want_logits, want_aux), want_grads = run(False)
+    (got_logits, got_aux), got_grads = run(True)
+    np.testing.assert_allclose(got_logits, want_logits, rtol=1e-5, atol=1e-6)
+    for key in ("balance_loss", "expert_load", "dropped_frac"):
+        np.testing.assert_allclose(got_aux[key], want_aux[key], rtol=1e-5, atol=1e-7)
+    assert len(got_aux["routing"]) == 4 and len(got_aux["hidden"]) == DEEP["n_layers"] + 1
+    for got, want in zip(got_aux["routing"], want_aux["routing"], strict=True):
+        np.testing.assert_array_equal(got["expert_ids"], want["expert_ids"])
+        np.testing.assert_allclose(got["gates"], want["gates"], rtol=1e-5, atol=1e-7)
+    for got, want in zip(got_aux["hidden"], want_aux["hidden"], strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert len(got_grads) == len(want_grads)
+    for got, want in zip(got_grads, want_grads):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-7)
+
+
+def test_scanned_layers_return_each_layers_attention_and_decode_unrolled():
+    """Attention maps come back one per layer; with a KV cache the blocks run one by one (same logits)."""
+    model = tiny_model(**DEEP)
+    tokens = jax.random.randint(jax.random.key(4), (1, 6), 0, TINY["vocab_size"])
+    ex = Execution(scan_layers=True)
+    _, aux = model(tokens, execution=ex, return_attention=True)
+    want = model(tokens, return_attention=True)[1]["attention"]
+    assert len(aux["attention"]) == DEEP["n_layers"]
+    for got, w in zip(aux["attention"], want, strict=True):
+        np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6)
+    cache = init_cache(model.cfg, 1, 8)
+    logits, _ = model(tokens, execution=ex, cache=cache, cache_index=0)
+    np.testing.assert_allclose(logits, model(tokens)[0], rtol=1e-5, atol=1e-5)
