@@ -73,7 +73,7 @@ def step_call(name: str, n_experts: int, library: str):
     """The train step (dropless, `auto` grouped matmul) and its args, compiled under the library's options."""
     from benchmarks.train_step import prepare  # the model and optimizer: only for --step
 
-    (run, args), = prepare(name, "dropless", n_experts, peak=1.0)[0]
+    (run, args), = prepare(name, "dropless", n_experts, peak=1.0, compile_step=False)[0]
     return compiled(run, args, library), args
 
 

@@ -76,10 +76,12 @@ def accuracy_section(grouped: list[str]) -> str:
     return table(kernel_accuracy.rows(names))
 
 
-def train_section(preset: str, experts: list[int], grouped: str, attention: str, peak: float) -> str:
+def train_section(preset: str, experts: list[int], grouped: str, attention: str, peak: float,
+                  scan_layers: str = "") -> str:
     rows = []
     for e in experts:  # each row printed when done: a 16-layer compile takes minutes, a lease may end first
-        rows.append(train_step.bench(preset, "dropless", e, peak, grouped=grouped, attention=attention))
+        rows.append(train_step.bench(preset, "dropless", e, peak, grouped=grouped, attention=attention,
+                                     scan_layers=scan_layers))
         print(table(rows[-1:]), flush=True)
     out = [table(rows)]
     if len(experts) == 2:
@@ -116,6 +118,9 @@ def main(argv=None) -> str:
     ap.add_argument("--grouped_matmul", default="",
                     help="comma-separated grouped matmuls to time (default: slab, tokamax if installed, ragged_dot; "
                          "the first also runs the train step right after the tests)")
+    ap.add_argument("--scan_layers", default="", choices=["", "on", "off"],
+                    help="the train step's MoE blocks as one lax.scan (on) or unrolled (off); default: the preset's "
+                         "(off): see moe/layer_scan.py")
     a = ap.parse_args(argv)
     wanted = set(a.sections.split(","))
     if wanted - {"tests", "accuracy", "train", "layer", "profile"}:
@@ -131,7 +136,7 @@ def main(argv=None) -> str:
     # Most telling first (a lease may end mid-run): the correctness tests, the train step on the first grouped
     # matmul (MFU), the layer ratios, then the train step on the others.
     train = lambda g: (f"Train step ({g}), preset {preset}, attention {a.attention_impl}",
-                       lambda: train_section(preset, experts, g, a.attention_impl, peak))
+                       lambda: train_section(preset, experts, g, a.attention_impl, peak, a.scan_layers))
     steps = [("tests", ("GPU-only tests", lambda: run_gpu_tests(a.tiny))),
              ("accuracy", ("Grouped matmuls' bf16 error against the fp32 truth", lambda: accuracy_section(grouped))),
              ("train", train(grouped[0])),

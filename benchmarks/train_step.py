@@ -8,8 +8,9 @@ dispatch path, grouped matmul, attention implementation and routed-expert count 
 
 MFU = model FLOPs (moe.accounting.train_flops_per_token, the loop's figure) / the measured peak of a large matmul
 (bf16 on accelerators, fp32 on CPU: train.flops.measure_peak_flops) x devices.
-`compile s` is the step's lowering and compilation (cold unless JAX_COMPILATION_CACHE_DIR holds it);
-`--scan_layers on,off` times the MoE blocks as one lax.scan against unrolled (moe/layer_scan.py).
+`compile s` is the step's lowering and compilation (XLA reuses what this process or JAX_COMPILATION_CACHE_DIR
+already autotuned, so only a process's first row is cold); `scan layers` says whether the MoE blocks ran as one
+lax.scan (moe/layer_scan.py), and `--scan_layers on,off` times both.
 
 The MaxVio column is the timed batch's (mean over MoE layers; the router at initialization): `slab`'s slab follows the
 busiest expert's rows, so the 8 -> 64 expert ratio depends on it. (A routing bias fitted to the fresh router's scores
@@ -97,10 +98,12 @@ def _parts(graphdef, ex, forward_fn, tx):
 
 
 def prepare(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto", attention="blockwise", batch=0,
-            breakdown=False, loss_chunks=0, loss="fused", scan_layers=""):
+            breakdown=False, loss_chunks=0, loss="fused", scan_layers="", compile_step=True):
     """(calls, finish): the (fn, args) to time -- the step, then with `breakdown` its forward pass, forward +
     backward pass and optimizer update -- and finish(seconds per call of each) -> the table row. scan_layers:
-    "on" / "off" overrides execution.scan_layers ("": the preset's). The step is compiled here, timed."""
+    "on" / "off" overrides execution.scan_layers ("": the preset's). The step is compiled here and the seconds it
+    took go into the row (`jax.stages.Compiled`); compile_step=False returns the jitted step instead, for callers
+    that compile it their own way (benchmarks/cpu_dots.py)."""
     c = _config(name, dispatch, n_experts, capacity_factor, grouped, attention, batch, loss_chunks, scan_layers)
     mcfg, t = check(c), c.train
     mesh = mesh_lib.make_mesh(c.mesh)
@@ -109,9 +112,10 @@ def prepare(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto
     ex = execution(c, mesh)
     fwd = functools.partial(forward, fused_loss=loss == "fused")
     batch = _batch(t.batch_size, c.data.seq_len, mcfg.vocab_size, mesh)
-    t0 = time.perf_counter()
-    run = jax.jit(make_train_step(graphdef, tx, optim.schedule(t), t, ex, fwd)).lower(state, batch).compile()
-    compile_s = time.perf_counter() - t0
+    run, t0 = jax.jit(make_train_step(graphdef, tx, optim.schedule(t), t, ex, fwd)), time.perf_counter()
+    if compile_step:
+        run = run.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0 if compile_step else None
     calls = [(run, (state, batch))]
     if breakdown:
         calls += [(part, (state, batch)) for part in _parts(graphdef, ex, fwd, tx)]
@@ -125,13 +129,11 @@ def prepare(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto
                "top_k": mcfg.top_k, "MaxVio": float(maxvio.mean()) if maxvio.size else None,
                "tokens/step": tokens, "step ms": s * 1e3, "tokens/s": tokens / s,
                "MFU %": 100 * flops / s / (peak * jax.device_count()), "peak GiB": peak_memory_gb(),
-               "compile s": compile_s}
+               "compile s": compile_s, "scan layers": "on" if ex.scan_layers else "off"}
         if loss_chunks:
             row["loss chunks"] = loss_chunks
         if loss != "fused":
             row["loss"] = loss
-        if scan_layers:
-            row["scan layers"] = scan_layers
         if breakdown:
             row["fwd ms"], row["fwd+bwd ms"], row["opt ms"] = (x * 1e3 for x in seconds[1:4])
         return row

@@ -57,7 +57,8 @@ class Execution:
     dtype: str = "float32"  # activations and matmuls; params stay fp32, router and softmax math run in fp32
     remat: bool = False  # recompute each block in the backward pass (activation memory O(1) blocks, not O(depth))
     # Consecutive blocks of one structure as one lax.scan (moe/layer_scan.py): one compiled copy of the MoE block
-    # instead of one per layer (compile time), same values; the parameters stay one module per layer.
+    # instead of one per layer (compile time), the same function up to rounding; the parameters stay one module
+    # per layer. The decoder-only Transformer's; the encoder-decoder study model (moe/encdec.py) runs unrolled.
     scan_layers: bool = False
     # The loss's LM head + cross-entropy run over the sequence in this many chunks (the largest divisor of L not
     # above it): [B, L/chunks, V] logits at a time. The train step computes each chunk's gradient in its forward

@@ -1,15 +1,17 @@
 """Consecutive blocks of the same structure run as one `jax.lax.scan` over their stacked states
 (`Execution.scan_layers`): the compiled program holds one copy of such a block instead of one per layer.
 
-Why: XLA compiles (and on GPU autotunes) every unrolled layer on its own. configs/gpu_1b.py's 16 layers took more
-than 5 minutes to compile cold on an H200 (docs/performance.md, "GPU figures, run 4"): a third of a 15-minute
-lease, and far worse at DeepSeek-V3's 61 layers. MaxText scans its layers by default for the same reason.
+Why: the unrolled program grows with the depth, and XLA's passes and code generation with it. configs/gpu_1b.py
+(16 layers) lowers to 1,373 dots unrolled and 127 scanned, and compiles in 18.5 s against 9.5 s on a 2-core CPU;
+unrolled, its step did not finish compiling in ~320 s on an H200, cold (docs/performance.md, "GPU figures, run
+4"; the scanned GPU compile is not measured yet). MaxText scans its layers by default.
 
 The parameters stay one module per layer (checkpoints, export and analysis see the same tree); the scan stacks
-their states inside the traced function. That costs one copy of the scanned layers' parameters per call (and the
-transpose, a slice of the stacked gradient, in the backward pass): on one H200 about 2 x 3.8 GB of fp32 at
-configs/gpu_1b.py's shapes, a few ms against a ~265 ms step. Values are the unrolled loop's
-(tests/test_model.py); with a KV cache the blocks run unrolled (decoding compiles small programs anyway).
+their states inside the traced function. That costs a stacked copy of the scanned layers' parameters per call and
+a stacked gradient that is sliced back per layer: time and memory. Estimated at configs/gpu_1b.py's shapes: ~3.8
+GB of fp32 each, a few ms at an H200's bandwidth against a ~265 ms step; measured on CPU: +7-9% per step at the
+default config (docs/performance.md). The same function as the unrolled loop up to rounding
+(tests/test_layer_scan.py); with a KV cache the blocks run unrolled (decoding compiles small programs anyway).
 """
 
 import jax
@@ -29,15 +31,16 @@ def runs_of_equal_blocks(blocks) -> list[tuple[int, int]]:
     return runs
 
 
-def scan_blocks(call, blocks, x, keep_hidden: bool = False):
+def scan_blocks(call, blocks, x_BxLxD, keep_hidden: bool = False):
     """`call(block, x, None) -> (x, cache, probs, routing)` over `blocks` (one structure) as one scan: the final
     x and, per block in order, its (cache, probs, routing, x after it or None unless keep_hidden)."""
     graphdef = nnx.graphdef(blocks[0])
-    stacked = jax.tree.map(lambda *leaves: jnp.stack(leaves), *(nnx.state(b) for b in blocks))
+    # Every leaf with a leading layer axis [n_blocks, ...]; the scan hands the body one layer's slice.
+    state_by_layer = jax.tree.map(lambda *leaves: jnp.stack(leaves), *(nnx.state(b) for b in blocks))
 
-    def body(x, state):
-        x, cache, probs, routing = call(nnx.merge(graphdef, state), x, None)
-        return x, (cache, probs, routing, x if keep_hidden else None)
+    def body(x_BxLxD, state):
+        x_BxLxD, cache, probs, routing = call(nnx.merge(graphdef, state), x_BxLxD, None)
+        return x_BxLxD, (cache, probs, routing, x_BxLxD if keep_hidden else None)
 
-    x, outs = jax.lax.scan(body, x, stacked)
-    return x, [jax.tree.map(lambda a, i=i: a[i], outs) for i in range(len(blocks))]
+    x_BxLxD, outs = jax.lax.scan(body, x_BxLxD, state_by_layer)
+    return x_BxLxD, [jax.tree.map(lambda a, i=i: a[i], outs) for i in range(len(blocks))]

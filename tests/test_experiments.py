@@ -24,8 +24,8 @@ def test_bootstrap_ci():
 
 def test_fingerprint_ignores_what_does_not_change_a_run():
     """Cached results stay valid across the 2026-11-26 defaults: blockwise attention computes einsum's function
-    (the runs cached before it used einsum) and the loss's chunking (8 by default; every earlier run had none)
-    changes rounding only."""
+    (the runs cached before it used einsum); the loss's chunking (8 by default; every earlier run had none) and
+    scanned layers change rounding only."""
     c = tiny_config()
     assert c.execution.attention_impl == "blockwise" and c.execution.loss_chunks == 8
     before = tiny_config(**{"execution.attention_impl": "einsum"}).to_dict()
@@ -33,6 +33,7 @@ def test_fingerprint_ignores_what_does_not_change_a_run():
     assert fingerprint(c) == fingerprint(type(c)(before))
     assert fingerprint(c) != fingerprint(tiny_config(**{"execution.attention_impl": "xla"}))
     assert fingerprint(c) == fingerprint(tiny_config(**{"execution.loss_chunks": 1}))
+    assert fingerprint(c) == fingerprint(tiny_config(**{"execution.scan_layers": True}))
     assert fingerprint(c) != fingerprint(tiny_config(**{"execution.dtype": "bfloat16"}))
 
 

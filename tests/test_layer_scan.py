@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moe import Execution
+from moe import Execution, layer_scan
 from moe.decode import init_cache
-from moe.layer_scan import runs_of_equal_blocks
+from moe.layer_scan import runs_of_equal_blocks, scan_blocks
 from tests.model_fixtures import TINY, tiny_model
 
 # 5 layers: one dense, four MoE (one scanned run of 4); the interleaved family alternates dense and MoE.
@@ -24,7 +24,7 @@ def test_runs_group_consecutive_blocks_of_one_structure():
 
 
 @pytest.mark.parametrize("remat", [False, True])
-def test_scanned_layers_equal_the_loop_values_and_gradients(remat):
+def test_scanned_layers_equal_the_loop_values_and_gradients(remat, monkeypatch):
     model = tiny_model(**DEEP)
     tokens = jax.random.randint(jax.random.key(3), (2, 9), 0, TINY["vocab_size"])
     seg = jnp.asarray([[1] * 9, [1] * 6 + [0] * 3])
@@ -39,6 +39,15 @@ def test_scanned_layers_equal_the_loop_values_and_gradients(remat):
         (_, out), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(model)
         return out, jax.tree.leaves(nnx.state(grads, nnx.Param))
 
+    # The four MoE blocks really run as one scan when the model is merged from its state inside a traced function,
+    # as the train step builds it (were their graphdefs to compare unequal there, they would run unrolled and the
+    # comparisons below would hold trivially).
+    scanned = []
+    monkeypatch.setattr(layer_scan, "scan_blocks",
+                        lambda call, blocks, *a: scanned.append(len(blocks)) or scan_blocks(call, blocks, *a))
+    graphdef, state = nnx.split(model)
+    jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(tokens, execution=Execution(scan_layers=True)))(state)
+    assert scanned == [4]
     (want_logits, want_aux), want_grads = run(False)
     (got_logits, got_aux), got_grads = run(True)
     np.testing.assert_allclose(got_logits, want_logits, rtol=1e-5, atol=1e-6)
