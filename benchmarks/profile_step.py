@@ -53,9 +53,10 @@ def op_times(trace_dir: str, names) -> collections.Counter:
 
 
 def profile(preset: str, dispatch: str, experts: int, grouped: str, attention: str, steps: int = 3, top: int = 30,
-            trace_dir: str = "") -> str:
+            trace_dir: str = "", scan_layers: str = "") -> str:
     """The step time, the summed op time and a table of the `top` largest ops, as Markdown."""
-    calls, _ = prepare(preset, dispatch, experts, peak=1.0, grouped=grouped, attention=attention)
+    calls, _ = prepare(preset, dispatch, experts, peak=1.0, grouped=grouped, attention=attention,
+                       scan_layers=scan_layers)
     (compiled, args), = calls  # the compiled train step (run, timed and traced, read for op metadata), its args
     step_s = time_fns([(compiled, args)], 3)[0]
     trace_dir = trace_dir or tempfile.mkdtemp(prefix="profile_step_")
@@ -82,10 +83,13 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=3, help="traced steps")
     ap.add_argument("--top", type=int, default=30, help="ops listed")
     ap.add_argument("--trace_dir", default="", help="where the trace goes (default: a temporary directory)")
+    ap.add_argument("--scan_layers", default="", choices=["", "on", "off"],
+                    help="the MoE blocks as one lax.scan (on) or unrolled (off); default: the preset's")
     a = ap.parse_args(argv)
     host_memory.keep_freed_memory()  # as `python -m train` runs (train/host_memory.py)
     print(describe())
-    print(profile(a.preset, a.dispatch, a.experts, a.grouped_matmul, a.attention_impl, a.steps, a.top, a.trace_dir))
+    print(profile(a.preset, a.dispatch, a.experts, a.grouped_matmul, a.attention_impl, a.steps, a.top, a.trace_dir,
+                  a.scan_layers))
 
 
 if __name__ == "__main__":
