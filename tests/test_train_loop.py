@@ -65,7 +65,10 @@ def test_resume_is_bitwise_exact(tmp_path):
     shutil.rmtree(b / "checkpoints" / "8")  # as if the run had been killed after saving step 4
     _rewrite_as_legacy_run(b)
     assert open_run(b).config.execution.dispatch == "dropless"  # read through the migration
-    run(c, b, log=lambda *x: None)  # resumes from step 4
+    lines = []
+    run(c, b, log=lambda *x: lines.append(" ".join(map(str, x))))  # resumes from step 4
+    # The first step's wall time, compile included, is reported for the resumed run's first step.
+    assert any(line.startswith("step 5: done") and "compiling the train step included" in line for line in lines)
     ma, mb = _metrics(a), _metrics(b)
     for step in range(5, 9):
         for key in ("loss", "grad_norm", "param_norm", "moe/layer_1/bias_range"):
