@@ -119,8 +119,8 @@ def main(argv=None) -> str:
                     help="comma-separated grouped matmuls to time (default: slab, tokamax if installed, ragged_dot; "
                          "the first also runs the train step right after the tests)")
     ap.add_argument("--scan_layers", default="", choices=["", "on", "off"],
-                    help="the train step's MoE blocks as one lax.scan (on) or unrolled (off); default: the preset's "
-                         "(off): see moe/layer_scan.py")
+                    help="the train step's MoE blocks as one lax.scan (on) or unrolled (off), in the train and "
+                         "profile sections; default: the preset's (off): see moe/layer_scan.py")
     a = ap.parse_args(argv)
     wanted = set(a.sections.split(","))
     if wanted - {"tests", "accuracy", "train", "layer", "profile"}:
@@ -144,7 +144,7 @@ def main(argv=None) -> str:
                         lambda: layer_section(preset, experts, grouped))),
              ("profile", (f"Train step profile ({grouped[0]}, {experts[0]} experts): the largest ops",
                           lambda: profile_step.profile(preset, "dropless", experts[0], grouped[0], a.attention_impl,
-                                                       steps=2, top=25))),
+                                                       steps=2, top=25, scan_layers=a.scan_layers))),
              *[("train", train(g)) for g in grouped[1:]]]
     steps = [step for section, step in steps if section in wanted]
     print(f"## {sections[0][0]}\n\n{sections[0][1]}\n", flush=True)
