@@ -9,7 +9,7 @@ judged by whether its own error is ragged_dot's. Error = max |got - truth| / max
 
 The weights are at the fan-in scale (N(0, 1 / fan_in)), so pre-activations and outputs are O(1) and the loss's sine
 is well-conditioned: an error measures rounding. Until 2026-11-27 they were N(0, 0.09), outputs ~30, and the sine
-turned bf16's 0.4% rounding of y into 15-50% gradient errors that swung with the rounding pattern: on an H200,
+turned bf16's 0.4% rounding of y into 15-53% gradient errors that swung with the rounding pattern: on an H200,
 slab's d/dw_down came out at 0.225 against ragged_dot's 0.153 with both computing the same products in bf16
 (docs/performance.md, "GPU figures, run 4").
 """

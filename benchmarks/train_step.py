@@ -197,8 +197,11 @@ def main(argv=None):
              for d, g, att, ch, lo, sc in combos for e in experts_list]
     if a.round_robin:
         rows = bench_round_robin(specs, a.preset, peak, a.steps)
-    else:
-        rows = [bench(a.preset, peak=peak, steps=a.steps, **spec) for spec in specs]
+    else:  # each row printed when done: a deep model's compile takes minutes, a time limit may end the run first
+        rows = []
+        for spec in specs:
+            rows.append(bench(a.preset, peak=peak, steps=a.steps, **spec))
+            print(table(rows[-1:]), flush=True)
     print(table(rows))
     if len(experts_list) == 2:
         for i, (d, g, att, ch, loss, sc) in enumerate(combos):

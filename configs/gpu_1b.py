@@ -13,8 +13,8 @@ heads of 64, 64 fine-grained routed experts of width 320 (top-6, routed in 8 gro
 shared experts, routed_scaling_factor 2.5, blocks rematerialized, cuDNN flash attention (bf16; it runs as `xla`
 attention off NVIDIA GPUs, tested equal to einsum; its GPU equality test is in `python -m benchmarks.gpu_report`).
 Global batch 64 x 2048 tokens in 4 micro-batches. `--config.execution.scan_layers=true` runs the 15 MoE blocks as
-one lax.scan (one compiled copy of the block; the unrolled step's cold compile on an H200 took minutes): not the
-default here until its GPU A/B (docs/performance.md, "Compile time and scanned layers").
+one lax.scan (one compiled copy of the block; the unrolled step did not finish compiling in ~320 s, cold, on an
+H200): not the default here until its GPU A/B (docs/performance.md, "Compile time and scanned layers").
 moe.param_counts(...) gives the exact figures (total 1,042M / active 186M with the bundled 8192-token vocabulary).
 """
 

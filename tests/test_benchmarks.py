@@ -177,9 +177,10 @@ def test_cpu_dots_compiles_each_library_differently():
 def test_cpu_dots_table(capsys):
     from benchmarks import cpu_dots
 
-    cpu_dots.main(["--preset", "tiny", "--experts", "8", "--libraries", "default,eigen", "--steps", "1"])
+    cpu_dots.main(["--preset", "tiny", "--experts", "8", "--libraries", "default,eigen", "--steps", "1", "--step"])
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| 8 ")]
-    assert len(rows) == 8  # 4 ops x 2 libraries
+    assert len(rows) == 10  # 4 ops x 2 libraries, then the train step under each (train_step.prepare, uncompiled)
+    assert all(float(r[3]) > 0 for r in rows if r[1] == "train step (dropless)")
     by = {(r[1], r[2]): float(r[3]) for r in rows}
     batched = next(r for r in rows if r[1].startswith("gate dot, batched") and r[2] == "eigen")
     flat = next(op for op, lib in by if op.startswith("gate dot, flat"))

@@ -94,7 +94,9 @@ def test_slab_each_layout_equals_ragged_dot(lay):
 def test_slab_in_bf16_is_as_close_to_the_fp32_truth_as_ragged_dot_in_bf16(backend):
     """bf16 in and out, with each backend's layouts (CPU's spill layouts sum the weight gradients of slab and spill
     parts in bf16; GPU's pure slabs): per output, the error against the fp32 truth is within ragged_dot's own bf16
-    error (+25%, +0.02 of the largest entry; both are ~1% at these inputs), and finite."""
+    error (+25%, +0.02 of the largest entry), and finite. Both errors are ~1% at these inputs, so the slack
+    dominates: this catches a wrong row or a precision loss of several bf16 ulps, not an error twice ragged_dot's
+    (to tighten once a GPU has rerun it: docs/performance.md, "GPU figures, run 4")."""
     fractions, factors, block = grouped_slab.default_layout_sets(backend)
     slab = functools.partial(grouped_slab.grouped_swiglu_slab, fractions=fractions, factors=factors, block=block)
     x, ws = kernel_accuracy.inputs(jnp.bfloat16)

@@ -49,7 +49,9 @@ def test_scanned_layers_equal_the_loop_values_and_gradients(remat, monkeypatch):
     jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(tokens, execution=Execution(scan_layers=True)))(state)
     assert scanned == [4]
     (want_logits, want_aux), want_grads = run(False)
+    scanned.clear()
     (got_logits, got_aux), got_grads = run(True)
+    assert scanned == [4]  # and so are the compared runs (remat included)
     np.testing.assert_allclose(got_logits, want_logits, rtol=1e-5, atol=1e-6)
     for key in ("balance_loss", "expert_load", "dropped_frac"):
         np.testing.assert_allclose(got_aux[key], want_aux[key], rtol=1e-5, atol=1e-7)

@@ -213,8 +213,8 @@ def _train(config, mcfg, mesh, run_dir, data, log) -> dict:
             writer.write(step, last)
         progress.step(step, float(host["loss"]), tps, config.log.every)
         if step == start + 1:  # compile time is worth knowing (execution.scan_layers cuts it on deep models)
-            progress.line(f"step {step}: done {time.perf_counter() - t_begin:.1f} s after start, compiling the train "
-                          "step included")
+            progress.line(f"step {step}: done {time.perf_counter() - t_begin:.1f} s into training, compiling the "
+                          "train step included")
             restart_clock(step)
 
     saving = []  # steps whose (asynchronous) save has not been reported complete yet
