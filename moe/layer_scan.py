@@ -15,6 +15,8 @@ default config (docs/performance.md). The same function as the unrolled loop up 
 (tests/test_layer_scan.py); with a KV cache the blocks run unrolled (decoding compiles small programs anyway).
 """
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -23,12 +25,11 @@ from flax import nnx
 def runs_of_equal_blocks(blocks) -> list[tuple[int, int]]:
     """[start, stop) of each maximal run of consecutive blocks with one graph structure (the first dense
     blocks, then the MoE blocks, for DeepSeek-V3's layout; interleaved families give runs of one)."""
-    defs = [nnx.graphdef(b) for b in blocks]
     runs, start = [], 0
-    for i in range(1, len(defs) + 1):
-        if i == len(defs) or defs[i] != defs[start]:
-            runs.append((start, i))
-            start = i
+    for _, run in itertools.groupby(blocks, key=nnx.graphdef):
+        stop = start + len(list(run))
+        runs.append((start, stop))
+        start = stop
     return runs
 
 
