@@ -1,6 +1,9 @@
 """Shared test setup: 8 fake CPU devices, set before jax is imported anywhere."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # The suite is dominated by compiling tiny programs: LLVM at -O0 compiles them faster and runs them a little
 # slower (tests compare programs built with the same flags; subprocesses inherit them). The multi-process and
@@ -14,8 +17,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # in-process here, would change them after the first computation (train/host_memory.py; tests/test_host_memory.py
 # sets it per subprocess).
 os.environ.setdefault("MOE_KEEP_FREED_MEMORY", "0")
-# Identical programs compiled again in the same session (several train.loop.run calls) hit this cache.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", f"/tmp/moe-lm-jax-cache-{os.getpid()}")
+# Identical programs compiled again in the same session (several train.loop.run calls) hit this cache. The process
+# that makes it removes it at exit (xdist workers and subprocesses inherit the variable and share it), so repeated
+# runs do not pile caches up in the temp dir.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="moe-lm-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
@@ -37,6 +44,14 @@ def tiny_config(**overrides):
             node = node[p]
         node[leaf] = value
     return c
+
+
+def pipeline_config(**overrides):
+    """tiny_config for the end-to-end tests of a pipeline around the model (studies, reports): the routed experts
+    by ragged_dot, which compiles in about a third of slab's time at these shapes (slab compiles its seven layouts'
+    forward and backward passes; tests/test_encdec_study.py: 126 -> 46 s). The kernels are tested on their own, and
+    the trainer's tests and the README's commands keep the default."""
+    return tiny_config(**{"execution.grouped_matmul": "ragged_dot", **overrides})
 
 
 @pytest.fixture(scope="session")

@@ -74,7 +74,7 @@ def test_slab_factor_variants_reach_the_grouped_matmul():
 
 
 def test_train_step_row(capsys):
-    train_step.main(["--preset", "cpu", "--dispatch", "dropless", "--grouped_matmul", "blocked",
+    train_step.main(["--preset", "tiny", "--dispatch", "dropless", "--grouped_matmul", "blocked",
                      "--attention_impl", "xla", "--experts", "8", "--peak_flops", "1e12", "--batch", "1",
                      "--breakdown"])
     out = capsys.readouterr().out
@@ -82,7 +82,7 @@ def test_train_step_row(capsys):
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[:4] == ["dropless", "blocked", "xla", "8"]
     assert 0 <= float(cells[5]) <= 8 / 2 - 1  # MaxVio of the timed batch (8 experts, top-2: at most E / K - 1)
-    assert int(cells[6]) == 8 * 256  # tokens/step: one row of 256 per (fake) device
+    assert int(cells[6]) == 8 * 32  # tokens/step: one row of 32 per (fake) device
     mfu = float(cells[9])
     assert 0 < mfu < 100
     header = next(line for line in out.splitlines() if line.startswith("| dispatch"))
@@ -102,7 +102,7 @@ def test_train_step_scan_layers_override():
 def test_train_step_round_robin_rows(capsys):
     """--round_robin times every row together; the loss-chunks and loss columns appear for the rows that set
     them (the config's chunks, the fused loss: "-")."""
-    train_step.main(["--preset", "cpu", "--dispatch", "capacity", "--experts", "8", "--peak_flops", "1e12",
+    train_step.main(["--preset", "tiny", "--dispatch", "capacity", "--experts", "8", "--peak_flops", "1e12",
                      "--batch", "1", "--loss_chunks", "0,4", "--loss", "fused,plain", "--round_robin", "--steps", "2"])
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     header, rows = lines[0], [[c.strip() for c in r.strip("|").split("|")] for r in lines[1:]]
@@ -152,7 +152,7 @@ def test_train_experts_never_writes_into_a_nonempty_directory(tmp_path, capsys):
 def test_profile_step_lists_the_steps_ops(capsys, tmp_path):
     from benchmarks import profile_step
 
-    profile_step.main(["--preset", "cpu", "--experts", "8", "--steps", "1", "--top", "8",
+    profile_step.main(["--preset", "tiny", "--experts", "8", "--steps", "1", "--top", "8",
                        "--trace_dir", str(tmp_path)])
     lines = capsys.readouterr().out.splitlines()
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines if line.startswith("| ")][1:]

@@ -8,7 +8,7 @@ import pytest
 
 from analysis.experiments import Interrupted, compare_masks, fingerprint, parse_flags, variant_name
 from analysis.experiments_report import bootstrap_ci
-from tests.conftest import tiny_config
+from tests.conftest import pipeline_config, tiny_config
 from train.errors import UserError
 
 
@@ -51,7 +51,7 @@ def test_parse_flags():
 
 
 def _config():
-    return tiny_config(**{"data.task": "prefix", "data.seq_len": 32, "eval.rows_per_domain": 1,
+    return pipeline_config(**{"data.task": "prefix", "data.seq_len": 32, "eval.rows_per_domain": 1,
                           "train.warmup_steps": 1, "model.n_layers": 2})
 
 

@@ -237,9 +237,9 @@ def test_token_weighted_equals_the_pooled_loss(rows):
 
 @pytest.mark.slow  # trains 2 arms x 2 seeds of the tiny model for 2 steps, probes every validation window
 def test_study_end_to_end_and_cached(tmp_path):
-    from tests.conftest import tiny_config
+    from tests.conftest import pipeline_config
 
-    base = tiny_config(**{"data.task": "prefix", "data.windows": True, "data.tokenizer": "tokenizer_1k.json",
+    base = pipeline_config(**{"data.task": "prefix", "data.windows": True, "data.tokenizer": "tokenizer_1k.json",
                           "model.vocab_size": 1024, "data.seq_len": 32, "eval.every": 1, "eval.output_only": True,
                           "eval.rows_per_domain": 2, "checkpoint.every": 100})
     logs = []
