@@ -4,15 +4,19 @@
 # tokenizers, but not ml_collections or tokamax. Do not carry flax: 0.12.8 (the newest for Python 3.11) fails to
 # import under jax 0.11.2. tokamax imports xprof (32 MB, cloud dependencies) only for its own profiling: a stub
 # stands in. Run from the repository root; .whl/ is git-ignored through .git/info/exclude. `--study` adds what
-# the decoder-only studies need (TFDS and friends).
+# the decoder-only studies need (TFDS and friends); `--maxtext` adds MaxText 0.2.5 and what its train run imports
+# beyond the image (~20 MB), for `python3 -m benchmarks.maxtext_side_by_side --shape gpu --maxtext_python python3` there.
 set -euo pipefail
+for arg in "$@"; do
+  [[ "$arg" == "--study" || "$arg" == "--maxtext" ]] || { echo "error: unknown flag $arg (--study, --maxtext)" >&2; exit 2; }
+done
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info && echo /.whl/ >> .git/info/exclude; }
 mkdir -p .whl/stub/xprof/cli
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
   ml_collections==1.1.0 tokamax==0.0.17 einshape==1.0 pydantic==2.14.4 pydantic_core==2.50.5 \
   annotated_types==0.8.0 typing_inspection==0.4.5 qwix==0.1.8 immutabledict==4.3.1 tensorboardx==2.6.5
-if [[ "${1:-}" == "--study" ]]; then
+if [[ " $* " == *" --study "* ]]; then
   # The decoder-only studies (analysis.gpu_round) read the bundled corpus through TFDS without TensorFlow: TFDS,
   # grain, array_record and the dependencies the image lacks (~11 MB; promise ships no wheel: built here).
   # Not yet tried on the device.
@@ -22,6 +26,17 @@ if [[ "${1:-}" == "--study" ]]; then
     docstring_parser==0.18.0 tensorflow-metadata==1.21.0 googleapis-common-protos==1.76.0 termcolor==3.3.0 \
     toml==0.10.2 portpicker==1.6.0
   python3 -m pip wheel -q --no-deps promise==2.3 -w .whl
+fi
+if [[ " $* " == *" --maxtext "* ]]; then
+  # Found by running MaxText's train (synthetic data; dense and ragged_dot MoE) on CPU in a Python 3.12 venv of the
+  # image's packages at its versions (jax 0.11.2, flax 0.12.10, ...), adding each module it failed to import, at
+  # the versions of MaxText's own tested set (benchmarks/setup_maxtext.sh); then installed from these wheels alone,
+  # as on the device. Not yet tried there (its GPU paths: tokamax's grouped matmul, attention=autoselected).
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+    maxtext==0.2.5 aqtp==0.9.0 array-record==0.8.6 drjax==0.2.1 fastapi==0.165.0 fire==0.7.1 grain==0.2.18 \
+    omegaconf==2.4.0 opentelemetry-api==1.45.2 pathwaysutils==0.1.13 portpicker==1.6.0 starlette==1.10.0 \
+    termcolor==3.3.0 uvicorn==0.54.0
 fi
 touch .whl/stub/xprof/__init__.py .whl/stub/xprof/cli/__init__.py
 cat > .whl/stub/xprof/cli/tools.py <<'PY'
@@ -34,6 +49,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   && export PYTHONPATH=/tmp/site:$PWD/.whl/stub:$PWD PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=$PWD/.jax_cache \
   || exit; timeout 440 python3 -m benchmarks.gpu_report --out $OUT/gpu_report.md 2>&1 | grep -v "Autotuning cache"
 (add --sections and --grouped_matmul to fit the lease: see python3 -m benchmarks.gpu_report --help)
+With --maxtext, MaxText side by side instead of the report (MaxText's subprocess inherits PYTHONPATH):
+  timeout 500 python3 -m benchmarks.maxtext_side_by_side --shape gpu --scan_layers on --maxtext_python python3 --timeout 400
 JAX_COMPILATION_CACHE_DIR: compiled programs and XLA's per-fusion autotuning results, kept on a warm machine
 between calls (an ignored path): a rerun of a section cut off by the time limit does not autotune again.
 MSG

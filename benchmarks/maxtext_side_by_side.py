@@ -24,6 +24,7 @@ MaxText's MoE path: `--maxtext_moe dense` (sparse_matmul=False: every expert on 
 import argparse
 import os
 import re
+import shutil
 import subprocess
 import tempfile
 
@@ -75,7 +76,9 @@ def parse_maxtext_log(text: str, warmup: int = 2) -> dict:
 
 
 def run_maxtext(python: str, shape: str, steps: int, moe: str, timeout: int) -> dict:
-    if not os.path.exists(python):
+    """MaxText's train run as a subprocess of `python` (a path, or a command on PATH: on the lent GPU machine
+    `python3` with MaxText's wheels on PYTHONPATH, `bash benchmarks/gpu_wheels.sh --maxtext`)."""
+    if not shutil.which(python):
         raise FileNotFoundError(f"no MaxText Python at {python}: build it with `bash benchmarks/setup_maxtext.sh` or "
                                 "pass --maxtext_python")
     pkg = subprocess.run([python, "-c", "import maxtext, os; print(os.path.dirname(maxtext.__file__))"],
@@ -101,6 +104,9 @@ def main(argv=None):
     ap.add_argument("--maxtext_steps", type=int, default=6, help="steps run; the first 2 are not timed")
     ap.add_argument("--grouped_matmul", default="auto", help="this project's execution.grouped_matmul")
     ap.add_argument("--attention_impl", default="", help="this project's (default: blockwise on CPU, cudnn on GPU)")
+    ap.add_argument("--scan_layers", default="", choices=["", "on", "off"],
+                    help="this project's execution.scan_layers (default: the preset's, off; MaxText scans its layers "
+                         "by default: `on` compiles the 16-layer GPU shape in a fraction of the time)")
     ap.add_argument("--timeout", type=int, default=3600)
     ap.add_argument("--skip_maxtext", action="store_true")
     a = ap.parse_args(argv)
@@ -113,7 +119,7 @@ def main(argv=None):
     peak = measure_peak_flops()
     print(describe() + f" | matmul peak {peak / 1e12:.3g} TFLOP/s")
     ours = train_step.bench(name, "dropless", p["model"]["n_routed_experts"], peak, grouped=a.grouped_matmul,
-                            attention=attention)
+                            attention=attention, scan_layers=a.scan_layers)
     our_flops_per_token = ours["MFU %"] / 100 * peak * ours["step ms"] / 1e3 / tokens
     rows = [{"project": "this (moe-lm)", "MoE path": f"dropless / {a.grouped_matmul}", "attention": attention,
              "tokens/step": tokens, "step s": ours["step ms"] / 1e3, "tokens/s": ours["tokens/s"],

@@ -1,6 +1,10 @@
 """benchmarks/maxtext_side_by_side.py: MaxText's overrides follow the shared preset and its log is parsed (MaxText
 itself runs in its own venv, not in tests)."""
 
+import os
+
+import pytest
+
 from benchmarks import maxtext_side_by_side as sbs
 
 LOG = """I1123 metric_logger.py:265] completed step: 0, seconds: 0.358, TFLOP/s/device: 0.151, Tokens/s/device: 5723.276, total_weights: 2048
@@ -47,3 +51,31 @@ def test_setup_keeps_the_tpu_extra_minus_runtimes_and_linters_with_other_markers
     with zipfile.ZipFile(wheel, "w") as z:
         z.writestr("maxtext-0.0.0.dist-info/METADATA", meta)
     assert wheel_metadata(str(wheel)) == meta
+
+
+def test_run_maxtext_takes_a_command_on_path(tmp_path, monkeypatch):
+    """On the lent GPU machine MaxText runs under `python3` from PATH (its wheels on PYTHONPATH), not a venv path."""
+    fake = tmp_path / "fake-python3"
+    fake.write_text("#!/bin/sh\n"
+                    'if [ "$1" = "-c" ]; then echo /pkg/maxtext; exit 0; fi\n'
+                    f"cat <<'LOG'\n{LOG}\nLOG\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert sbs.run_maxtext("fake-python3", "cpu", 6, "dense", 60)["step s"] == 9.471
+    with pytest.raises(FileNotFoundError, match="setup_maxtext.sh"):
+        sbs.run_maxtext("no-such-python3", "cpu", 6, "dense", 60)
+
+
+def test_main_passes_scan_layers_to_our_side(monkeypatch, capsys):
+    seen = {}
+
+    def fake_bench(name, dispatch, n_experts, peak, **kw):
+        seen.update(kw, name=name)
+        return {"MFU %": 10.0, "step ms": 100.0, "tokens/s": 20480.0}
+
+    monkeypatch.setattr(sbs.train_step, "bench", fake_bench)
+    monkeypatch.setattr(sbs, "measure_peak_flops", lambda: 1e12)
+    monkeypatch.setattr(sbs.host_memory, "keep_freed_memory", lambda: None)
+    rows = sbs.main(["--shape", "gpu", "--scan_layers", "on", "--skip_maxtext"])
+    assert seen["name"] == "maxtext_gpu" and seen["scan_layers"] == "on" and seen["attention"] == "cudnn"
+    assert len(rows) == 1 and "skipped" in capsys.readouterr().out
