@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# A CPU venv with the lent GPU machine's JAX stack (Python 3.12, jax/jaxlib 0.11.2, flax 0.12.10; its image, see
+# benchmarks/gpu_wheels.sh) and this project installed editable, to run the test suite and the benchmarks under
+# that JAX before a lease (CI and the default venv run jax 0.10.x):
+#
+#   bash benchmarks/jax011_venv.sh [VENV_DIR]        # default /tmp/venv-jax011; PYTHON=python3.12 to pick it
+#   /tmp/venv-jax011/bin/python -m pytest -q         # torch is left out: the HF-parity tests skip
+#
+# Refuses to touch an existing directory; builds beside it and renames at the end.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${1:-/tmp/venv-jax011}"
+PY="${PYTHON:-python3.12}"
+if [ -e "$VENV" ] || [ -e "$VENV.partial" ]; then
+  echo "error: $VENV or $VENV.partial already exists; remove it or pass another directory" >&2
+  exit 2
+fi
+if ! "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then
+  echo "error: the GPU machine runs Python 3.12; set PYTHON=/path/to/python3.12" >&2
+  exit 2
+fi
+"$PY" -m venv "$VENV.partial"
+py="$VENV.partial/bin/python"
+"$py" -m pip install -q --upgrade pip
+pins="$(mktemp)"
+trap 'rm -f "$pins"' EXIT
+printf 'jax==0.11.2\njaxlib==0.11.2\nflax==0.12.10\n' > "$pins"
+"$py" -m pip install -q -c "$pins" -e ".[kernels]" "pytest>=8,<10" "pytest-xdist>=3.5,<4" "papermill>=2.6,<3" \
+  "nbclient>=0.10,<1" "ipykernel>=6.29,<8"
+"$py" -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__)"
+mv "$VENV.partial" "$VENV"
+echo "ready: $VENV/bin/python -m pytest -q"

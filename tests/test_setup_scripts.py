@@ -1,0 +1,27 @@
+"""The shell scripts that build environments outside CI (benchmarks/*.sh) refuse what would overwrite or misuse
+a user's files, with one line and exit 2, before they download anything."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(script, *args, env=None):
+    return subprocess.run(["bash", str(ROOT / "benchmarks" / script), *map(str, args)], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=60)
+
+
+@pytest.mark.parametrize("script", ["jax011_venv.sh", "setup_maxtext.sh"])
+def test_venv_scripts_refuse_an_existing_directory(script, tmp_path):
+    (tmp_path / "keep.txt").write_text("a user's file")
+    p = _run(script, tmp_path)
+    assert p.returncode == 2 and "already exists" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert (tmp_path / "keep.txt").read_text() == "a user's file" and len(list(tmp_path.iterdir())) == 1
+
+
+def test_gpu_wheels_refuses_an_unknown_flag():
+    p = _run("gpu_wheels.sh", "--maxtex")
+    assert p.returncode == 2 and "unknown flag --maxtex" in p.stderr and len(p.stderr.strip().splitlines()) == 1
