@@ -6,10 +6,12 @@
 #   bash benchmarks/jax011_venv.sh [VENV_DIR]        # default /tmp/venv-jax011; PYTHON=python3.12 to pick it
 #   /tmp/venv-jax011/bin/python -m pytest -q         # torch is left out: the HF-parity tests skip
 #
-# Refuses to touch an existing directory; builds beside it and renames at the end.
+# Refuses to touch an existing directory; builds beside it and renames at the end (console scripts keep the
+# .partial path in their shebangs: call `$VENV/bin/python -m ...`). tokamax is pinned to the version
+# benchmarks/gpu_wheels.sh carries to the device.
 set -euo pipefail
+VENV="$(realpath -m "${1:-/tmp/venv-jax011}")"  # before the cd: a relative path is the caller's
 cd "$(dirname "$0")/.."
-VENV="${1:-/tmp/venv-jax011}"
 PY="${PYTHON:-python3.12}"
 if [ -e "$VENV" ] || [ -e "$VENV.partial" ]; then
   echo "error: $VENV or $VENV.partial already exists; remove it or pass another directory" >&2
@@ -24,7 +26,7 @@ py="$VENV.partial/bin/python"
 "$py" -m pip install -q --upgrade pip
 pins="$(mktemp)"
 trap 'rm -f "$pins"' EXIT
-printf 'jax==0.11.2\njaxlib==0.11.2\nflax==0.12.10\n' > "$pins"
+printf 'jax==0.11.2\njaxlib==0.11.2\nflax==0.12.10\ntokamax==0.0.17\n' > "$pins"
 "$py" -m pip install -q -c "$pins" -e ".[kernels]" "pytest>=8,<10" "pytest-xdist>=3.5,<4" "papermill>=2.6,<3" \
   "nbclient>=0.10,<1" "ipykernel>=6.29,<8"
 "$py" -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__)"

@@ -81,8 +81,11 @@ def run_maxtext(python: str, shape: str, steps: int, moe: str, timeout: int) -> 
     if not shutil.which(python):
         raise FileNotFoundError(f"no MaxText Python at {python}: build it with `bash benchmarks/setup_maxtext.sh` or "
                                 "pass --maxtext_python")
-    pkg = subprocess.run([python, "-c", "import maxtext, os; print(os.path.dirname(maxtext.__file__))"],
-                         capture_output=True, text=True, check=True).stdout.strip()
+    probe = subprocess.run([python, "-c", "import maxtext, os; print(os.path.dirname(maxtext.__file__))"],
+                           capture_output=True, text=True, timeout=300)
+    if probe.returncode:  # e.g. a wheel missing on the GPU machine: name the module
+        raise RuntimeError(f"{python} cannot import maxtext: " + " | ".join(probe.stderr.strip().splitlines()[-2:]))
+    pkg = probe.stdout.strip()
     env = dict(os.environ, JAX_PLATFORMS="cpu" if shape == "cpu" else "cuda")
     env.pop("XLA_FLAGS", None)  # one device, as this project's side runs
     with tempfile.TemporaryDirectory() as workdir:
@@ -121,9 +124,10 @@ def main(argv=None):
     ours = train_step.bench(name, "dropless", p["model"]["n_routed_experts"], peak, grouped=a.grouped_matmul,
                             attention=attention, scan_layers=a.scan_layers)
     our_flops_per_token = ours["MFU %"] / 100 * peak * ours["step ms"] / 1e3 / tokens
-    rows = [{"project": "this (moe-lm)", "MoE path": f"dropless / {a.grouped_matmul}", "attention": attention,
-             "tokens/step": tokens, "step s": ours["step ms"] / 1e3, "tokens/s": ours["tokens/s"],
+    rows = [{"project": "this (moe-lm)", "MoE path": f"dropless / {a.grouped_matmul}, scan {ours['scan layers']}",
+             "attention": attention, "tokens/step": tokens, "step s": ours["step ms"] / 1e3, "tokens/s": ours["tokens/s"],
              "model TFLOP/s (ours)": our_flops_per_token * ours["tokens/s"] / 1e12, "model TFLOP/s (maxtext)": None}]
+    print(table(rows), flush=True)  # now: a MaxText run cut off by a lease's time limit leaves our row printed
     if a.skip_maxtext:
         print("MaxText: skipped (--skip_maxtext)")
     else:

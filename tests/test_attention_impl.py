@@ -52,7 +52,8 @@ def test_blockwise_attention_equals_einsum(mask):
     model, tokens = tiny_model(mask=mask), jnp.zeros((1, 96), jnp.int32)
 
     def matmuls(impl):
-        jaxpr = jax.make_jaxpr(lambda t: model(t, execution=Execution(attention_impl=impl, grouped_matmul=EXPERTS), prefix_len_B=jnp.asarray([4]))[0])
+        ex = Execution(attention_impl=impl, grouped_matmul=EXPERTS)
+        jaxpr = jax.make_jaxpr(lambda t: model(t, execution=ex, prefix_len_B=jnp.asarray([4]))[0])
         return str(jaxpr(tokens)).count("dot_general")
 
     # The causal model runs 3 blocks x 2 attention matmuls per layer instead of 2; the prefix model runs einsum.

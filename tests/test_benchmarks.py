@@ -75,14 +75,14 @@ def test_slab_factor_variants_reach_the_grouped_matmul():
 
 def test_train_step_row(capsys):
     train_step.main(["--preset", "tiny", "--dispatch", "dropless", "--grouped_matmul", "blocked",
-                     "--attention_impl", "xla", "--experts", "8", "--peak_flops", "1e12", "--batch", "1",
+                     "--attention_impl", "xla", "--experts", "8", "--peak_flops", "1e12", "--batch", "2",
                      "--breakdown"])
     out = capsys.readouterr().out
     row = next(line for line in out.splitlines() if line.startswith("| dropless"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[:4] == ["dropless", "blocked", "xla", "8"]
     assert 0 <= float(cells[5]) <= 8 / 2 - 1  # MaxVio of the timed batch (8 experts, top-2: at most E / K - 1)
-    assert int(cells[6]) == 8 * 32  # tokens/step: one row of 32 per (fake) device
+    assert int(cells[6]) == 8 * 2 * 32  # tokens/step: --batch 2 rows of 32 per (fake) device (the preset's: 1)
     mfu = float(cells[9])
     assert 0 < mfu < 100
     header = next(line for line in out.splitlines() if line.startswith("| dispatch"))

@@ -64,6 +64,9 @@ def test_run_maxtext_takes_a_command_on_path(tmp_path, monkeypatch):
     assert sbs.run_maxtext("fake-python3", "cpu", 6, "dense", 60)["step s"] == 9.471
     with pytest.raises(FileNotFoundError, match="setup_maxtext.sh"):
         sbs.run_maxtext("no-such-python3", "cpu", 6, "dense", 60)
+    fake.write_text("#!/bin/sh\necho \"ModuleNotFoundError: No module named 'grain'\" >&2\nexit 1\n")
+    with pytest.raises(RuntimeError, match="cannot import maxtext: ModuleNotFoundError: No module named 'grain'"):
+        sbs.run_maxtext("fake-python3", "cpu", 6, "dense", 60)  # a wheel missing there: the module is named
 
 
 def test_main_passes_scan_layers_to_our_side(monkeypatch, capsys):
@@ -71,11 +74,11 @@ def test_main_passes_scan_layers_to_our_side(monkeypatch, capsys):
 
     def fake_bench(name, dispatch, n_experts, peak, **kw):
         seen.update(kw, name=name)
-        return {"MFU %": 10.0, "step ms": 100.0, "tokens/s": 20480.0}
+        return {"MFU %": 10.0, "step ms": 100.0, "tokens/s": 20480.0, "scan layers": kw["scan_layers"]}
 
     monkeypatch.setattr(sbs.train_step, "bench", fake_bench)
     monkeypatch.setattr(sbs, "measure_peak_flops", lambda: 1e12)
     monkeypatch.setattr(sbs.host_memory, "keep_freed_memory", lambda: None)
     rows = sbs.main(["--shape", "gpu", "--scan_layers", "on", "--skip_maxtext"])
     assert seen["name"] == "maxtext_gpu" and seen["scan_layers"] == "on" and seen["attention"] == "cudnn"
-    assert len(rows) == 1 and "skipped" in capsys.readouterr().out
+    assert len(rows) == 1 and rows[0]["MoE path"] == "dropless / auto, scan on" and "skipped" in capsys.readouterr().out

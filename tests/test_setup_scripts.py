@@ -9,9 +9,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _run(script, *args, env=None):
+def _run(script, *args, cwd=ROOT):
     return subprocess.run(["bash", str(ROOT / "benchmarks" / script), *map(str, args)], capture_output=True, text=True,
-                          env=env, cwd=ROOT, timeout=60)
+                          cwd=cwd, timeout=60)
 
 
 @pytest.mark.parametrize("script", ["jax011_venv.sh", "setup_maxtext.sh"])
@@ -20,8 +20,10 @@ def test_venv_scripts_refuse_an_existing_directory(script, tmp_path):
     p = _run(script, tmp_path)
     assert p.returncode == 2 and "already exists" in p.stderr and len(p.stderr.strip().splitlines()) == 1
     assert (tmp_path / "keep.txt").read_text() == "a user's file" and len(list(tmp_path.iterdir())) == 1
+    assert not tmp_path.with_name(tmp_path.name + ".partial").exists()
 
 
-def test_gpu_wheels_refuses_an_unknown_flag():
-    p = _run("gpu_wheels.sh", "--maxtex")
+def test_gpu_wheels_refuses_an_unknown_flag(tmp_path):
+    p = _run("gpu_wheels.sh", "--maxtex", cwd=tmp_path)  # it writes .whl/ and .git/info/exclude where it runs
     assert p.returncode == 2 and "unknown flag --maxtex" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert not list(tmp_path.iterdir())
