@@ -40,7 +40,13 @@ MOE_FLAGS = {"dense": ["sparse_matmul=False"], "ragged_dot": ["sparse_matmul=Tru
              "tokamax": ["sparse_matmul=True", "use_tokamax_gmm=True"]}
 
 
-def maxtext_args(shape: str, steps: int, moe: str, workdir: str) -> list[str]:
+def maxtext_attention(shape: str, attention: str = "") -> str:
+    """MaxText's attention kernel: as given, else dot_product on CPU and, on GPU, cuDNN through JAX (the kernel our
+    side runs there; MaxText's own `autoselected` is tokamax's Pallas-Triton flash attention on GPU)."""
+    return attention or ("dot_product" if shape == "cpu" else "cudnn_flash_jax")
+
+
+def maxtext_args(shape: str, steps: int, moe: str, workdir: str, attention: str = "") -> list[str]:
     """MaxText's train CLI overrides for the preset's shape (its deepseek3-tiny config, resized)."""
     p = preset(f"maxtext_{shape}")
     m, ex = p["model"], p["execution"]
@@ -58,7 +64,7 @@ def maxtext_args(shape: str, steps: int, moe: str, workdir: str) -> list[str]:
         f"dtype={ex['dtype']}", "weight_dtype=float32",  # params fp32 in both projects
         # MLA at a comparable size: 64-wide query/key heads (48 + 16 RoPE) and 64-wide values.
         "qk_nope_head_dim=48", "qk_rope_head_dim=16", "v_head_dim=64",
-        "attention=" + ("dot_product" if shape == "cpu" else "autoselected"),
+        f"attention={maxtext_attention(shape, attention)}",
         f"remat_policy={'full' if ex.get('remat') else 'none'}",
         *MOE_FLAGS[moe],
     ]
@@ -75,7 +81,7 @@ def parse_maxtext_log(text: str, warmup: int = 2) -> dict:
     return {"step s": mid[1], "maxtext TFLOP/s": mid[2], "tokens/s (maxtext log)": mid[3], "steps timed": len(timed)}
 
 
-def run_maxtext(python: str, shape: str, steps: int, moe: str, timeout: int) -> dict:
+def run_maxtext(python: str, shape: str, steps: int, moe: str, timeout: int, attention: str = "") -> dict:
     """MaxText's train run as a subprocess of `python` (a path, or a command on PATH: on the lent GPU machine
     `python3` with MaxText's wheels on PYTHONPATH, `bash benchmarks/gpu_wheels.sh --maxtext`)."""
     if not shutil.which(python):
@@ -90,7 +96,7 @@ def run_maxtext(python: str, shape: str, steps: int, moe: str, timeout: int) -> 
     env.pop("XLA_FLAGS", None)  # one device, as this project's side runs
     with tempfile.TemporaryDirectory() as workdir:
         cmd = [python, "-m", "maxtext.trainers.pre_train.train", os.path.join(pkg, "configs", "base.yml"),
-               *maxtext_args(shape, steps, moe, workdir)]
+               *maxtext_args(shape, steps, moe, workdir, attention)]
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     out = p.stdout + p.stderr
     if p.returncode:
@@ -104,6 +110,8 @@ def main(argv=None):
     ap.add_argument("--maxtext_python", default=os.environ.get("MAXTEXT_PYTHON", DEFAULT_MAXTEXT_PYTHON))
     ap.add_argument("--maxtext_moe", default="", help="dense, ragged_dot or tokamax (default: dense on CPU, "
                                                       "tokamax on GPU)")
+    ap.add_argument("--maxtext_attention", default="", help="MaxText's attention kernel (default: dot_product on "
+                                                            "CPU, cudnn_flash_jax on GPU; e.g. autoselected)")
     ap.add_argument("--maxtext_steps", type=int, default=6, help="steps run; the first 2 are not timed")
     ap.add_argument("--grouped_matmul", default="auto", help="this project's execution.grouped_matmul")
     ap.add_argument("--attention_impl", default="", help="this project's (default: blockwise on CPU, cudnn on GPU)")
@@ -132,8 +140,9 @@ def main(argv=None):
         print("MaxText: skipped (--skip_maxtext)")
     else:
         try:
-            mt = run_maxtext(a.maxtext_python, a.shape, a.maxtext_steps, moe, a.timeout)
-            rows.append({"project": "MaxText 0.2.5", "MoE path": moe, "attention": "MLA",
+            mt = run_maxtext(a.maxtext_python, a.shape, a.maxtext_steps, moe, a.timeout, a.maxtext_attention)
+            rows.append({"project": "MaxText 0.2.5", "MoE path": moe,
+                         "attention": f"MLA, {maxtext_attention(a.shape, a.maxtext_attention)}",
                          "tokens/step": tokens, "step s": mt["step s"], "tokens/s": tokens / mt["step s"],
                          # our count for the matched shape applies to MaxText's run up to the attention term
                          "model TFLOP/s (ours)": our_flops_per_token * tokens / mt["step s"] / 1e12,

@@ -28,6 +28,9 @@ def test_maxtext_args_match_the_shared_preset():
     assert args["sparse_matmul"] == "False" and args["hardware"] == "cpu"
     gpu = dict(a.split("=", 1) for a in sbs.maxtext_args("gpu", 6, "tokamax", "/tmp/x"))
     assert gpu["use_tokamax_gmm"] == "True" and gpu["dtype"] == "bfloat16" and gpu["weight_dtype"] == "float32"
+    assert (args["attention"], gpu["attention"]) == ("dot_product", "cudnn_flash_jax")  # cuDNN on both sides on GPU
+    assert dict(a.split("=", 1) for a in sbs.maxtext_args("gpu", 6, "tokamax", "/x", "autoselected"))["attention"] \
+        == "autoselected"
 
 
 def test_setup_keeps_the_tpu_extra_minus_runtimes_and_linters_with_other_markers(tmp_path):
