@@ -122,3 +122,30 @@ def test_decoder_self_attention_runs_blockwise_and_equals_einsum():
     assert str(jax.make_jaxpr(logits("blockwise"))()).count("dot_general") > \
         str(jax.make_jaxpr(logits("einsum"))()).count("dot_general")
     np.testing.assert_allclose(jax.jit(logits("blockwise"))(), jax.jit(logits("einsum"))(), rtol=1e-5, atol=1e-6)
+
+
+def test_slab_gradients_through_the_encoder_decoder_equal_ragged_dots():
+    """The experts' default CPU kernel (slab, its VJP written by hand) in the encoder-decoder's backward pass, which
+    the study's end-to-end test no longer trains through (tests/conftest.py's pipeline_config): logits and every
+    gradient equal ragged_dot's, padded source rows included."""
+    cfg = ModelConfig(**{**TINY, "n_layers": 2})
+    graphdef, state = nnx.split(EncoderDecoder(cfg, nnx.Rngs(0), n_encoder_layers=2))  # an MoE block in each
+    src, tgt, sseg, tseg = inputs()
+
+    def loss_and_grads(kernel):
+        def loss(state):
+            logits = nnx.merge(graphdef, state)(src, tgt, src_segment_ids_BxS=sseg, tgt_segment_ids_BxT=tseg,
+                                                execution=Execution(grouped_matmul=kernel))[0]
+            return jnp.mean(jax.nn.log_softmax(logits)[..., 3]), logits
+
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(state)
+
+    (_, want_logits), want = loss_and_grads("ragged_dot")
+    (_, got_logits), got = loss_and_grads("slab")
+    np.testing.assert_allclose(got_logits, want_logits, rtol=1e-5, atol=1e-6)
+    leaves = jax.tree.leaves_with_path(want)
+    routed = [(jax.tree_util.keystr(p), v) for p, v in leaves if v.ndim == 3 and "w_gate" in jax.tree_util.keystr(p)]
+    assert [k.split("]")[0] for k, _ in routed] == ["['decoder'", "['encoder'"]
+    assert all(np.abs(v).max() > 0 for _, v in routed)  # the experts' gradients are compared, not two zeros
+    for (path, a), b in zip(leaves, jax.tree.leaves(got), strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
