@@ -127,6 +127,13 @@ def comma_subset(ap: argparse.ArgumentParser, flag: str, value: str, allowed) ->
     return items
 
 
+def add_scan_layers_flag(ap: argparse.ArgumentParser, where: str = "the train step's") -> None:
+    """--scan_layers on|off: execution.scan_layers for one run ("": the preset's, off; moe/layer_scan.py)."""
+    ap.add_argument("--scan_layers", default="", choices=["", "on", "off"],
+                    help=f"{where} MoE blocks as one lax.scan (on: one compiled copy of the block) or unrolled (off); "
+                         "default: the preset's (off)")
+
+
 def arg_parser(description: str) -> argparse.ArgumentParser:
     """The flags every benchmark takes: preset, dispatch paths, grouped matmuls, attention, expert counts, capacity
     factor. Lists are comma-separated; each combination is one row."""

@@ -30,7 +30,7 @@ import traceback
 import jax
 
 from benchmarks import kernel_accuracy, moe_layer, profile_step, train_step
-from benchmarks.common import describe, table
+from benchmarks.common import add_scan_layers_flag, describe, table
 from moe import grouped_kernels
 from train.flops import measure_peak_flops
 
@@ -118,9 +118,7 @@ def main(argv=None) -> str:
     ap.add_argument("--grouped_matmul", default="",
                     help="comma-separated grouped matmuls to time (default: slab, tokamax if installed, ragged_dot; "
                          "the first also runs the train step right after the tests)")
-    ap.add_argument("--scan_layers", default="", choices=["", "on", "off"],
-                    help="the train step's MoE blocks as one lax.scan (on) or unrolled (off), in the train and "
-                         "profile sections; default: the preset's (off): see moe/layer_scan.py")
+    add_scan_layers_flag(ap, "the train and profile sections' train step:")
     a = ap.parse_args(argv)
     wanted = set(a.sections.split(","))
     if wanted - {"tests", "accuracy", "train", "layer", "profile"}:

@@ -12,16 +12,18 @@ for arg in "$@"; do
 done
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || { mkdir -p .git/info && echo /.whl/ >> .git/info/exclude; }
 mkdir -p .whl/stub/xprof/cli
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+download() {  # wheels for the device's Python 3.12 on x86-64 Linux, into .whl/
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl "$@"
+}
+download \
   ml_collections==1.1.0 tokamax==0.0.17 einshape==1.0 pydantic==2.14.4 pydantic_core==2.50.5 \
   annotated_types==0.8.0 typing_inspection==0.4.5 qwix==0.1.8 immutabledict==4.3.1 tensorboardx==2.6.5
 if [[ " $* " == *" --study "* ]]; then
   # The decoder-only studies (analysis.gpu_round) read the bundled corpus through TFDS without TensorFlow: TFDS,
   # grain, array_record and the dependencies the image lacks (~11 MB; promise ships no wheel: built here).
   # Not yet tried on the device.
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+  download \
     tensorflow-datasets==4.9.10 grain==0.2.18 array-record==0.8.6 dm-tree==0.1.10 simple_parsing==0.1.9 \
     docstring_parser==0.18.0 tensorflow-metadata==1.21.0 googleapis-common-protos==1.76.0 termcolor==3.3.0 \
     toml==0.10.2 portpicker==1.6.0
@@ -31,9 +33,8 @@ if [[ " $* " == *" --maxtext "* ]]; then
   # Found by running MaxText's train (synthetic data; dense and ragged_dot MoE) on CPU in a Python 3.12 venv of the
   # image's packages at its versions (jax 0.11.2, flax 0.12.10, ...), adding each module it failed to import, at
   # the versions of MaxText's own tested set (benchmarks/setup_maxtext.sh); then installed from these wheels alone,
-  # as on the device. Not yet tried there (its GPU paths: tokamax's grouped matmul, attention=autoselected).
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+  # as on the device. Not yet tried there (its GPU paths: tokamax's grouped matmul, cuDNN attention).
+  download \
     maxtext==0.2.5 aqtp==0.9.0 array-record==0.8.6 drjax==0.2.1 fastapi==0.165.0 fire==0.7.1 grain==0.2.18 \
     omegaconf==2.4.0 opentelemetry-api==1.45.2 pathwaysutils==0.1.13 portpicker==1.6.0 starlette==1.10.0 \
     termcolor==3.3.0 uvicorn==0.54.0

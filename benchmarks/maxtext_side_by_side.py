@@ -29,7 +29,7 @@ import subprocess
 import tempfile
 
 from benchmarks import train_step
-from benchmarks.common import describe, preset, table
+from benchmarks.common import add_scan_layers_flag, describe, preset, table
 from train import host_memory
 from train.flops import measure_peak_flops
 
@@ -115,9 +115,7 @@ def main(argv=None):
     ap.add_argument("--maxtext_steps", type=int, default=6, help="steps run; the first 2 are not timed")
     ap.add_argument("--grouped_matmul", default="auto", help="this project's execution.grouped_matmul")
     ap.add_argument("--attention_impl", default="", help="this project's (default: blockwise on CPU, cudnn on GPU)")
-    ap.add_argument("--scan_layers", default="", choices=["", "on", "off"],
-                    help="this project's execution.scan_layers (default: the preset's, off; MaxText scans its layers "
-                         "by default: `on` compiles the 16-layer GPU shape in a fraction of the time)")
+    add_scan_layers_flag(ap, "this project's side: its")  # MaxText scans its layers by default
     ap.add_argument("--timeout", type=int, default=3600)
     ap.add_argument("--skip_maxtext", action="store_true")
     a = ap.parse_args(argv)

@@ -23,7 +23,7 @@ import tempfile
 
 import jax
 
-from benchmarks.common import PRESETS, describe, table, time_fns
+from benchmarks.common import PRESETS, add_scan_layers_flag, describe, table, time_fns
 from benchmarks.train_step import prepare
 from train import host_memory
 
@@ -83,8 +83,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=3, help="traced steps")
     ap.add_argument("--top", type=int, default=30, help="ops listed")
     ap.add_argument("--trace_dir", default="", help="where the trace goes (default: a temporary directory)")
-    ap.add_argument("--scan_layers", default="", choices=["", "on", "off"],
-                    help="the MoE blocks as one lax.scan (on) or unrolled (off); default: the preset's")
+    add_scan_layers_flag(ap)
     a = ap.parse_args(argv)
     host_memory.keep_freed_memory()  # as `python -m train` runs (train/host_memory.py)
     print(describe())
