@@ -55,11 +55,16 @@ def test_slab_layouts_are_static_cheapest_first_ending_with_the_fallback():
 
 
 def test_spill_layouts_are_the_default_on_cpu_only():
-    assert grouped_slab.default_layout_sets("cpu") == (grouped_slab.SPILL_FRACTIONS, grouped_slab.SLAB_FACTORS, 0)
+    assert grouped_slab.default_layout_sets("cpu") == (grouped_slab.SPILL_FRACTIONS, grouped_slab.SLAB_FACTORS, 0,
+                                                       grouped_slab.FALLBACK_BLOCK)
     # elsewhere the layouts measured on an H200 until a GPU A/B: slabs of 1.25 / 1.5 / 2 x the mean 128 rows, all
-    # kept, then 64-row fallback blocks
+    # kept, then ragged_dot (the padded blocks' weight-gradient scatter does not compile on XLA:GPU in useful time)
     lays = grouped_slab.layouts(8192, 64, *grouped_slab.default_layout_sets("gpu"))
-    assert lays == ((160, 0, 64), (192, 0, 64), (256, 0, 64), (0, 191, 64))
+    assert lays == ((160, 0, 64), (192, 0, 64), (256, 0, 64), grouped_slab.RAGGED)
+    # the spill layouts are still kept or dropped against padded blocks' cost, whatever the fallback
+    cpu = grouped_slab.default_layout_sets("cpu")
+    assert (grouped_slab.layouts(8192, 64, *cpu[:3], grouped_slab.RAGGED_FALLBACK)[:-1]
+            == grouped_slab.layouts(8192, 64, *cpu)[:-1])
 
 
 def test_a_layout_fits_when_its_spill_blocks_hold_the_rows_past_the_slabs():
@@ -90,6 +95,26 @@ def test_slab_each_layout_equals_ragged_dot(lay):
         _assert_matches_ragged_dot(fn, sizes)
 
 
+@pytest.mark.parametrize("lays", [(grouped_slab.RAGGED,), (LAYOUTS[0], grouped_slab.RAGGED)], ids=["alone", "fallback"])
+def test_slab_ragged_layout_equals_ragged_dot(lays):
+    """The ragged_dot layout (the fallback off the CPU) through the hand-written VJP: alone, and as the fallback
+    of a slab that fits only the balanced case; padding rows give 0 and add to no gradient."""
+    fn = grouped_slab.grouped_swiglu_layouts(lays)
+    assert bool(grouped_slab.fits(jnp.asarray(SIZES["skewed"]), grouped_slab.RAGGED))
+    for sizes in SIZES.values():
+        _assert_matches_ragged_dot(fn, sizes)
+
+
+def test_slab_with_the_gpu_layouts_equals_ragged_dot():
+    """The GPU's default layouts (pure slabs, the ragged_dot fallback), run here: each case picks a slab or the
+    fallback."""
+    fractions, factors, block, fallback = grouped_slab.default_layout_sets("gpu")
+    fn = functools.partial(grouped_slab.grouped_swiglu_slab, fractions=fractions, factors=factors, block=block,
+                           fallback_block=fallback)
+    for sizes in SIZES.values():
+        _assert_matches_ragged_dot(fn, sizes)
+
+
 @pytest.mark.parametrize("backend", ["cpu", "gpu"])
 def test_slab_in_bf16_is_as_close_to_the_fp32_truth_as_ragged_dot_in_bf16(backend):
     """bf16 in and out, with each backend's layouts (CPU's spill layouts sum the weight gradients of slab and spill
@@ -97,8 +122,9 @@ def test_slab_in_bf16_is_as_close_to_the_fp32_truth_as_ragged_dot_in_bf16(backen
     error (+25%, +0.02 of the largest entry), and finite. Both errors are ~1% at these inputs, so the slack
     dominates: this catches a wrong row or a precision loss of several bf16 ulps, not an error twice ragged_dot's
     (to tighten once a GPU has rerun it: docs/performance.md, "GPU figures, run 4")."""
-    fractions, factors, block = grouped_slab.default_layout_sets(backend)
-    slab = functools.partial(grouped_slab.grouped_swiglu_slab, fractions=fractions, factors=factors, block=block)
+    fractions, factors, block, fallback = grouped_slab.default_layout_sets(backend)
+    slab = functools.partial(grouped_slab.grouped_swiglu_slab, fractions=fractions, factors=factors, block=block,
+                             fallback_block=fallback)
     x, ws = kernel_accuracy.inputs(jnp.bfloat16)
     for sizes in SIZES.values():
         got = kernel_accuracy.relative_errors(slab, sizes, x, ws)

@@ -14,7 +14,7 @@ def _run(script, *args, cwd=ROOT):
                           cwd=cwd, timeout=60)
 
 
-@pytest.mark.parametrize("script", ["jax011_venv.sh", "setup_maxtext.sh"])
+@pytest.mark.parametrize("script", ["jax011_venv.sh", "setup_maxtext.sh", "gpu_compile_setup.sh"])
 def test_venv_scripts_refuse_an_existing_directory(script, tmp_path):
     (tmp_path / "keep.txt").write_text("a user's file")
     p = _run(script, tmp_path)
@@ -26,4 +26,12 @@ def test_venv_scripts_refuse_an_existing_directory(script, tmp_path):
 def test_gpu_wheels_refuses_an_unknown_flag(tmp_path):
     p = _run("gpu_wheels.sh", "--maxtex", cwd=tmp_path)  # it writes .whl/ and .git/info/exclude where it runs
     assert p.returncode == 2 and "unknown flag --maxtex" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert not list(tmp_path.iterdir())
+
+
+def test_gpu_compile_setup_refuses_a_python_without_jax_0112(tmp_path):
+    site = tmp_path / "site"
+    p = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_compile_setup.sh"), str(site)], capture_output=True,
+                       text=True, cwd=ROOT, timeout=60, env={"PATH": "/usr/bin:/bin", "PYTHON": "/bin/false"})
+    assert p.returncode == 2 and "jax 0.11.2" in p.stderr and len(p.stderr.strip().splitlines()) == 1
     assert not list(tmp_path.iterdir())

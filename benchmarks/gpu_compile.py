@@ -1,0 +1,152 @@
+"""The train step compiled for a GPU on this machine, without one: XLA:GPU's compile time and the program's largest
+kernels, per grouped matmul, layer scan and expert count. A compile that hangs on the lent GPU (runs 4 and 5,
+docs/performance.md) can be found and fixed here, at no device time.
+
+    bash benchmarks/gpu_compile_setup.sh                     # the CUDA PJRT plugin into /tmp/jax-cuda-site
+    PYTHONPATH=/tmp/jax-cuda-site /tmp/venv-jax011/bin/python -m benchmarks.gpu_compile --experts 8,64
+    ... -m benchmarks.gpu_compile --n_layers 2 --grouped_matmul slab,ragged_dot --scan_layers on,off --timeout 600
+
+JAX compiles ahead of time for a GPU described by a target config (`jax.experimental.topologies`, "deviceless
+AOT"): every XLA:GPU pass, LLVM and ptxas run here, nothing is autotuned (a GPU would autotune its GEMMs on top),
+and the compiled program is not run. `benchmarks/gpu_targets/h200.txtpb` describes the lent H200 (compute
+capability 9.0, 132 SMs; bandwidth and clocks approximate: they steer cost models, not correctness). Each row is
+compiled in a subprocess with a time limit, so a hung compile is a row that says so. Attention is `xla` (cuDNN's
+needs the cuDNN library, which the plugin's minimal install leaves out). ptxas comes from a CUDA toolkit on PATH
+(or the `nvidia-cuda-nvcc-cu12` wheel).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+from benchmarks.common import comma_subset, table
+
+TARGET = os.path.join(os.path.dirname(__file__), "gpu_targets", "h200.txtpb")
+SETUP_HINT = "bash benchmarks/gpu_compile_setup.sh, then PYTHONPATH=/tmp/jax-cuda-site (Python 3.12, jax 0.11.x)"
+
+
+def _kernel_stats(hlo: str) -> dict:
+    """Counts from the optimized HLO: how XLA:GPU built the program."""
+    return {"fusions": hlo.count(" fusion("), "triton GEMMs": hlo.count("__triton_nested_gemm_fusion")
+            + hlo.count('"__triton_gemm"'), "scatters": hlo.count(" scatter("), "whiles": hlo.count(" while("),
+            "conditionals": hlo.count(" conditional("), "HLO MB": round(len(hlo) / 1e6, 2)}
+
+
+def compile_row(spec: dict) -> dict:
+    """Compile one train step for the target GPU (in this process) and describe it."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import topologies
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    topology = topologies.get_topology_desc(platform="cuda", target_config=open(spec["target"]).read(),
+                                            topology="1x1x1")
+    # The model picks its per-backend defaults (slab's layouts, `auto`, cuDNN attention) from jax.default_backend(),
+    # which is this machine's CPU; the program is for the GPU.
+    jax.default_backend = lambda: "gpu"
+    from flax import nnx
+
+    from benchmarks.train_step import _config
+    from moe import Transformer
+    from train import optim
+    from train.config import check, execution
+    from train.state import abstract_model, split_model, state_shardings
+    from train.step import forward, make_train_step
+
+    c = _config("gpu", "dropless", spec["experts"], 1.25, spec["grouped"], "xla", spec["batch"], 0, spec["scan"])
+    if spec["n_layers"]:
+        c.model.n_layers = spec["n_layers"]
+    mcfg, t = check(c), c.train
+    mesh = topologies.make_mesh(topology, (1, 1, 1, 1), ("data", "fsdp", "expert", "tensor"))
+    tx = optim.optimizer(t)
+
+    def init(seed):  # as train.state.init_state, shapes only
+        graphdef, params, bias = split_model(Transformer(mcfg, nnx.Rngs(jax.random.key(seed))))
+        return {"params": params, "bias": bias, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}
+
+    graphdef = split_model(abstract_model(mcfg, Transformer))[0]
+    abstract = jax.eval_shape(init, jnp.asarray(0, jnp.uint32))
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract,
+                         state_shardings(abstract, mesh))
+    rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+    B, L = t.batch_size, c.data.seq_len
+    batch = {k: jax.ShapeDtypeStruct((B, L), jnp.float32 if k == "loss_mask" else jnp.int32, sharding=rows)
+             for k in ("tokens", "targets", "segment_ids", "positions", "loss_mask", "domains")}
+    ex = execution(c, mesh)
+    step = jax.jit(make_train_step(graphdef, tx, optim.schedule(t), t, ex, functools.partial(forward, fused_loss=True)))
+    t0 = time.perf_counter()
+    lowered = step.lower(state, batch)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    return {"grouped matmul": spec["grouped"], "experts": spec["experts"], "layers": mcfg.n_layers,
+            "scan layers": "on" if ex.scan_layers else "off", "lower s": round(t1 - t0, 1),
+            "compile s": round(t2 - t1, 1), **_kernel_stats(compiled.as_text())}
+
+
+def _run_in_subprocess(spec: dict, timeout: int) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.gpu_compile", "--_row", json.dumps(spec)]
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                           env={**os.environ, "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"})
+    except subprocess.TimeoutExpired:
+        return {**_row_keys(spec), "compile s": f"> {timeout} (not finished)"}
+    out = [line for line in p.stdout.splitlines() if line.startswith("ROW ")]
+    if p.returncode or not out:
+        err = (p.stderr.strip().splitlines() or ["?"])[-1][:200]
+        return {**_row_keys(spec), "compile s": f"failed after {time.perf_counter() - t0:.0f} s: {err}"}
+    return json.loads(out[-1][4:])
+
+
+def _row_keys(spec: dict) -> dict:
+    return {"grouped matmul": spec["grouped"], "experts": spec["experts"], "layers": spec["n_layers"] or "config",
+            "scan layers": spec["scan"] or "config"}
+
+
+def plugin_ready() -> bool:
+    """Whether JAX here can compile for CUDA without a GPU (the plugin is importable)."""
+    import importlib.util
+
+    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--experts", default="8", help="routed experts, comma-separated")
+    ap.add_argument("--grouped_matmul", default="slab", help="comma-separated")
+    ap.add_argument("--scan_layers", default="on", help="on, off or both (on,off)")
+    ap.add_argument("--n_layers", type=int, default=0, help="0: configs/gpu_1b.py's 16")
+    ap.add_argument("--batch", type=int, default=16, help="rows of 2048 tokens (the gpu preset's 16)")
+    ap.add_argument("--target", default=TARGET, help="the GPU's XLA target config (text proto)")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per row")
+    ap.add_argument("--_row", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a._row:
+        print("ROW " + json.dumps(compile_row(json.loads(a._row))), flush=True)
+        return
+    if not plugin_ready():
+        print(f"error: no CUDA PJRT plugin importable here; {SETUP_HINT}", file=sys.stderr)
+        sys.exit(2)
+    if not os.path.isfile(a.target):
+        print(f"error: --target {a.target} is not a file; pass an XLA GPU target config", file=sys.stderr)
+        sys.exit(2)
+    scans = comma_subset(ap, "--scan_layers", a.scan_layers, ("on", "off"))
+    rows = []
+    for g in a.grouped_matmul.split(","):
+        for e in (int(x) for x in a.experts.split(",")):
+            for sc in scans:
+                spec = dict(grouped=g, experts=e, scan=sc, n_layers=a.n_layers, batch=a.batch, target=a.target)
+                rows.append(_run_in_subprocess(spec, a.timeout))
+                print(table(rows[-1:]), flush=True)
+    print(f"\nXLA:GPU compile on this CPU (deviceless, {os.cpu_count()} cores, target {os.path.basename(a.target)}):")
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""benchmarks/gpu_compile.py: what can be checked without the CUDA plugin (CI has none): its refusals, a row
+that fails or hangs in its subprocess, and the kernel counts it reads off the optimized HLO."""
+
+import json
+import subprocess
+
+import pytest
+
+from benchmarks import gpu_compile
+
+
+def test_without_the_cuda_plugin_it_says_how_to_install_it(monkeypatch, capsys):
+    monkeypatch.setattr(gpu_compile, "plugin_ready", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        gpu_compile.main([])
+    assert e.value.code == 2 and "gpu_compile_setup.sh" in capsys.readouterr().err
+
+
+def test_a_missing_target_config_is_refused(monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(gpu_compile, "plugin_ready", lambda: True)
+    with pytest.raises(SystemExit) as e:
+        gpu_compile.main(["--target", str(tmp_path / "none.txtpb")])
+    assert e.value.code == 2 and "--target" in capsys.readouterr().err
+
+
+SPEC = dict(grouped="slab", experts=8, scan="on", n_layers=2, batch=1, target=gpu_compile.TARGET)
+
+
+def test_a_row_that_fails_or_hangs_says_so(monkeypatch):
+    def failing(cmd, **kw):
+        assert json.loads(cmd[cmd.index("--_row") + 1]) == SPEC  # the row's spec reaches the subprocess
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="Traceback...\nRuntimeError: no cuda")
+
+    monkeypatch.setattr(subprocess, "run", failing)
+    row = gpu_compile._run_in_subprocess(SPEC, timeout=5)
+    assert row["compile s"].startswith("failed") and "RuntimeError: no cuda" in row["compile s"]
+
+    def hanging(cmd, timeout, **kw):
+        raise subprocess.TimeoutExpired(cmd, timeout)
+
+    monkeypatch.setattr(subprocess, "run", hanging)
+    assert gpu_compile._run_in_subprocess(SPEC, timeout=5)["compile s"] == "> 5 (not finished)"
+
+
+def test_a_finished_row_is_read_from_the_subprocess(monkeypatch):
+    row = {"grouped matmul": "slab", "compile s": 12.5}
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
+        cmd, 0, stdout="log line\nROW " + json.dumps(row) + "\n", stderr=""))
+    assert gpu_compile._run_in_subprocess(SPEC, timeout=5) == row
+
+
+def test_kernel_stats_count_the_optimized_programs_kernels():
+    hlo = ('%f = fusion(%a), kind=kCustom, backend_config={"kind":"__triton_nested_gemm_fusion"}\n'
+           "%s = scatter(%x, %i, %u)\n%w = while(%t)\n%c = conditional(%p)\n%g = fusion(%b), kind=kLoop\n")
+    stats = gpu_compile._kernel_stats(hlo)
+    assert (stats["fusions"], stats["triton GEMMs"], stats["scatters"], stats["whiles"], stats["conditionals"]) == (
+        2, 1, 1, 1, 1)
+
+
+def test_the_h200_target_config_is_shipped():
+    text = open(gpu_compile.TARGET).read()
+    assert "cuda_compute_capability" in text and 'device_description_str: "NVIDIA H200"' in text
