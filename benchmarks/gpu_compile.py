@@ -18,6 +18,7 @@ needs the cuDNN library, which the plugin's minimal install leaves out). ptxas c
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -89,12 +90,25 @@ def compile_row(spec: dict) -> dict:
             "compile s": round(t2 - t1, 1), **_kernel_stats(compiled.as_text())}
 
 
+def run_group(cmd: list[str], timeout: int, env: dict) -> subprocess.CompletedProcess:
+    """cmd in a process group of its own, all of it killed at the timeout (then TimeoutExpired): XLA:GPU runs
+    ptxas as child processes, which would otherwise outlive a hung compile and keep the cores busy."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
 def _run_in_subprocess(spec: dict, timeout: int) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.gpu_compile", "--_row", json.dumps(spec)]
     t0 = time.perf_counter()
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                           env={**os.environ, "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"})
+        p = run_group(cmd, timeout, {**os.environ, "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"})
     except subprocess.TimeoutExpired:
         return {**_row_keys(spec), "compile s": f"> {timeout} (not finished)"}
     out = [line for line in p.stdout.splitlines() if line.startswith("ROW ")]

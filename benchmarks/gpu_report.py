@@ -21,9 +21,12 @@ lease's time limit keeps what finished.
 """
 
 import argparse
+import glob
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -42,6 +45,24 @@ def _grouped_choices() -> list[str]:
     fastest train step on an H200), tokamax's kernels when installed, XLA's ragged_dot last (slowest there, and
     minutes per row at 64 experts)."""
     return ["slab"] + (["tokamax"] if grouped_kernels.available() else []) + ["ragged_dot"]
+
+
+def save_target_config(out: str) -> str:
+    """XLA's description of this GPU (`gpu_target_config.pbtxt`, dumped when it compiles a small program in a
+    fresh process) saved beside the report: benchmarks/gpu_compile.py compiles for it on a machine without a GPU.
+    Returns a line for the report."""
+    path = os.path.splitext(out)[0] + ".target_config.txtpb"
+    with tempfile.TemporaryDirectory() as dump:
+        # no compilation cache: a cached program is not compiled, so nothing would be dumped
+        env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={dump}", JAX_ENABLE_COMPILATION_CACHE="false")
+        code = "import jax, jax.numpy as jnp; print(jax.jit(lambda x: x * 3 + 1)(jnp.ones(4)))"
+        subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=300)
+        found = sorted(glob.glob(os.path.join(dump, "*gpu_target_config.pbtxt")))
+        if not found:
+            return "XLA target config: none (not a GPU)"
+        shutil.copyfile(found[0], path + ".tmp")
+        os.replace(path + ".tmp", path)
+    return f"XLA target config: `{path}` (for benchmarks/gpu_compile.py --target)"
 
 
 def run_gpu_tests(tiny: bool) -> str:
@@ -130,7 +151,8 @@ def main(argv=None) -> str:
     t0 = time.time()
     peak = measure_peak_flops(256 if a.tiny else None)
     sections = [("Device", f"{describe()}\n\nMeasured matmul peak: {peak / 1e12:.4g} TFLOP/s "
-                           f"({'bf16 8192^2' if jax.default_backend() != 'cpu' else 'fp32, CPU'})")]
+                           f"({'bf16 8192^2' if jax.default_backend() != 'cpu' else 'fp32, CPU'})\n\n"
+                           + save_target_config(a.out))]
     # Most telling first (a lease may end mid-run): the correctness tests, the train step on the first grouped
     # matmul (MFU), the layer ratios, then the train step on the others.
     train = lambda g: (f"Train step ({g}), preset {preset}, attention {a.attention_impl}",

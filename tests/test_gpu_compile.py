@@ -2,7 +2,9 @@
 that fails or hangs in its subprocess, and the kernel counts it reads off the optimized HLO."""
 
 import json
+import os
 import subprocess
+import time
 
 import pytest
 
@@ -27,26 +29,48 @@ SPEC = dict(grouped="slab", experts=8, scan="on", n_layers=2, batch=1, target=gp
 
 
 def test_a_row_that_fails_or_hangs_says_so(monkeypatch):
-    def failing(cmd, **kw):
+    def failing(cmd, timeout, env):
         assert json.loads(cmd[cmd.index("--_row") + 1]) == SPEC  # the row's spec reaches the subprocess
         return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="Traceback...\nRuntimeError: no cuda")
 
-    monkeypatch.setattr(subprocess, "run", failing)
+    monkeypatch.setattr(gpu_compile, "run_group", failing)
     row = gpu_compile._run_in_subprocess(SPEC, timeout=5)
     assert row["compile s"].startswith("failed") and "RuntimeError: no cuda" in row["compile s"]
 
-    def hanging(cmd, timeout, **kw):
+    def hanging(cmd, timeout, env):
         raise subprocess.TimeoutExpired(cmd, timeout)
 
-    monkeypatch.setattr(subprocess, "run", hanging)
+    monkeypatch.setattr(gpu_compile, "run_group", hanging)
     assert gpu_compile._run_in_subprocess(SPEC, timeout=5)["compile s"] == "> 5 (not finished)"
 
 
 def test_a_finished_row_is_read_from_the_subprocess(monkeypatch):
     row = {"grouped matmul": "slab", "compile s": 12.5}
-    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
+    monkeypatch.setattr(gpu_compile, "run_group", lambda cmd, timeout, env: subprocess.CompletedProcess(
         cmd, 0, stdout="log line\nROW " + json.dumps(row) + "\n", stderr=""))
     assert gpu_compile._run_in_subprocess(SPEC, timeout=5) == row
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\nState:\tZ" not in f.read()  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def test_a_timeout_kills_the_rows_child_processes_too():
+    """As ptxas under a hung compile: a grandchild of the row's process must not outlive the timeout."""
+    cmd = ["bash", "-c", "sleep 300 & echo $! > \"$PIDFILE\"; wait"]
+    pidfile = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"gpu_compile_test_{os.getpid()}.pid")
+    with pytest.raises(subprocess.TimeoutExpired):
+        gpu_compile.run_group(cmd, timeout=2, env={**os.environ, "PIDFILE": pidfile})
+    grandchild = int(open(pidfile).read())
+    os.remove(pidfile)
+    deadline = time.time() + 5
+    while _alive(grandchild) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _alive(grandchild)
 
 
 def test_kernel_stats_count_the_optimized_programs_kernels():

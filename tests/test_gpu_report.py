@@ -1,5 +1,8 @@
 """benchmarks/gpu_report.py runs end to end at toy shapes on CPU and writes every section of its report."""
 
+import os
+import subprocess
+
 import pytest
 
 from benchmarks import gpu_report
@@ -19,9 +22,24 @@ def test_gpu_report_tiny_writes_every_section(tmp_path):
     assert "| empty_and_padding | d/dw_down |" in text  # the accuracy table
     assert "| dropless | slab |" in text and "slab:spill" not in text  # spill blocks: no GPU compile (gpu_report)
     assert "dot_general" in text  # the profile's table names the ops' JAX origin
+    assert "XLA target config: none (not a GPU)" in text and not list(tmp_path.glob("*.txtpb"))
 
 
 def test_sections_flag_rejects_unknown_names(capsys):
     with pytest.raises(SystemExit) as e:
         gpu_report.main(["--sections", "tests,speed"])
     assert e.value.code == 2 and "--sections" in capsys.readouterr().err
+
+
+def test_the_gpus_target_config_is_saved_beside_the_report(monkeypatch, tmp_path):
+    """On a GPU, XLA dumps its target config when it compiles; the report keeps it for benchmarks/gpu_compile.py."""
+    def fake_gpu_process(cmd, env, **kw):
+        dump = env["XLA_FLAGS"].split("=", 1)[1]
+        with open(os.path.join(dump, "module_0001.jit__lambda.gpu_target_config.pbtxt"), "w") as f:
+            f.write('device_description_str: "NVIDIA H200"\n')
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(subprocess, "run", fake_gpu_process)
+    line = gpu_report.save_target_config(str(tmp_path / "report.md"))
+    saved = tmp_path / "report.target_config.txtpb"
+    assert str(saved) in line and saved.read_text() == 'device_description_str: "NVIDIA H200"\n'
