@@ -1,10 +1,11 @@
 """The train step compiled for a GPU on this machine, without one: XLA:GPU's compile time and the program's largest
-kernels, per grouped matmul, layer scan and expert count. A compile that hangs on the lent GPU (runs 4 and 5,
+kernels, per dispatch, grouped matmul, layer scan and expert count. A compile that hangs on the lent GPU (runs 4 and 5,
 docs/performance.md) can be found and fixed here, at no device time.
 
     bash benchmarks/gpu_compile_setup.sh                     # the CUDA PJRT plugin into /tmp/jax-cuda-site
     PYTHONPATH=/tmp/jax-cuda-site /tmp/venv-jax011/bin/python -m benchmarks.gpu_compile --experts 8,64
     ... -m benchmarks.gpu_compile --n_layers 2 --grouped_matmul slab,ragged_dot --scan_layers on,off --timeout 600
+    ... -m benchmarks.gpu_compile --dispatch dropless,capacity,expert_parallel --grouped_matmul slab,tokamax
 
 JAX compiles ahead of time for a GPU described by a target config (`jax.experimental.topologies`, "deviceless
 AOT"): every XLA:GPU pass, LLVM and ptxas run here, nothing is autotuned (a GPU would autotune its GEMMs on top),
@@ -23,7 +24,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.common import comma_subset, table
+from benchmarks.common import comma_subset, table, variants
 
 TARGET = os.path.join(os.path.dirname(__file__), "gpu_targets", "h200.txtpb")
 SETUP_HINT = "bash benchmarks/gpu_compile_setup.sh, then PYTHONPATH=/tmp/jax-cuda-site (Python 3.12, jax 0.11.x)"
@@ -59,7 +60,7 @@ def compile_row(spec: dict) -> dict:
     from train.state import abstract_model, split_model, state_shardings
     from train.step import forward, make_train_step
 
-    c = _config("gpu", "dropless", spec["experts"], 1.25, spec["grouped"], "xla", spec["batch"], 0, spec["scan"])
+    c = _config("gpu", spec["dispatch"], spec["experts"], 1.25, spec["grouped"], "xla", spec["batch"], 0, spec["scan"])
     if spec["n_layers"]:
         c.model.n_layers = spec["n_layers"]
     mcfg, t = check(c), c.train
@@ -85,7 +86,8 @@ def compile_row(spec: dict) -> dict:
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
-    return {"grouped matmul": spec["grouped"], "experts": spec["experts"], "layers": mcfg.n_layers,
+    return {"dispatch": spec["dispatch"], "grouped matmul": spec["grouped"], "experts": spec["experts"],
+            "layers": mcfg.n_layers,
             "scan layers": "on" if ex.scan_layers else "off", "lower s": round(t1 - t0, 1),
             "compile s": round(t2 - t1, 1), **_kernel_stats(compiled.as_text())}
 
@@ -119,7 +121,8 @@ def _run_in_subprocess(spec: dict, timeout: int) -> dict:
 
 
 def _row_keys(spec: dict) -> dict:
-    return {"grouped matmul": spec["grouped"], "experts": spec["experts"], "layers": spec["n_layers"] or "config",
+    return {"dispatch": spec["dispatch"], "grouped matmul": spec["grouped"], "experts": spec["experts"],
+            "layers": spec["n_layers"] or "config",
             "scan layers": spec["scan"] or "config"}
 
 
@@ -132,6 +135,7 @@ def plugin_ready() -> bool:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dispatch", default="dropless", help="dropless, capacity, expert_parallel; comma-separated")
     ap.add_argument("--experts", default="8", help="routed experts, comma-separated")
     ap.add_argument("--grouped_matmul", default="slab", help="comma-separated")
     ap.add_argument("--scan_layers", default="on", help="on, off or both (on,off)")
@@ -152,10 +156,11 @@ def main(argv=None):
         sys.exit(2)
     scans = comma_subset(ap, "--scan_layers", a.scan_layers, ("on", "off"))
     rows = []
-    for g in a.grouped_matmul.split(","):
+    for d, g in variants(a.dispatch.split(","), a.grouped_matmul.split(",")):
         for e in (int(x) for x in a.experts.split(",")):
             for sc in scans:
-                spec = dict(grouped=g, experts=e, scan=sc, n_layers=a.n_layers, batch=a.batch, target=a.target)
+                spec = dict(dispatch=d, grouped=g, experts=e, scan=sc, n_layers=a.n_layers, batch=a.batch,
+                            target=a.target)
                 rows.append(_run_in_subprocess(spec, a.timeout))
                 print(table(rows[-1:]), flush=True)
     print(f"\nXLA:GPU compile on this CPU (deviceless, {os.cpu_count()} cores, target {os.path.basename(a.target)}):")

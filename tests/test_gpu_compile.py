@@ -25,7 +25,7 @@ def test_a_missing_target_config_is_refused(monkeypatch, capsys, tmp_path):
     assert e.value.code == 2 and "--target" in capsys.readouterr().err
 
 
-SPEC = dict(grouped="slab", experts=8, scan="on", n_layers=2, batch=1, target=gpu_compile.TARGET)
+SPEC = dict(dispatch="dropless", grouped="slab", experts=8, scan="on", n_layers=2, batch=1, target=gpu_compile.TARGET)
 
 
 def test_a_row_that_fails_or_hangs_says_so(monkeypatch):
