@@ -1,6 +1,6 @@
-"""The train step compiled for a GPU on this machine, without one: XLA:GPU's compile time and the program's largest
-kernels, per dispatch, grouped matmul, layer scan and expert count. A compile that hangs on the lent GPU (runs 4 and 5,
-docs/performance.md) can be found and fixed here, at no device time.
+"""The train step compiled for a GPU on this machine, without one: XLA:GPU's compile time and the optimized program's
+kernel counts, per dispatch, grouped matmul, layer scan and expert count. A compile that hangs on the lent GPU (runs
+4 and 5, docs/performance.md) can be found and fixed here, at no device time.
 
     bash benchmarks/gpu_compile_setup.sh                     # the CUDA PJRT plugin into /tmp/jax-cuda-site
     PYTHONPATH=/tmp/jax-cuda-site /tmp/venv-jax011/bin/python -m benchmarks.gpu_compile --experts 8,64
