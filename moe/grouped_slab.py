@@ -12,9 +12,10 @@ of C = the mean rows per expert with spill budgets of `SPILL_FRACTIONS` of the r
 row in blocks), `jax.lax.ragged_dot` over the sorted rows elsewhere (`RAGGED`); spill layouts on CPU, where they
 are measured, pure slabs of 1.25 / 1.5 / 2 x the mean elsewhere (`default_layout_sets`: the layouts measured on an
 H200; blocks, spill or fallback, do not compile on XLA:GPU at model widths: `RAGGED_FALLBACK`'s comment). The
-cheapest layout that fits runs, picked on the data by one `lax.switch`; their costs are static. Balanced or not, the rows computed stay close to N: the busiest
-experts overflow into a few blocks instead of sizing every expert's slab (at 64 experts and the router's
-initialization, 1.19-1.25 N rows against 1.5-2.0 N for slabs alone; docs/performance.md).
+cheapest layout that fits runs, picked on the data by one `lax.switch`; their costs are static. Balanced or not,
+the rows computed stay close to N: the busiest experts overflow into a few blocks instead of sizing every expert's
+slab (at 64 experts and the router's initialization, 1.19-1.25 N rows against 1.5-2.0 N for slabs alone;
+docs/performance.md).
 
 The VJP is written by hand (`jax.custom_vjp`): differentiating a `lax.switch` makes XLA carry every branch's
 residuals and cost ~2x here. Every branch's forward keeps only the gate/up pre-activations, in sorted-row order
