@@ -166,9 +166,16 @@ def _ragged_fwd(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
     return _in_groups(y_NxD, group_sizes_E), (a_NxF, b_NxF)
 
 
+# A weight's gradient: lhs^T d_out per group, [N, A] x [N, B] -> [E, A, B], the rows contracted group by group.
+_ROWS_CONTRACTED = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+
+
 def _ragged_bwd(dy_NxD, res, x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
-    """`RAGGED`'s gradients from the saved pre-activations. A weight's gradient is ragged_dot's own transpose in
-    its weight (a dot contracting the rows group by group), taken from jax.vjp."""
+    """`RAGGED`'s gradients from the saved pre-activations. A weight's gradient is the rows-contracted ragged dot
+    (what autodiff of ragged_dot gives), written out: inside shard_map, autodiff would also sum it over the mesh
+    axes the weight is replicated on, a collective inside one `lax.switch` branch that the devices taking
+    another branch never join (a deadlock); `_reduce_like` sums it after the switch instead."""
     a_NxF, b_NxF = res
     dy_NxD = _in_groups(dy_NxD, group_sizes_E)
 
@@ -176,7 +183,8 @@ def _ragged_bwd(dy_NxD, res, x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_d
         return jax.lax.ragged_dot(lhs, w, group_sizes_E)
 
     def weight_grad(lhs, w, d_out):
-        return jax.vjp(lambda w_: ragged(lhs, w_), w)[1](d_out)[0]
+        return jax.lax.ragged_dot_general(lhs, d_out, group_sizes_E, _ROWS_CONTRACTED,
+                                          preferred_element_type=jnp.float32).astype(w.dtype)
 
     sig_a = jax.nn.sigmoid(a_NxF)
     silu_a = a_NxF * sig_a
