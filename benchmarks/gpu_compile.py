@@ -12,8 +12,9 @@ AOT"): every XLA:GPU pass, LLVM and ptxas run here, nothing is autotuned (a GPU 
 and the compiled program is not run. `benchmarks/gpu_targets/h200.txtpb` describes the lent H200 (compute
 capability 9.0, 132 SMs; bandwidth and clocks approximate: they steer cost models, not correctness). Each row is
 compiled in a subprocess with a time limit, so a hung compile is a row that says so. Attention is `xla` (cuDNN's
-needs the cuDNN library, which the plugin's minimal install leaves out). ptxas comes from a CUDA toolkit on PATH
-(or the `nvidia-cuda-nvcc-cu12` wheel).
+needs the cuDNN library, which the plugin's minimal install leaves out). tokamax, without a device, picks its
+`xla` implementation: its rows say nothing of the Mosaic-GPU kernel's compile. ptxas comes from a CUDA toolkit on
+PATH (or the `nvidia-cuda-nvcc-cu12` wheel).
 """
 
 import argparse
@@ -24,7 +25,8 @@ import subprocess
 import sys
 import time
 
-from benchmarks.common import comma_subset, table, variants
+from benchmarks.common import DISPATCHES, comma_subset, table, variants
+from moe.experts import GROUPED_SWIGLU
 
 TARGET = os.path.join(os.path.dirname(__file__), "gpu_targets", "h200.txtpb")
 SETUP_HINT = "bash benchmarks/gpu_compile_setup.sh, then PYTHONPATH=/tmp/jax-cuda-site (Python 3.12, jax 0.11.x)"
@@ -61,6 +63,7 @@ def compile_row(spec: dict) -> dict:
     from train.step import forward, make_train_step
 
     c = _config("gpu", spec["dispatch"], spec["experts"], 1.25, spec["grouped"], "xla", spec["batch"], 0, spec["scan"])
+    c.train.batch_size = spec["batch"]  # one GPU, whatever devices this host's JAX sees
     if spec["n_layers"]:
         c.model.n_layers = spec["n_layers"]
     mcfg, t = check(c), c.train
@@ -99,7 +102,7 @@ def run_group(cmd: list[str], timeout: int, env: dict) -> subprocess.CompletedPr
                          start_new_session=True)
     try:
         out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    except BaseException:  # the timeout, and Ctrl-C or SIGTERM here: nothing of the row may keep running
         os.killpg(p.pid, signal.SIGKILL)
         p.communicate()
         raise
@@ -155,6 +158,10 @@ def main(argv=None):
         print(f"error: --target {a.target} is not a file; pass an XLA GPU target config", file=sys.stderr)
         sys.exit(2)
     scans = comma_subset(ap, "--scan_layers", a.scan_layers, ("on", "off"))
+    comma_subset(ap, "--dispatch", a.dispatch, DISPATCHES)
+    comma_subset(ap, "--grouped_matmul", a.grouped_matmul, ("auto", *GROUPED_SWIGLU))
+    if not all(e.isdigit() and int(e) > 0 for e in a.experts.split(",")):
+        ap.error(f"--experts takes positive integers, comma-separated; got {a.experts!r}")
     rows = []
     for d, g in variants(a.dispatch.split(","), a.grouped_matmul.split(",")):
         for e in (int(x) for x in a.experts.split(",")):

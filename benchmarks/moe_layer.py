@@ -2,13 +2,12 @@
 active FLOPs (width top_k * moe_d_ff), at n_routed_experts = 8 and 64 (fixed top-k and expert width).
 
     python -m benchmarks.moe_layer --preset cpu
-    python -m benchmarks.moe_layer --preset gpu --grouped_matmul ragged_dot
+    python -m benchmarks.moe_layer --preset gpu --grouped_matmul ragged_dot,blocked
     # against an older experts.py (e.g. `git show REV:moe/experts.py > /tmp/experts_before.py`), same process:
     python -m benchmarks.moe_layer --preset cpu --baseline_experts /tmp/experts_before.py --steps 15
     # other pure-slab sizes than grouped_slab.SLAB_FACTORS (multiples of the mean rows per expert), no spill layouts:
     python -m benchmarks.moe_layer --preset cpu --dispatch dropless --grouped_matmul slab,slab:1.25/1.5/2
-    # on a GPU, slab's spill layouts (the CPU default) against its pure slabs (the GPU default); at gpu widths the
-    # spill blocks' (and `blocked`'s) weight-gradient scatter-add compiles for minutes on XLA:GPU (grouped_slab.py):
+    # on a GPU, slab's spill layouts (the CPU default) against its pure slabs (the GPU default):
     python -m benchmarks.moe_layer --preset gpu --dispatch dropless --grouped_matmul slab,slab:spill
     # the routing of a freshly initialized router and of one balanced by the routing bias, as in training:
     python -m benchmarks.moe_layer --preset default --routing random,balanced

@@ -8,14 +8,12 @@ A *layout* splits every expert's rows (already sorted by expert) in two:
 Rows move by gathers both ways (sorted row <-> slot is a bijection on the used rows, so even the transposes are
 gathers). A layout is exact when the spill fits its S blocks. The layouts tried are static (`layouts`): slabs
 of C = the mean rows per expert with spill budgets of `SPILL_FRACTIONS` of the rows, pure slabs
-(`SLAB_FACTORS` x the mean, no spill), and a fallback that fits any routing: padded blocks on CPU (C = 0: every
-row in blocks), `jax.lax.ragged_dot` over the sorted rows elsewhere (`RAGGED`); spill layouts on CPU, where they
-are measured, pure slabs of 1.25 / 1.5 / 2 x the mean elsewhere (`default_layout_sets`: the layouts measured on an
-H200; blocks, spill or fallback, do not compile on XLA:GPU at model widths: `RAGGED_FALLBACK`'s comment). The
-cheapest layout that fits runs, picked on the data by one `lax.switch`; their costs are static. Balanced or not,
-the rows computed stay close to N: the busiest experts overflow into a few blocks instead of sizing every expert's
-slab (at 64 experts and the router's initialization, 1.19-1.25 N rows against 1.5-2.0 N for slabs alone;
-docs/performance.md).
+(`SLAB_FACTORS` x the mean, no spill), and the padded-block fallback (C = 0: every row in blocks, enough for any
+routing); spill layouts on CPU, where they are measured, pure slabs of 1.25 / 1.5 / 2 x the mean elsewhere
+(`default_layout_sets`: the layouts measured on an H200). The cheapest layout that fits runs, picked on the data
+by one `lax.switch`; their costs are static. Balanced or not, the rows computed stay close to N: the busiest
+experts overflow into a few blocks instead of sizing every expert's slab (at 64 experts and the router's
+initialization, 1.19-1.25 N rows against 1.5-2.0 N for slabs alone; docs/performance.md).
 
 The VJP is written by hand (`jax.custom_vjp`): differentiating a `lax.switch` makes XLA carry every branch's
 residuals and cost ~2x here. Every branch's forward keeps only the gate/up pre-activations, in sorted-row order
@@ -43,25 +41,16 @@ NO_SPILL_BLOCK = 64
 # The all-blocks fallback runs when the routing is collapsed (a young router): 64-row blocks there, whatever the
 # spill blocks' size (at 64 experts, a collapsed routing: 132 ms against 159 for 32-row blocks; fallback_ab.py).
 FALLBACK_BLOCK = 64
-# Off the CPU the fallback is ragged_dot over the sorted rows instead (`RAGGED`). The blocks' weight gradients are
-# summed per expert by a scatter-add whose every index adds a whole [D, F] matrix; XLA:GPU emits that as one
-# thread per index holding the matrix (327,680 bf16 values at configs/gpu_1b.py's widths): a 20 MB PTX kernel
-# that ptxas had not compiled after 9 minutes, so the GPU train step never finished compiling (runs 4 and 5,
-# docs/performance.md). The blocks also gather every block's weights, [S, D, F]: 2 GB per weight there.
-RAGGED_FALLBACK = 0  # fallback_block value meaning "the RAGGED layout"
 # A spill row's cost against a slab row's: its block's weights are gathered (and their gradients summed back).
 # From the profile of the default train step at 64 experts: the blocks' matmuls run at the slabs' rate, and the
 # weight gather and segment sums add ~25% (docs/performance.md).
 SPILL_ROW_COST = 1.25
 
 
-def default_layout_sets(backend: str) -> tuple[tuple[float, ...], tuple[float, ...], int, int]:
-    """(spill fractions, slab factors, block rows (0: `spill_block_rows`), fallback block rows (`RAGGED_FALLBACK`:
-    ragged_dot)) for a backend: spill layouts and 64-row fallback blocks on CPU, pure slabs and the ragged_dot
-    fallback elsewhere."""
-    if backend == "cpu":
-        return SPILL_FRACTIONS, SLAB_FACTORS, 0, FALLBACK_BLOCK
-    return (), NO_SPILL_SLAB_FACTORS, NO_SPILL_BLOCK, RAGGED_FALLBACK
+def default_layout_sets(backend: str) -> tuple[tuple[float, ...], tuple[float, ...], int]:
+    """(spill fractions, slab factors, block rows; 0: `spill_block_rows`) for a backend: spill layouts on CPU, pure
+    slabs and 64-row fallback blocks elsewhere."""
+    return (SPILL_FRACTIONS, SLAB_FACTORS, 0) if backend == "cpu" else ((), NO_SPILL_SLAB_FACTORS, NO_SPILL_BLOCK)
 
 
 class Layout(NamedTuple):
@@ -73,9 +62,6 @@ class Layout(NamedTuple):
         return n_experts * self.capacity + SPILL_ROW_COST * self.spill_blocks * self.block
 
 
-RAGGED = Layout(0, 0, 0)  # no slab, no blocks: every sorted row through jax.lax.ragged_dot (fits any routing)
-
-
 def spill_block_rows(N: int, E: int) -> int:
     """About a quarter of the mean rows per expert, a power of 2 in [16, 64]: small enough that an expert just past
     its slab pads little, large enough for the batched matmul to stay efficient."""
@@ -84,25 +70,21 @@ def spill_block_rows(N: int, E: int) -> int:
 
 def layouts(N: int, E: int, fractions=SPILL_FRACTIONS, factors=SLAB_FACTORS, block: int = 0,
             fallback_block: int = FALLBACK_BLOCK) -> tuple[Layout, ...]:
-    """The static layouts for N sorted rows and E experts, cheapest first; the last fits any routing: the
-    padded-block fallback in blocks of `fallback_block` rows, or `RAGGED` (fallback_block `RAGGED_FALLBACK`).
-    Spill blocks have `block` rows (0: `spill_block_rows`). Slab sizes are rounded up to 8 rows, at most N. Spill
-    layouts are kept only where cheaper than padded blocks; pure slabs always (each is the fallback's alternative
-    when its routing fits)."""
-    b, fb = block or spill_block_rows(N, E), fallback_block or FALLBACK_BLOCK
+    """The static layouts for N sorted rows and E experts, cheapest first; the last (the padded-block fallback, in
+    blocks of `fallback_block` rows) fits any routing. Spill blocks have `block` rows (0: `spill_block_rows`). Slab
+    sizes are rounded up to 8 rows, at most N. Spill layouts are kept only where cheaper than the fallback; pure
+    slabs always (each is the fallback's alternative when its routing fits)."""
+    b, fb = block or spill_block_rows(N, E), fallback_block
     round8 = lambda rows: min(N, -(-math.ceil(rows) // 8) * 8)
-    blocks = Layout(0, -(-(N + E * (fb - 1)) // fb), fb)
+    fallback = Layout(0, -(-(N + E * (fb - 1)) // fb), fb)
     spills = {Layout(round8(N / E), math.ceil(f * N / b), b) for f in fractions}
-    candidates = {lay for lay in spills if lay.cost(E) < blocks.cost(E)}
+    candidates = {lay for lay in spills if lay.cost(E) < fallback.cost(E)}
     candidates |= {Layout(round8(f * N / E), 0, b) for f in factors}
-    fallback = RAGGED if fallback_block == RAGGED_FALLBACK else blocks
     return (*sorted(candidates, key=lambda lay: (lay.cost(E), lay)), fallback)
 
 
 def fits(group_sizes_E, lay: Layout):
     """Whether every row past its expert's slab finds a place in the layout's spill blocks."""
-    if lay == RAGGED:
-        return jnp.array(True)
     over_E = jnp.maximum(group_sizes_E - lay.capacity, 0)
     return jnp.sum(-(-over_E // lay.block)) <= lay.spill_blocks
 
@@ -152,56 +134,8 @@ def _to_sorted_rows(maps: _Maps, slab, spill):
     return out
 
 
-def _in_groups(x_NxW, group_sizes_E):
-    """x with the rows past sum(group_sizes) zeroed (what ragged_dot writes there is not specified)."""
-    valid_N = jnp.arange(x_NxW.shape[0]) < jnp.sum(group_sizes_E)
-    return jnp.where(valid_N[:, None], x_NxW, 0)
-
-
-def _ragged_fwd(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
-    """`RAGGED`'s forward, as _layout_fwd's: the pre-activations are in sorted-row order already."""
-    a_NxF = jax.lax.ragged_dot(x_NxD, w_gate_ExDxF, group_sizes_E)
-    b_NxF = jax.lax.ragged_dot(x_NxD, w_up_ExDxF, group_sizes_E)
-    y_NxD = jax.lax.ragged_dot(jax.nn.silu(a_NxF) * b_NxF, w_down_ExFxD, group_sizes_E)
-    return _in_groups(y_NxD, group_sizes_E), (a_NxF, b_NxF)
-
-
-# A weight's gradient: lhs^T d_out per group, [N, A] x [N, B] -> [E, A, B], the rows contracted group by group.
-_ROWS_CONTRACTED = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
-
-
-def _ragged_bwd(dy_NxD, res, x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
-    """`RAGGED`'s gradients from the saved pre-activations. A weight's gradient is the rows-contracted ragged dot
-    (what autodiff of ragged_dot gives), written out: inside shard_map, autodiff would also sum it over the mesh
-    axes the weight is replicated on, a collective inside one `lax.switch` branch that the devices taking
-    another branch never join (a deadlock); `_reduce_like` sums it after the switch instead."""
-    a_NxF, b_NxF = res
-    dy_NxD = _in_groups(dy_NxD, group_sizes_E)
-
-    def ragged(lhs, w):  # lhs rows through their group's weight w[e]
-        return jax.lax.ragged_dot(lhs, w, group_sizes_E)
-
-    def weight_grad(lhs, w, d_out):
-        return jax.lax.ragged_dot_general(lhs, d_out, group_sizes_E, _ROWS_CONTRACTED,
-                                          preferred_element_type=jnp.float32).astype(w.dtype)
-
-    sig_a = jax.nn.sigmoid(a_NxF)
-    silu_a = a_NxF * sig_a
-    dw_down = weight_grad(silu_a * b_NxF, w_down_ExFxD, dy_NxD)
-    dh_NxF = ragged(dy_NxD, jnp.swapaxes(w_down_ExFxD, 1, 2))
-    db_NxF = dh_NxF * silu_a
-    da_NxF = dh_NxF * b_NxF * sig_a * (1 + a_NxF * (1 - sig_a))  # silu'(a) = s + a s (1 - s)
-    dw_gate = weight_grad(x_NxD, w_gate_ExDxF, da_NxF)
-    dw_up = weight_grad(x_NxD, w_up_ExDxF, db_NxF)
-    dx_NxD = ragged(da_NxF, jnp.swapaxes(w_gate_ExDxF, 1, 2)) + ragged(db_NxF, jnp.swapaxes(w_up_ExDxF, 1, 2))
-    return _in_groups(dx_NxD, group_sizes_E), dw_gate, dw_up, dw_down
-
-
 def _layout_fwd(lay: Layout, x_NxD, group_sizes_E, *ws):
     """The layout's forward: (y [N, D], and the gate and up pre-activations [N, F]), in sorted-row order."""
-    if lay == RAGGED:
-        return _ragged_fwd(x_NxD, group_sizes_E, *ws)
     C, S, b = lay
     maps = _maps(group_sizes_E, x_NxD.shape[0], lay)
     slab = spill = (None, None, None)
@@ -237,8 +171,6 @@ def _swiglu_bwd(dy_BxCxD, x_BxCxD, a_BxCxF, b_BxCxF, w_gate_BxDxF, w_up_BxDxF, w
 
 def _layout_bwd(lay: Layout, dy_NxD, res, x_NxD, group_sizes_E, *ws):
     """The layout's gradients (dx, dw_gate, dw_up, dw_down) from the saved sorted-row pre-activations."""
-    if lay == RAGGED:
-        return _ragged_bwd(dy_NxD, res, x_NxD, group_sizes_E, *ws)
     C, S, b = lay
     E = group_sizes_E.shape[0]
     maps = _maps(group_sizes_E, x_NxD.shape[0], lay)
@@ -250,8 +182,12 @@ def _layout_bwd(lay: Layout, dy_NxD, res, x_NxD, group_sizes_E, *ws):
     if S:
         spilled = (_gather(r, maps.src_J).reshape(S, b, -1) for r in rows)
         dx_spill, *dws_S = _swiglu_bwd(*spilled, *(w[maps.expert_S] for w in ws))
-        # each block's weight gradient added into its expert's (blocks come in expert order)
-        dws = [dw + jax.ops.segment_sum(dw_S, maps.expert_S, E, indices_are_sorted=True)
+        # Each block's weight gradient added into its expert's. The blocks come in expert order, but saying so
+        # (indices_are_sorted=True) sends XLA:GPU to a scatter emitter that unrolls each [D, F] update into every
+        # thread: a 20 MB PTX kernel that ptxas had not compiled after 9 minutes at configs/gpu_1b.py's widths,
+        # so the GPU train step never compiled (docs/performance.md, GPU run 5). Unsorted: 0.2 s there, and the
+        # same speed on XLA:CPU.
+        dws = [dw + jax.ops.segment_sum(dw_S, maps.expert_S, E, indices_are_sorted=False)
                for dw, dw_S in zip(dws, dws_S)]
     return _to_sorted_rows(maps, dx_slab, dx_spill), *dws
 
@@ -317,13 +253,11 @@ def grouped_swiglu_layouts(lays: tuple[Layout, ...]):
 
 
 def grouped_swiglu_slab(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, fractions=None, factors=None,
-                        block: int = 0, fallback_block: int | None = None):
-    """Exact grouped SwiGLU (rows past sum(group_sizes) give 0): see the module docstring. fractions / factors /
-    fallback_block: the spill budgets, pure slab sizes and fallback tried (None: `default_layout_sets` of this
-    backend)."""
-    default_fractions, default_factors, default_block, default_fallback = default_layout_sets(jax.default_backend())
+                        block: int = 0, fallback_block: int = FALLBACK_BLOCK):
+    """Exact grouped SwiGLU (rows past sum(group_sizes) give 0): see the module docstring. fractions / factors:
+    the spill budgets and pure slab sizes tried (None: `default_layout_sets` of this backend)."""
+    default_fractions, default_factors, default_block = default_layout_sets(jax.default_backend())
     fractions = default_fractions if fractions is None else fractions
     factors = default_factors if factors is None else factors
-    fallback_block = default_fallback if fallback_block is None else fallback_block
     lays = layouts(x_NxD.shape[0], group_sizes_E.shape[0], fractions, factors, block or default_block, fallback_block)
     return grouped_swiglu_layouts(lays)(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)

@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe import Execution, ModelConfig, expert_parallel, experts, grouped_slab, router, sharding
+from moe import Execution, ModelConfig, expert_parallel, experts, router, sharding
 from moe.moe_layer import MoE
 
 T, D, E, F, K = 64, 12, 8, 10, 3
@@ -61,12 +61,6 @@ def test_local_paths_equal_reference(path):
     _assert_close(got, _reference())
 
 
-# slab as off the CPU (no spill layouts, the ragged_dot fallback), with a slab too small for these routings: both
-# branches of its lax.switch inside shard_map, the fallback taken.
-RAGGED_FALLBACK = functools.partial(grouped_slab.grouped_swiglu_slab, fractions=(), factors=(0.25,),
-                                    fallback_block=grouped_slab.RAGGED_FALLBACK)
-
-
 @pytest.mark.parametrize("shape", [(2, 2, 2, 1), (1, 2, 4, 1), (2, 1, 4, 1), (1, 1, 8, 1), (1, 2, 2, 2)])
 def test_paths_on_meshes_equal_reference(shape):
     """Tokens sharded over (data, fsdp), expert weights over expert and (ZeRO-3) fsdp along embed: expert-parallel
@@ -80,8 +74,6 @@ def test_paths_on_meshes_equal_reference(shape):
     fns = {"expert_parallel": lambda *a: expert_parallel.dispatch(*a, mesh=mesh)[0],
            "expert_parallel_ragged_dot": lambda *a: expert_parallel.dispatch(*a, mesh=mesh,
                                                                              grouped_matmul="ragged_dot")[0],
-           "expert_parallel_ragged_fallback": lambda *a: expert_parallel.dispatch(*a, mesh=mesh,
-                                                                                  grouped_matmul=RAGGED_FALLBACK)[0],
            **PATHS}
     got = jax.jit(lambda *a: {name: jax.value_and_grad(functools.partial(_loss, fn), argnums=(0, 1, 2))(*a)
                               for name, fn in fns.items()})(x, w_router, ws)

@@ -59,18 +59,26 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_a_timeout_kills_the_rows_child_processes_too():
+def test_a_timeout_kills_the_rows_child_processes_too(tmp_path):
     """As ptxas under a hung compile: a grandchild of the row's process must not outlive the timeout."""
-    cmd = ["bash", "-c", "sleep 300 & echo $! > \"$PIDFILE\"; wait"]
-    pidfile = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"gpu_compile_test_{os.getpid()}.pid")
+    pidfile = tmp_path / "grandchild.pid"
+    cmd = ["bash", "-c", 'sleep 300 & echo $! > "$PIDFILE"; wait']
     with pytest.raises(subprocess.TimeoutExpired):
-        gpu_compile.run_group(cmd, timeout=2, env={**os.environ, "PIDFILE": pidfile})
-    grandchild = int(open(pidfile).read())
-    os.remove(pidfile)
+        gpu_compile.run_group(cmd, timeout=5, env={**os.environ, "PIDFILE": str(pidfile)})
+    grandchild = int(pidfile.read_text())
     deadline = time.time() + 5
     while _alive(grandchild) and time.time() < deadline:
         time.sleep(0.1)
     assert not _alive(grandchild)
+
+
+@pytest.mark.parametrize("flags", [["--experts", "8,x"], ["--dispatch", "droples"], ["--grouped_matmul", "slb"],
+                                   ["--scan_layers", "maybe"]])
+def test_bad_flags_get_one_line_and_exit_2(monkeypatch, capsys, flags):
+    monkeypatch.setattr(gpu_compile, "plugin_ready", lambda: True)
+    with pytest.raises(SystemExit) as e:
+        gpu_compile.main(flags)
+    assert e.value.code == 2 and flags[0] in capsys.readouterr().err
 
 
 def test_kernel_stats_count_the_optimized_programs_kernels():

@@ -20,7 +20,7 @@ def test_gpu_report_tiny_writes_every_section(tmp_path):
     assert "test_cudnn_equals_einsum_on_gpu" in text  # the GPU tests were collected
     assert "from 4 to 8 routed experts" in text
     assert "| empty_and_padding | d/dw_down |" in text  # the accuracy table
-    assert "| dropless | slab |" in text and "slab:spill" not in text  # spill blocks: no GPU compile (gpu_report)
+    assert "| dropless | slab:spill |" in text  # the layer rows A/B slab's spill layouts against its GPU default
     assert "dot_general" in text  # the profile's table names the ops' JAX origin
     assert "XLA target config: none (not a GPU)" in text and not list(tmp_path.glob("*.txtpb"))
 
@@ -34,6 +34,7 @@ def test_sections_flag_rejects_unknown_names(capsys):
 def test_the_gpus_target_config_is_saved_beside_the_report(monkeypatch, tmp_path):
     """On a GPU, XLA dumps its target config when it compiles; the report keeps it for benchmarks/gpu_compile.py."""
     def fake_gpu_process(cmd, env, **kw):
+        assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"  # the report's process holds the GPU's memory
         dump = env["XLA_FLAGS"].split("=", 1)[1]
         with open(os.path.join(dump, "module_0001.jit__lambda.gpu_target_config.pbtxt"), "w") as f:
             f.write('device_description_str: "NVIDIA H200"\n')
@@ -43,3 +44,12 @@ def test_the_gpus_target_config_is_saved_beside_the_report(monkeypatch, tmp_path
     line = gpu_report.save_target_config(str(tmp_path / "report.md"))
     saved = tmp_path / "report.target_config.txtpb"
     assert str(saved) in line and saved.read_text() == 'device_description_str: "NVIDIA H200"\n'
+
+
+def test_a_hung_target_config_process_does_not_end_the_report(monkeypatch, tmp_path):
+    def hung(cmd, timeout, **kw):
+        raise subprocess.TimeoutExpired(cmd, timeout)
+
+    monkeypatch.setattr(subprocess, "run", hung)
+    assert "not saved" in gpu_report.save_target_config(str(tmp_path / "report.md"))
+    assert not list(tmp_path.iterdir())

@@ -55,16 +55,11 @@ def test_slab_layouts_are_static_cheapest_first_ending_with_the_fallback():
 
 
 def test_spill_layouts_are_the_default_on_cpu_only():
-    assert grouped_slab.default_layout_sets("cpu") == (grouped_slab.SPILL_FRACTIONS, grouped_slab.SLAB_FACTORS, 0,
-                                                       grouped_slab.FALLBACK_BLOCK)
+    assert grouped_slab.default_layout_sets("cpu") == (grouped_slab.SPILL_FRACTIONS, grouped_slab.SLAB_FACTORS, 0)
     # elsewhere the layouts measured on an H200 until a GPU A/B: slabs of 1.25 / 1.5 / 2 x the mean 128 rows, all
-    # kept, then ragged_dot (the padded blocks' weight-gradient scatter does not compile on XLA:GPU in useful time)
+    # kept, then 64-row fallback blocks
     lays = grouped_slab.layouts(8192, 64, *grouped_slab.default_layout_sets("gpu"))
-    assert lays == ((160, 0, 64), (192, 0, 64), (256, 0, 64), grouped_slab.RAGGED)
-    # the spill layouts are still kept or dropped against padded blocks' cost, whatever the fallback
-    cpu = grouped_slab.default_layout_sets("cpu")
-    assert (grouped_slab.layouts(8192, 64, *cpu[:3], grouped_slab.RAGGED_FALLBACK)[:-1]
-            == grouped_slab.layouts(8192, 64, *cpu)[:-1])
+    assert lays == ((160, 0, 64), (192, 0, 64), (256, 0, 64), (0, 191, 64))
 
 
 def test_a_layout_fits_when_its_spill_blocks_hold_the_rows_past_the_slabs():
@@ -95,24 +90,25 @@ def test_slab_each_layout_equals_ragged_dot(lay):
         _assert_matches_ragged_dot(fn, sizes)
 
 
-@pytest.mark.parametrize("lays", [(grouped_slab.RAGGED,), (LAYOUTS[0], grouped_slab.RAGGED)], ids=["alone", "fallback"])
-def test_slab_ragged_layout_equals_ragged_dot(lays):
-    """The ragged_dot layout (the fallback off the CPU) through the hand-written VJP: alone, and as the fallback
-    of a slab that fits only the balanced case; padding rows give 0 and add to no gradient."""
-    fn = grouped_slab.grouped_swiglu_layouts(lays)
-    assert bool(grouped_slab.fits(jnp.asarray(SIZES["skewed"]), grouped_slab.RAGGED))
-    for sizes in SIZES.values():
-        _assert_matches_ragged_dot(fn, sizes)
+def _scatters(jaxpr):
+    """Every scatter-add equation in a jaxpr, its sub-jaxprs (switch branches, custom VJPs) included."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scatter-add":
+            yield eqn
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+            yield from _scatters(sub)
 
 
-def test_slab_with_the_gpu_layouts_equals_ragged_dot():
-    """The GPU's default layouts (pure slabs, the ragged_dot fallback), run here: each case picks a slab or the
-    fallback."""
-    fractions, factors, block, fallback = grouped_slab.default_layout_sets("gpu")
-    fn = functools.partial(grouped_slab.grouped_swiglu_slab, fractions=fractions, factors=factors, block=block,
-                           fallback_block=fallback)
-    for sizes in SIZES.values():
-        _assert_matches_ragged_dot(fn, sizes)
+def test_slab_backward_sums_block_weight_gradients_with_an_unsorted_scatter():
+    """The blocks' weight gradients are summed per expert by a scatter-add that must not claim sorted indices:
+    XLA:GPU's sorted-scatter emitter unrolls each [D, F] update into every thread, a kernel ptxas could not
+    compile at model widths (docs/performance.md, GPU run 5)."""
+    x, ws = _inputs()
+    sizes = jnp.asarray(SIZES["skewed"])
+    grad = jax.grad(lambda *a: grouped_slab.grouped_swiglu_slab(a[0], sizes, *a[1:]).sum(), argnums=(0, 1, 2, 3))
+    scatters = list(_scatters(jax.make_jaxpr(grad)(x, *ws).jaxpr))
+    weight_sums = [e for e in scatters if e.invars[2].aval.ndim == 3]  # [blocks, D, F] updates
+    assert weight_sums and not any(e.params["indices_are_sorted"] for e in weight_sums)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "gpu"])
@@ -122,9 +118,8 @@ def test_slab_in_bf16_is_as_close_to_the_fp32_truth_as_ragged_dot_in_bf16(backen
     error (+25%, +0.02 of the largest entry), and finite. Both errors are ~1% at these inputs, so the slack
     dominates: this catches a wrong row or a precision loss of several bf16 ulps, not an error twice ragged_dot's
     (to tighten once a GPU has rerun it: docs/performance.md, "GPU figures, run 4")."""
-    fractions, factors, block, fallback = grouped_slab.default_layout_sets(backend)
-    slab = functools.partial(grouped_slab.grouped_swiglu_slab, fractions=fractions, factors=factors, block=block,
-                             fallback_block=fallback)
+    fractions, factors, block = grouped_slab.default_layout_sets(backend)
+    slab = functools.partial(grouped_slab.grouped_swiglu_slab, fractions=fractions, factors=factors, block=block)
     x, ws = kernel_accuracy.inputs(jnp.bfloat16)
     for sizes in SIZES.values():
         got = kernel_accuracy.relative_errors(slab, sizes, x, ws)
