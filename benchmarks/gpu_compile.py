@@ -92,7 +92,9 @@ def compile_row(spec: dict) -> dict:
     return {"dispatch": spec["dispatch"], "grouped matmul": spec["grouped"], "experts": spec["experts"],
             "layers": mcfg.n_layers,
             "scan layers": "on" if ex.scan_layers else "off", "lower s": round(t1 - t0, 1),
-            "compile s": round(t2 - t1, 1), **_kernel_stats(compiled.as_text())}
+            "compile s": round(t2 - t1, 1), **_kernel_stats(compiled.as_text()),
+            # XLA's buffer assignment: what the step needs beyond its arguments and outputs (every switch branch's)
+            "temp GiB": round(compiled.memory_analysis().temp_size_in_bytes / 2**30, 1)}
 
 
 def run_group(cmd: list[str], timeout: int, env: dict) -> subprocess.CompletedProcess:
