@@ -44,22 +44,17 @@ def compile_row(spec: dict) -> dict:
     import functools
 
     import jax
-    import jax.numpy as jnp
     from jax.experimental import topologies
-    from jax.sharding import NamedSharding, PartitionSpec
 
     topology = topologies.get_topology_desc(platform="cuda", target_config=open(spec["target"]).read(),
                                             topology="1x1x1")
     # The model picks its per-backend defaults (slab's layouts, `auto`, cuDNN attention) from jax.default_backend(),
     # which is this machine's CPU; the program is for the GPU.
     jax.default_backend = lambda: "gpu"
-    from flax import nnx
-
-    from benchmarks.train_step import _config
-    from moe import Transformer
+    from benchmarks.train_step import _config, batch_sharding, random_batch
     from train import optim
     from train.config import check, execution
-    from train.state import abstract_model, split_model, state_shardings
+    from train.state import state_shapes
     from train.step import forward, make_train_step
 
     c = _config("gpu", spec["dispatch"], spec["experts"], 1.25, spec["grouped"], "xla", spec["batch"], 0, spec["scan"])
@@ -69,19 +64,12 @@ def compile_row(spec: dict) -> dict:
     mcfg, t = check(c), c.train
     mesh = topologies.make_mesh(topology, (1, 1, 1, 1), ("data", "fsdp", "expert", "tensor"))
     tx = optim.optimizer(t)
-
-    def init(seed):  # as train.state.init_state, shapes only
-        graphdef, params, bias = split_model(Transformer(mcfg, nnx.Rngs(jax.random.key(seed))))
-        return {"params": params, "bias": bias, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}
-
-    graphdef = split_model(abstract_model(mcfg, Transformer))[0]
-    abstract = jax.eval_shape(init, jnp.asarray(0, jnp.uint32))
-    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract,
-                         state_shardings(abstract, mesh))
-    rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
-    B, L = t.batch_size, c.data.seq_len
-    batch = {k: jax.ShapeDtypeStruct((B, L), jnp.float32 if k == "loss_mask" else jnp.int32, sharding=rows)
-             for k in ("tokens", "targets", "segment_ids", "positions", "loss_mask", "domains")}
+    shaped = lambda tree, shardings: jax.tree.map(  # shapes placed on the GPU's mesh: nothing allocated
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+    graphdef, _, abstract, shardings = state_shapes(mcfg, tx, mesh)
+    state = shaped(abstract, shardings)
+    batch = jax.eval_shape(lambda: random_batch(t.batch_size, c.data.seq_len, mcfg.vocab_size))
+    batch = shaped(batch, jax.tree.map(lambda _: batch_sharding(mesh), batch))
     ex = execution(c, mesh)
     step = jax.jit(make_train_step(graphdef, tx, optim.schedule(t), t, ex, functools.partial(forward, fused_loss=True)))
     t0 = time.perf_counter()
@@ -89,9 +77,8 @@ def compile_row(spec: dict) -> dict:
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
-    return {"dispatch": spec["dispatch"], "grouped matmul": spec["grouped"], "experts": spec["experts"],
-            "layers": mcfg.n_layers,
-            "scan layers": "on" if ex.scan_layers else "off", "lower s": round(t1 - t0, 1),
+    return {**_row_keys(spec), "layers": mcfg.n_layers, "scan layers": "on" if ex.scan_layers else "off",
+            "lower s": round(t1 - t0, 1),
             "compile s": round(t2 - t1, 1), **_kernel_stats(compiled.as_text()),
             # XLA's buffer assignment: what the step needs beyond its arguments and outputs (every switch branch's)
             "temp GiB": round(compiled.memory_analysis().temp_size_in_bytes / 2**30, 1)}
@@ -120,7 +107,8 @@ def _run_in_subprocess(spec: dict, timeout: int) -> dict:
         return {**_row_keys(spec), "compile s": f"> {timeout} (not finished)"}
     out = [line for line in p.stdout.splitlines() if line.startswith("ROW ")]
     if p.returncode or not out:
-        err = (p.stderr.strip().splitlines() or ["?"])[-1][:200]
+        lines = p.stderr.strip().splitlines() or ["?"]
+        err = ([line for line in lines if "Error" in line] or lines)[-1][:200]  # JAX ends with a note, not the error
         return {**_row_keys(spec), "compile s": f"failed after {time.perf_counter() - t0:.0f} s: {err}"}
     return json.loads(out[-1][4:])
 

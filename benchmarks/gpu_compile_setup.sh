@@ -9,12 +9,10 @@
 # Only on PYTHONPATH when asked for: with the plugin importable, every JAX process here tries CUDA first (and
 # logs that it found no driver). Refuses to touch an existing directory; builds beside it, renames at the end.
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/refuse_existing.sh"
 DIR="$(realpath -m "${1:-/tmp/jax-cuda-site}")"
 PY="${PYTHON:-/tmp/venv-jax011/bin/python}"
-if [ -e "$DIR" ] || [ -e "$DIR.partial" ]; then
-  echo "error: $DIR or $DIR.partial already exists; remove it or pass another directory" >&2
-  exit 2
-fi
+refuse_existing "$DIR"
 if ! "$PY" -c 'import sys, jax; sys.exit(sys.version_info[:2] != (3, 12) or jax.__version__ != "0.11.2")' 2>/dev/null; then
   echo "error: $PY is not Python 3.12 with jax 0.11.2; run bash benchmarks/jax011_venv.sh or set PYTHON=" >&2
   exit 2

@@ -10,13 +10,11 @@
 # .partial path in their shebangs: call `$VENV/bin/python -m ...`). tokamax is pinned to the version
 # benchmarks/gpu_wheels.sh carries to the device.
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/refuse_existing.sh"
 VENV="$(realpath -m "${1:-/tmp/venv-jax011}")"  # before the cd: a relative path is the caller's
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3.12}"
-if [ -e "$VENV" ] || [ -e "$VENV.partial" ]; then
-  echo "error: $VENV or $VENV.partial already exists; remove it or pass another directory" >&2
-  exit 2
-fi
+refuse_existing "$VENV"
 if ! "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then
   echo "error: the GPU machine runs Python 3.12; set PYTHON=/path/to/python3.12" >&2
   exit 2

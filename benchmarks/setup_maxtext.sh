@@ -8,13 +8,11 @@
 # cannot or need not use: libtpu, NVIDIA wheels, linters and type checkers. On a GPU machine, add
 # `pip install "jax[cuda12]"` into the venv afterwards. Refuses to touch an existing directory.
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/refuse_existing.sh"
 VENV="${1:-/work/venv-maxtext}"
 PY="${PYTHON:-python3.12}"
 VERSION="${MAXTEXT_VERSION:-0.2.5}"
-if [ -e "$VENV" ]; then
-  echo "error: $VENV already exists; remove it or pass another directory" >&2
-  exit 2
-fi
+refuse_existing "$VENV"
 if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
   echo "error: MaxText needs Python >= 3.12; set PYTHON=/path/to/python3.12" >&2
   exit 2
@@ -23,10 +21,6 @@ work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 # Built beside the destination and renamed at the end: an interrupted run leaves no half-built $VENV.
 # (Console-script shebangs keep the .partial path: call `$VENV/bin/python -m ...`, as the benchmark does.)
-if [ -e "$VENV.partial" ]; then
-  echo "error: $VENV.partial exists (an interrupted setup?); remove it and run again" >&2
-  exit 2
-fi
 "$PY" -m venv "$VENV.partial"
 py="$VENV.partial/bin/python"
 "$py" -m pip install -q --upgrade pip

@@ -72,12 +72,20 @@ def _config(name: str, dispatch: str, n_experts: int, capacity_factor: float, gr
     return c
 
 
-def _batch(B: int, L: int, V: int, mesh):
+def random_batch(B: int, L: int, V: int) -> dict:
+    """A batch of B rows of L random tokens (one unbroken sequence per row), as the data pipeline shapes it."""
     tokens = jax.random.randint(jax.random.key(1), (B, L + 1), 0, V)
-    b = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": jnp.ones((B, L), jnp.int32),
-         "positions": jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L)),
-         "loss_mask": jnp.ones((B, L), jnp.float32), "domains": jnp.zeros((B, L), jnp.int32)}
-    return jax.device_put(b, NamedSharding(mesh, PartitionSpec(("data", "fsdp"))))
+    return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": jnp.ones((B, L), jnp.int32),
+            "positions": jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L)),
+            "loss_mask": jnp.ones((B, L), jnp.float32), "domains": jnp.zeros((B, L), jnp.int32)}
+
+
+def batch_sharding(mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+
+
+def _batch(B: int, L: int, V: int, mesh):
+    return jax.device_put(random_batch(B, L, V), batch_sharding(mesh))
 
 
 def _parts(graphdef, ex, forward_fn, tx):

@@ -31,7 +31,8 @@ SPEC = dict(dispatch="dropless", grouped="slab", experts=8, scan="on", n_layers=
 def test_a_row_that_fails_or_hangs_says_so(monkeypatch):
     def failing(cmd, timeout, env):
         assert json.loads(cmd[cmd.index("--_row") + 1]) == SPEC  # the row's spec reaches the subprocess
-        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="Traceback...\nRuntimeError: no cuda")
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="Traceback...\nRuntimeError: no cuda\n"
+                                           "For simplicity, JAX has removed its internal frames")
 
     monkeypatch.setattr(gpu_compile, "run_group", failing)
     row = gpu_compile._run_in_subprocess(SPEC, timeout=5)

@@ -26,9 +26,10 @@ def abstract_model(mcfg, build=Transformer) -> Transformer:
     return nnx.eval_shape(lambda: build(mcfg, nnx.Rngs(0)))
 
 
-def init_state(mcfg, tx, seed: int, mesh, build=Transformer):
-    """(graphdef, state, shardings): the state is initialized under jit straight into its shardings.
-    build(mcfg, rngs): the model class (the 2x2 study also builds moe.encdec.EncoderDecoder here)."""
+def state_shapes(mcfg, tx, mesh, build=Transformer):
+    """(graphdef, init, abstract state, shardings): init(seed) builds the state, `abstract` is its shapes and
+    dtypes (nothing allocated), `shardings` where each leaf goes on the mesh. init_state runs init; ahead-of-time
+    compilation for another machine (benchmarks/gpu_compile.py) needs the shapes alone."""
 
     # The seed is an argument, not a constant baked into the program: every seed then runs the same compiled
     # init (the persistent compilation cache serves a study's later seeds).
@@ -36,12 +37,18 @@ def init_state(mcfg, tx, seed: int, mesh, build=Transformer):
         graphdef, params, bias = split_model(build(mcfg, nnx.Rngs(jax.random.key(seed_))))
         return {"params": params, "bias": bias, "opt": tx.init(params), "step": jnp.zeros((), jnp.int32)}
 
-    seed_ = jnp.asarray(seed, jnp.uint32)
     graphdef = split_model(abstract_model(mcfg, build))[0]
-    abstract = jax.eval_shape(init, seed_)
+    abstract = jax.eval_shape(init, jnp.asarray(0, jnp.uint32))
     shardings = state_shardings(abstract, mesh)
     check_divisible(abstract, shardings)
-    return graphdef, jax.jit(init, out_shardings=shardings)(seed_), shardings
+    return graphdef, init, abstract, shardings
+
+
+def init_state(mcfg, tx, seed: int, mesh, build=Transformer):
+    """(graphdef, state, shardings): the state is initialized under jit straight into its shardings.
+    build(mcfg, rngs): the model class (the 2x2 study also builds moe.encdec.EncoderDecoder here)."""
+    graphdef, init, _, shardings = state_shapes(mcfg, tx, mesh, build)
+    return graphdef, jax.jit(init, out_shardings=shardings)(jnp.asarray(seed, jnp.uint32)), shardings
 
 
 def check_divisible(abstract, shardings) -> None:
