@@ -61,6 +61,8 @@ def compile_row(spec: dict) -> dict:
     c.train.batch_size = spec["batch"]  # one GPU, whatever devices this host's JAX sees
     if spec["n_layers"]:
         c.model.n_layers = spec["n_layers"]
+    if spec["remat"]:
+        c.execution.remat = spec["remat"] == "on"
     mcfg, t = check(c), c.train
     mesh = topologies.make_mesh(topology, (1, 1, 1, 1), ("data", "fsdp", "expert", "tensor"))
     tx = optim.optimizer(t)
@@ -77,11 +79,15 @@ def compile_row(spec: dict) -> dict:
     t1 = time.perf_counter()
     compiled = lowered.compile()
     t2 = time.perf_counter()
+    memory = compiled.memory_analysis()
     return {**_row_keys(spec), "layers": mcfg.n_layers, "scan layers": "on" if ex.scan_layers else "off",
+            "remat": "on" if ex.remat else "off",
             "lower s": round(t1 - t0, 1),
             "compile s": round(t2 - t1, 1), **_kernel_stats(compiled.as_text()),
             # XLA's buffer assignment: what the step needs beyond its arguments and outputs (every switch branch's)
-            "temp GiB": round(compiled.memory_analysis().temp_size_in_bytes / 2**30, 1)}
+            "temp GiB": round(memory.temp_size_in_bytes / 2**30, 1),
+            # the state and batch (the training loop donates the state, so its outputs reuse these buffers)
+            "args GiB": round(memory.argument_size_in_bytes / 2**30, 1)}
 
 
 def run_group(cmd: list[str], timeout: int, env: dict) -> subprocess.CompletedProcess:
@@ -116,7 +122,7 @@ def _run_in_subprocess(spec: dict, timeout: int) -> dict:
 def _row_keys(spec: dict) -> dict:
     return {"dispatch": spec["dispatch"], "grouped matmul": spec["grouped"], "experts": spec["experts"],
             "layers": spec["n_layers"] or "config",
-            "scan layers": spec["scan"] or "config"}
+            "scan layers": spec["scan"] or "config", "remat": spec["remat"] or "config"}
 
 
 def plugin_ready() -> bool:
@@ -132,6 +138,7 @@ def main(argv=None):
     ap.add_argument("--experts", default="8", help="routed experts, comma-separated")
     ap.add_argument("--grouped_matmul", default="slab", help="comma-separated")
     ap.add_argument("--scan_layers", default="on", help="on, off or both (on,off)")
+    ap.add_argument("--remat", default="", help="on, off or both (on,off); default: the config's")
     ap.add_argument("--n_layers", type=int, default=0, help="0: configs/gpu_1b.py's 16")
     ap.add_argument("--batch", type=int, default=16, help="rows of 2048 tokens (the gpu preset's 16)")
     ap.add_argument("--target", default=TARGET, help="the GPU's XLA target config (text proto)")
@@ -148,6 +155,7 @@ def main(argv=None):
         print(f"error: --target {a.target} is not a file; pass an XLA GPU target config", file=sys.stderr)
         sys.exit(2)
     scans = comma_subset(ap, "--scan_layers", a.scan_layers, ("on", "off"))
+    remats = comma_subset(ap, "--remat", a.remat, ("on", "off")) if a.remat else [""]
     comma_subset(ap, "--dispatch", a.dispatch, DISPATCHES)
     comma_subset(ap, "--grouped_matmul", a.grouped_matmul, ("auto", *GROUPED_SWIGLU))
     if not all(e.isdigit() and int(e) > 0 for e in a.experts.split(",")):
@@ -156,10 +164,11 @@ def main(argv=None):
     for d, g in variants(a.dispatch.split(","), a.grouped_matmul.split(",")):
         for e in (int(x) for x in a.experts.split(",")):
             for sc in scans:
-                spec = dict(dispatch=d, grouped=g, experts=e, scan=sc, n_layers=a.n_layers, batch=a.batch,
-                            target=a.target)
-                rows.append(_run_in_subprocess(spec, a.timeout))
-                print(table(rows[-1:]), flush=True)
+                for r in remats:
+                    spec = dict(dispatch=d, grouped=g, experts=e, scan=sc, remat=r, n_layers=a.n_layers,
+                                batch=a.batch, target=a.target)
+                    rows.append(_run_in_subprocess(spec, a.timeout))
+                    print(table(rows[-1:]), flush=True)
     print(f"\nXLA:GPU compile on this CPU (deviceless, {os.cpu_count()} cores, target {os.path.basename(a.target)}):")
     print(table(rows))
 

@@ -37,6 +37,13 @@ EXPERT_PARALLEL = ("expert_parallel_dropless", "expert_parallel")
 DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_IMPLS = ("blockwise", "einsum", "xla", "cudnn")
 GROUPED_MATMULS = ("auto", "ragged_dot", "blocked", "slab", "tokamax")
+# What a rematerialized block keeps for its backward pass (moe/model.py, `remat_policy`):
+#   full      nothing but its input: the backward pass reruns the whole block
+#   save_moe  the routed experts' residuals too (the sort, the gate/up pre-activations, the experts' output rows;
+#             moe/experts.py, `saved`): the backward pass reruns attention, the norms, the router and the shared
+#             experts, but no routed-expert matmul or row exchange. dropless dispatch only (the others tag
+#             nothing, so they run as under `full`).
+REMAT_POLICIES = ("full", "save_moe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +63,7 @@ class Execution:
     attention_impl: str = "blockwise"
     dtype: str = "float32"  # activations and matmuls; params stay fp32, router and softmax math run in fp32
     remat: bool = False  # recompute each block in the backward pass (activation memory O(1) blocks, not O(depth))
+    remat_policy: str = "full"  # what a rematerialized block keeps (REMAT_POLICIES above)
     # Consecutive blocks of one structure as one lax.scan (moe/layer_scan.py): one compiled copy of the MoE block
     # instead of one per layer (compile time), the same function up to rounding; the parameters stay one module
     # per layer. The decoder-only Transformer's; the encoder-decoder study model (moe/encdec.py) runs unrolled.
@@ -122,6 +130,8 @@ def validate(ex: Execution) -> None:
     if ex.attention_impl == "cudnn" and ex.dtype == "float32":
         fail("attention_impl", "cudnn attention runs in bfloat16 or float16; set execution.dtype=bfloat16 or use "
                                "attention_impl=xla")
+    if ex.remat_policy not in REMAT_POLICIES:
+        fail("remat_policy", f"unknown remat policy {ex.remat_policy!r}; allowed: {', '.join(REMAT_POLICIES)}")
     if isinstance(ex.loss_chunks, bool) or not isinstance(ex.loss_chunks, int) or ex.loss_chunks < 1:
         fail("loss_chunks", f"must be a whole number >= 1 (1: all logits at once), got {ex.loss_chunks!r}")
     for field in ("remat", "scan_layers"):

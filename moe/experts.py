@@ -13,6 +13,16 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+# The name of the routed experts' residuals: what a block rematerialized with execution.remat_policy="save_moe"
+# keeps (moe/model.py). The rest of the block (attention, norms, router, shared experts) is recomputed.
+SAVED = "moe_experts"
+
+
+def saved(x):
+    """x named as a routed-expert residual (a no-op unless a remat policy saves the name)."""
+    return checkpoint_name(x, SAVED)
 
 
 def swiglu(x, w_gate, w_up, w_down):
@@ -32,16 +42,16 @@ def reference(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
 
 def grouped_swiglu_ragged(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
     """SwiGLU of expert e on rows of group e (rows sorted by expert) with `jax.lax.ragged_dot`."""
-    h_NxF = jax.nn.silu(jax.lax.ragged_dot(x_NxD, w_gate_ExDxF, group_sizes_E)) * jax.lax.ragged_dot(
-        x_NxD, w_up_ExDxF, group_sizes_E)
+    a_NxF = saved(jax.lax.ragged_dot(x_NxD, w_gate_ExDxF, group_sizes_E))
+    h_NxF = jax.nn.silu(a_NxF) * saved(jax.lax.ragged_dot(x_NxD, w_up_ExDxF, group_sizes_E))
     return jax.lax.ragged_dot(h_NxF, w_down_ExFxD, group_sizes_E)
 
 
 def swiglu_batched(x_BxSxD, w_gate_BxDxF, w_up_BxDxF, w_down_BxFxD):
     """Batched SwiGLU (b: an expert's slab, a padded block with its expert's weights, ...): (y, and the gate and
     up pre-activations, which hand-written backward passes save instead of recomputing them)."""
-    a_BxSxF = jnp.einsum("bsd,bdf->bsf", x_BxSxD, w_gate_BxDxF)
-    b_BxSxF = jnp.einsum("bsd,bdf->bsf", x_BxSxD, w_up_BxDxF)
+    a_BxSxF = saved(jnp.einsum("bsd,bdf->bsf", x_BxSxD, w_gate_BxDxF))
+    b_BxSxF = saved(jnp.einsum("bsd,bdf->bsf", x_BxSxD, w_up_BxDxF))
     return jnp.einsum("bsf,bfd->bsd", jax.nn.silu(a_BxSxF) * b_BxSxF, w_down_BxFxD), a_BxSxF, b_BxSxF
 
 
@@ -174,11 +184,11 @@ def dropless(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, 
     T, K = ids_TxK.shape
     E = w_gate_ExDxF.shape[0]
     flat_ids_N = ids_TxK.reshape(-1)  # N = T*K token copies
-    order_N = jnp.argsort(flat_ids_N, stable=True)
+    order_N = saved(jnp.argsort(flat_ids_N, stable=True))
     # Undo the sort with a gather by the inverse permutation; the inverse is a scatter of N integers, not a
     # second sort.
-    inverse_N = jnp.zeros_like(order_N).at[order_N].set(jnp.arange(order_N.shape[0], dtype=order_N.dtype),
-                                                         unique_indices=True)
+    inverse_N = saved(jnp.zeros_like(order_N).at[order_N].set(jnp.arange(order_N.shape[0], dtype=order_N.dtype),
+                                                               unique_indices=True))
     if permute == "gather":
         x_NxD = permute_copies(x_TxD, order_N, inverse_N, K)
     else:
@@ -188,7 +198,8 @@ def dropless(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, 
     # lax.switch wrongly (the last expert's rows came out 0; tests/test_sharding.py): pinned replicated.
     group_sizes_E = constrain(jnp.bincount(flat_ids_N, length=E).astype(jnp.int32), (None,))
     grouped_fn = grouped if callable(grouped) else grouped_swiglu_for(grouped)
-    y_sorted_NxD = grouped_fn(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
+    # Under remat_policy="save_moe" the backward pass reruns the gather into x_NxD (cheap), not the experts.
+    y_sorted_NxD = saved(grouped_fn(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD))
     if permute == "gather":
         y_TxKxD = unpermute_copies(y_sorted_NxD, order_N, inverse_N).reshape(T, K, -1)
     else:

@@ -239,7 +239,8 @@ def grouped_swiglu_layouts(lays: tuple[Layout, ...]):
     def fwd(x_NxD, group_sizes_E, *ws):
         parts = [functools.partial(_layout_fwd, lay) for lay in lays]
         y_NxD, res = switch(parts, group_sizes_E, x_NxD, group_sizes_E, *ws)
-        return y_NxD, (res, x_NxD, group_sizes_E, ws)
+        # The gate / up pre-activations kept under remat_policy="save_moe" (x_NxD is a gather, cheaply rerun).
+        return y_NxD, (jax.tree.map(experts.saved, res), x_NxD, group_sizes_E, ws)
 
     def bwd(saved, dy_NxD):
         res, x_NxD, group_sizes_E, ws = saved

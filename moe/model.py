@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moe import layer_scan
+from moe import experts, layer_scan
 from moe.config import ModelConfig
 from moe.execution import Execution
 from moe.layers import MLP, Attention, RMSNorm, param
@@ -116,7 +116,7 @@ class Transformer(nnx.Module):
                          causal)
 
         if ex.remat:
-            call = _rematerialized(call)
+            call = _rematerialized(call, ex.remat_policy)
         for start, stop in self._runs(ex, cache):
             if stop - start > 1:
                 x_BxLxD, outs = layer_scan.scan_blocks(call, self.blocks[start:stop], x_BxLxD, return_hidden)
@@ -203,8 +203,13 @@ def set_routing_biases(model: Transformer, biases) -> None:
         block.ffn.bias.value = b
 
 
-def _rematerialized(call):
-    """`call(block, x, layer_cache)` recomputed in the backward pass: jax.checkpoint over the block's state.
+# jax.checkpoint's policy per execution.remat_policy (None: save nothing, jax.checkpoint's default).
+REMAT_SAVES = {"full": None, "save_moe": jax.checkpoint_policies.save_only_these_names(experts.SAVED)}
+
+
+def _rematerialized(call, policy: str = "full"):
+    """`call(block, x, layer_cache)` recomputed in the backward pass: jax.checkpoint over the block's state,
+    keeping what `policy` names (moe/execution.py, REMAT_POLICIES).
 
     Not `nnx.remat`: newer Flax (0.12.9+, the GPU machine's) refuses to merge a traced state back into the
     block's own variables inside it ("Cannot mutate RoutingBias from a different trace level"). A block's
@@ -214,6 +219,6 @@ def _rematerialized(call):
     def rematerialized(block, x_BxLxD, layer_cache):
         graphdef, state = nnx.split(block)
         pure = lambda state, x, c: call(nnx.merge(graphdef, state), x, c)
-        return jax.checkpoint(pure)(state, x_BxLxD, layer_cache)
+        return jax.checkpoint(pure, policy=REMAT_SAVES[policy])(state, x_BxLxD, layer_cache)
 
     return rematerialized

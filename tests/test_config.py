@@ -50,6 +50,7 @@ def test_validation_errors(changes, field):
     (dict(attention_impl="cudnn", dtype="float32"), "execution.attention_impl"),
     (dict(dtype="int8"), "execution.dtype"),
     (dict(remat=1), "execution.remat"),
+    (dict(remat_policy="save_all"), "execution.remat_policy"),
     (dict(scan_layers=1), "execution.scan_layers"),
 ])
 def test_execution_validation_errors(changes, field):

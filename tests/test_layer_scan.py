@@ -23,14 +23,14 @@ def test_runs_group_consecutive_blocks_of_one_structure():
     assert runs_of_equal_blocks(two_runs.blocks) == [(0, 2), (2, 4), (4, 6)]
 
 
-@pytest.mark.parametrize("remat", [False, True])
+@pytest.mark.parametrize("remat", [False, "full", "save_moe"])
 def test_scanned_layers_equal_the_loop_values_and_gradients(remat, monkeypatch):
     model = tiny_model(**DEEP)
     tokens = jax.random.randint(jax.random.key(3), (2, 9), 0, TINY["vocab_size"])
     seg = jnp.asarray([[1] * 9, [1] * 6 + [0] * 3])
 
     def run(scan):
-        ex = Execution(remat=remat, scan_layers=scan)
+        ex = Execution(remat=bool(remat), remat_policy=remat or "full", scan_layers=scan)
 
         def loss(m):
             logits, aux = m(tokens, execution=ex, segment_ids_BxL=seg, return_routing=True, return_hidden=True)

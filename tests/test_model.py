@@ -1,11 +1,13 @@
-"""Whole-model properties: routing capture, accounting against the real parameter tree, remat == no remat."""
+"""Whole-model properties: routing capture, accounting against the real parameter tree, remat == no remat (every policy)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from moe import Execution, param_counts, train_flops_per_token
+from moe.execution import REMAT_POLICIES
 from tests.model_fixtures import TINY, tiny_model
 
 
@@ -34,17 +36,43 @@ def test_param_counts_match_the_tree():
     assert train_flops_per_token(tiny_model().cfg, 128) > 6 * param_counts(tiny_model().cfg)["active"] * 0.5
 
 
-def test_remat_gives_identical_gradients():
+def _loss_and_state(tokens, ex):
+    model = tiny_model()
+    graphdef, state = nnx.split(model)
+
+    def loss(state):
+        logits, aux = nnx.merge(graphdef, state)(tokens, execution=ex)
+        return logits.mean() + aux["balance_loss"]
+    return loss, state
+
+
+@pytest.mark.parametrize("policy", REMAT_POLICIES)
+def test_remat_gives_identical_gradients(policy):
     tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, TINY["vocab_size"])
 
-    def grads(remat):
-        def loss(m):
-            logits, aux = m(tokens, execution=Execution(remat=remat))
-            return logits.mean() + aux["balance_loss"]
-        return jax.tree.leaves(nnx.state(nnx.jit(nnx.grad(loss))(tiny_model()), nnx.Param))
+    def grads(ex):
+        loss, state = _loss_and_state(tokens, ex)
+        return jax.tree.leaves(jax.jit(jax.grad(loss))(state))
 
-    for a, b in zip(grads(False), grads(True)):
+    for a, b in zip(grads(Execution()), grads(Execution(remat=True, remat_policy=policy)), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("grouped,expert_op", [("ragged_dot", "ragged_dot"), ("slab", "cond[")])
+def test_save_moe_remat_reruns_no_routed_expert_work(grouped, expert_op):
+    """remat_policy=save_moe keeps the routed experts' residuals: its gradient program runs the experts' matmuls
+    (ragged_dot; slab's layout switch) and the sort as often as without remat, where full remat runs them again."""
+    tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, TINY["vocab_size"])
+
+    def counts(**remat):
+        loss, state = _loss_and_state(tokens, Execution(grouped_matmul=grouped, **remat))
+        program = str(jax.make_jaxpr(jax.grad(loss))(state))
+        return program.count(expert_op), program.count("sort["), program.count("dot_general")
+
+    plain, full, save_moe = counts(), counts(remat=True), counts(remat=True, remat_policy="save_moe")
+    assert save_moe[:2] == plain[:2]
+    assert full[0] > plain[0] and full[1] > plain[1]
+    assert plain[2] < save_moe[2] < full[2]  # attention, router and shared experts are still recomputed
 
 
 def test_forward_exposes_hidden_states_and_attention():

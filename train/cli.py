@@ -93,7 +93,8 @@ def migrate(config: dict) -> dict:
 # Keys added after the model/execution split, with the default that reproduces the runs from before them.
 # (loss_chunks: the runs before it computed all logits at once, which the chunked default reproduces up to
 # floating-point rounding only; scan_layers likewise; analysis.experiments.fingerprint leaves any value out.)
-ADDED_KEYS = {"eval.dispatch": "", "execution.loss_chunks": 8, "execution.scan_layers": False}
+ADDED_KEYS = {"eval.dispatch": "", "execution.loss_chunks": 8, "execution.scan_layers": False,
+              "execution.remat_policy": "full"}
 
 
 def pre_split_layout(config: dict) -> dict:
