@@ -6,13 +6,16 @@ kernel counts, per dispatch, grouped matmul, layer scan and expert count. A comp
     PYTHONPATH=/tmp/jax-cuda-site /tmp/venv-jax011/bin/python -m benchmarks.gpu_compile --experts 8,64
     ... -m benchmarks.gpu_compile --n_layers 2 --grouped_matmul slab,ragged_dot --scan_layers on,off --timeout 600
     ... -m benchmarks.gpu_compile --dispatch dropless,capacity,expert_parallel --grouped_matmul slab,tokamax
+    ... -m benchmarks.gpu_compile --experts 8,64 --remat full,save_moe,off   # memory: the `temp GiB` column
 
 JAX compiles ahead of time for a GPU described by a target config (`jax.experimental.topologies`, "deviceless
 AOT"): every XLA:GPU pass, LLVM and ptxas run here, nothing is autotuned (a GPU would autotune its GEMMs on top),
 and the compiled program is not run. `benchmarks/gpu_targets/h200.txtpb` describes the lent H200 (compute
 capability 9.0, 132 SMs; bandwidth and clocks approximate: they steer cost models, not correctness). Each row is
-compiled in a subprocess with a time limit, so a hung compile is a row that says so. Attention is `xla` (cuDNN's
-needs the cuDNN library, which the plugin's minimal install leaves out). tokamax, without a device, picks its
+compiled in a subprocess with a time limit, so a hung compile is a row that says so. Attention is JAX's Pallas
+flash attention standing in for cuDNN's (whose compile needs the cuDNN library, which the plugin's minimal install
+leaves out): the same residuals, so `temp GiB` is the memory XLA plans for the step on the GPU (`--attention
+xla`: XLA's attention, [B, H, L, L] logits kept). tokamax, without a device, picks its
 `xla` implementation: its rows say nothing of the Mosaic-GPU kernel's compile. ptxas comes from a CUDA toolkit on
 PATH (or the `nvidia-cuda-nvcc-cu12` wheel).
 """
@@ -62,7 +65,10 @@ def compile_row(spec: dict) -> dict:
     if spec["n_layers"]:
         c.model.n_layers = spec["n_layers"]
     if spec["remat"]:
-        c.execution.remat = spec["remat"] == "on"
+        c.execution.remat = spec["remat"] != "off"
+        c.execution.remat_policy = spec["remat"] if spec["remat"] != "off" else "full"
+    if spec["attention"] == "pallas_flash":
+        _flash_attention_standin()
     mcfg, t = check(c), c.train
     mesh = topologies.make_mesh(topology, (1, 1, 1, 1), ("data", "fsdp", "expert", "tensor"))
     tx = optim.optimizer(t)
@@ -81,13 +87,47 @@ def compile_row(spec: dict) -> dict:
     t2 = time.perf_counter()
     memory = compiled.memory_analysis()
     return {**_row_keys(spec), "layers": mcfg.n_layers, "scan layers": "on" if ex.scan_layers else "off",
-            "remat": "on" if ex.remat else "off",
+            "remat": ex.remat_policy if ex.remat else "off",
             "lower s": round(t1 - t0, 1),
             "compile s": round(t2 - t1, 1), **_kernel_stats(compiled.as_text()),
             # XLA's buffer assignment: what the step needs beyond its arguments and outputs (every switch branch's)
             "temp GiB": round(memory.temp_size_in_bytes / 2**30, 1),
             # the state and batch (the training loop donates the state, so its outputs reuse these buffers)
             "args GiB": round(memory.argument_size_in_bytes / 2**30, 1)}
+
+
+def _flash_attention_standin():
+    """The model's `jax.nn.dot_product_attention` calls run JAX's Pallas (Triton) flash attention instead, for an
+    H200: cuDNN's compile needs the cuDNN library, and XLA's implementation keeps [B, H, L, L] logits per layer
+    for the backward pass (~6 GiB a layer at configs/gpu_1b.py's batch 16 x 2048), which cuDNN's does not. Both
+    flash kernels keep q, k, v, the output and the log-sum-exp, so memory figures match cuDNN's; compile time
+    and kernels are Triton's. The mask is dropped: the benchmark batch is one causal document per row, which
+    `causal=True` alone masks. kv heads are repeated to the query heads (the kernel has no GQA)."""
+    import jax
+    import jax.numpy as jnp
+    from jax._src.pallas.triton import gpu_info  # no public way to name the target GPU without one
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+    import moe.layers
+
+    gpu_info.get_gpu_info = lambda *a, **k: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)
+
+    def flash(q, k, v, mask=None, is_causal=False, implementation=None, **_):
+        g = q.shape[2] // k.shape[2]
+        k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+        return pallas_attention.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=is_causal)
+
+    moe.layers.jax = _Namespace(jax, nn=_Namespace(jax.nn, dot_product_attention=flash))
+
+
+class _Namespace:
+    """`base` with some attributes replaced (the stand-in patches moe.layers' view of jax only)."""
+
+    def __init__(self, base, **replaced):
+        self._base, self._replaced = base, replaced
+
+    def __getattr__(self, name):
+        return self._replaced[name] if name in self._replaced else getattr(self._base, name)
 
 
 def run_group(cmd: list[str], timeout: int, env: dict) -> subprocess.CompletedProcess:
@@ -122,7 +162,7 @@ def _run_in_subprocess(spec: dict, timeout: int) -> dict:
 def _row_keys(spec: dict) -> dict:
     return {"dispatch": spec["dispatch"], "grouped matmul": spec["grouped"], "experts": spec["experts"],
             "layers": spec["n_layers"] or "config",
-            "scan layers": spec["scan"] or "config", "remat": spec["remat"] or "config"}
+            "scan layers": spec["scan"] or "config", "remat": spec["remat"] or "config", "attention": spec["attention"]}
 
 
 def plugin_ready() -> bool:
@@ -138,7 +178,12 @@ def main(argv=None):
     ap.add_argument("--experts", default="8", help="routed experts, comma-separated")
     ap.add_argument("--grouped_matmul", default="slab", help="comma-separated")
     ap.add_argument("--scan_layers", default="on", help="on, off or both (on,off)")
-    ap.add_argument("--remat", default="", help="on, off or both (on,off); default: the config's")
+    ap.add_argument("--remat", default="", help="off, full, save_moe (execution.remat_policy), comma-separated; "
+                                                "default: the config's")
+    ap.add_argument("--attention", default="pallas_flash", choices=["pallas_flash", "xla"],
+                    help="pallas_flash: JAX's Pallas flash attention, standing in for cuDNN's (whose compile needs "
+                         "the cuDNN library): the same residuals (q, k, v, out, log-sum-exp), so the same memory; "
+                         "xla: jax.nn.dot_product_attention's XLA implementation ([B, H, L, L] logits)")
     ap.add_argument("--n_layers", type=int, default=0, help="0: configs/gpu_1b.py's 16")
     ap.add_argument("--batch", type=int, default=16, help="rows of 2048 tokens (the gpu preset's 16)")
     ap.add_argument("--target", default=TARGET, help="the GPU's XLA target config (text proto)")
@@ -155,7 +200,7 @@ def main(argv=None):
         print(f"error: --target {a.target} is not a file; pass an XLA GPU target config", file=sys.stderr)
         sys.exit(2)
     scans = comma_subset(ap, "--scan_layers", a.scan_layers, ("on", "off"))
-    remats = comma_subset(ap, "--remat", a.remat, ("on", "off")) if a.remat else [""]
+    remats = comma_subset(ap, "--remat", a.remat, ("off", "full", "save_moe")) if a.remat else [""]
     comma_subset(ap, "--dispatch", a.dispatch, DISPATCHES)
     comma_subset(ap, "--grouped_matmul", a.grouped_matmul, ("auto", *GROUPED_SWIGLU))
     if not all(e.isdigit() and int(e) > 0 for e in a.experts.split(",")):
@@ -166,7 +211,7 @@ def main(argv=None):
             for sc in scans:
                 for r in remats:
                     spec = dict(dispatch=d, grouped=g, experts=e, scan=sc, remat=r, n_layers=a.n_layers,
-                                batch=a.batch, target=a.target)
+                                batch=a.batch, target=a.target, attention=a.attention)
                     rows.append(_run_in_subprocess(spec, a.timeout))
                     print(table(rows[-1:]), flush=True)
     print(f"\nXLA:GPU compile on this CPU (deviceless, {os.cpu_count()} cores, target {os.path.basename(a.target)}):")

@@ -33,8 +33,9 @@ import traceback
 import jax
 
 from benchmarks import kernel_accuracy, moe_layer, profile_step, train_step
-from benchmarks.common import add_scan_layers_flag, describe, table
+from benchmarks.common import add_scan_layers_flag, comma_subset, describe, table
 from moe import grouped_kernels
+from moe.execution import REMAT_POLICIES
 from train.flops import measure_peak_flops
 
 GPU_TESTS = ["tests/test_attention_impl.py::test_cudnn_equals_einsum_on_gpu", "tests/test_grouped_kernels.py"]
@@ -103,16 +104,18 @@ def accuracy_section(grouped: list[str]) -> str:
 
 
 def train_section(preset: str, experts: list[int], grouped: str, attention: str, peak: float,
-                  scan_layers: str = "") -> str:
-    rows = []
-    for e in experts:  # each row printed when done: a 16-layer compile takes minutes, a lease may end first
-        rows.append(train_step.bench(preset, "dropless", e, peak, grouped=grouped, attention=attention,
-                                     scan_layers=scan_layers))
-        print(table(rows[-1:]), flush=True)
-    out = [table(rows)]
-    if len(experts) == 2:
-        out.append("- " + train_step.expert_ratio(grouped, rows, experts))
-    return "\n".join(out)
+                  scan_layers: str = "", remats: tuple[str, ...] = ("",)) -> str:
+    """The train step at each expert count, per remat setting (off or a policy; "": the config's)."""
+    rows, ratios = [], []
+    for r in remats:
+        for e in experts:  # each row printed when done: a 16-layer compile takes minutes, a lease may end first
+            rows.append(train_step.bench(preset, "dropless", e, peak, grouped=grouped, attention=attention,
+                                         scan_layers=scan_layers, remat=r))
+            print(table(rows[-1:]), flush=True)
+        if len(experts) == 2:
+            ratios.append("- " + train_step.expert_ratio(grouped + (f" / remat {r}" if r else ""), rows[-2:],
+                                                         experts))
+    return "\n".join([table(rows), *ratios])
 
 
 def _short_traceback() -> str:
@@ -145,7 +148,11 @@ def main(argv=None) -> str:
                     help="comma-separated grouped matmuls to time (default: slab, tokamax if installed, ragged_dot; "
                          "the first also runs the train step right after the tests)")
     add_scan_layers_flag(ap, "the train and profile sections' train step:")
+    ap.add_argument("--remat", default="",
+                    help="the train section's remat, comma-separated: off, full, save_moe (execution.remat / "
+                         "remat_policy; default: the config's)")
     a = ap.parse_args(argv)
+    remats = tuple(comma_subset(ap, "--remat", a.remat, ("off", *REMAT_POLICIES))) if a.remat else ("",)
     wanted = set(a.sections.split(","))
     if wanted - {"tests", "accuracy", "train", "layer", "profile"}:
         ap.error(f"--sections takes tests, accuracy, train, layer, profile; got {a.sections}")
@@ -161,7 +168,7 @@ def main(argv=None) -> str:
     # Most telling first (a lease may end mid-run): the correctness tests, the train step on the first grouped
     # matmul (MFU), the layer ratios, then the train step on the others.
     train = lambda g: (f"Train step ({g}), preset {preset}, attention {a.attention_impl}",
-                       lambda: train_section(preset, experts, g, a.attention_impl, peak, a.scan_layers))
+                       lambda: train_section(preset, experts, g, a.attention_impl, peak, a.scan_layers, remats))
     steps = [("tests", ("GPU-only tests", lambda: run_gpu_tests(a.tiny))),
              ("accuracy", ("Grouped matmuls' bf16 error against the fp32 truth", lambda: accuracy_section(grouped))),
              ("train", train(grouped[0])),

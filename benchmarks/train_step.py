@@ -49,6 +49,7 @@ from benchmarks.common import (
 )
 from configs.base import base_config
 from moe import train_flops_per_token
+from moe.execution import REMAT_POLICIES
 from train import host_memory, optim
 from train import mesh as mesh_lib
 from train.config import check, execution
@@ -58,14 +59,17 @@ from train.step import forward, make_train_step, objective
 
 
 def _config(name: str, dispatch: str, n_experts: int, capacity_factor: float, grouped: str, attention: str,
-            batch: int = 0, loss_chunks: int = 0, scan_layers: str = ""):
+            batch: int = 0, loss_chunks: int = 0, scan_layers: str = "", remat: str = ""):
     p = preset(name, n_experts)
     c = base_config()
     c.model.update(**p["model"])
     c.execution.update(**{**p["execution"], "dispatch": dispatch, "capacity_factor": capacity_factor,
                           "grouped_matmul": "auto" if grouped == "-" else grouped, "attention_impl": attention,
                           **({"loss_chunks": loss_chunks} if loss_chunks else {}),
-                          **({"scan_layers": scan_layers == "on"} if scan_layers else {})})
+                          **({"scan_layers": scan_layers == "on"} if scan_layers else {}),
+                          # off, or a remat policy (execution.remat_policy); "": the preset's
+                          **({"remat": remat != "off", "remat_policy": "full" if remat == "off" else remat}
+                             if remat else {})})
     c.data.seq_len = p["seq_len"]
     # The preset's batch is per device: on N devices the (data-parallel) step sees N times the rows.
     c.train.update(batch_size=(batch or p["batch"]) * jax.device_count(), steps=1000, warmup_steps=10)
@@ -107,13 +111,14 @@ def _parts(graphdef, ex, forward_fn, tx):
 
 
 def prepare(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto", attention="blockwise", batch=0,
-            breakdown=False, loss_chunks=0, loss="fused", scan_layers="", compile_step=True):
+            breakdown=False, loss_chunks=0, loss="fused", scan_layers="", remat="", compile_step=True):
     """(calls, finish): the (fn, args) to time -- the step, then with `breakdown` its forward pass, forward +
     backward pass and optimizer update -- and finish(seconds per call of each) -> the table row. scan_layers:
-    "on" / "off" overrides execution.scan_layers ("": the preset's). The step is compiled here and the seconds it
+    "on" / "off" overrides execution.scan_layers, remat "off" / a policy execution.remat ("": the preset's). The step is compiled here and the seconds it
     took go into the row (`jax.stages.Compiled`); compile_step=False returns the jitted step instead, for callers
     that compile it their own way (benchmarks/cpu_dots.py)."""
-    c = _config(name, dispatch, n_experts, capacity_factor, grouped, attention, batch, loss_chunks, scan_layers)
+    c = _config(name, dispatch, n_experts, capacity_factor, grouped, attention, batch, loss_chunks, scan_layers,
+                remat)
     mcfg, t = check(c), c.train
     mesh = mesh_lib.make_mesh(c.mesh)
     tx = optim.optimizer(t)
@@ -139,7 +144,8 @@ def prepare(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto
                "top_k": mcfg.top_k, "MaxVio": float(maxvio.mean()) if maxvio.size else None,
                "tokens/step": tokens, "step ms": s * 1e3, "tokens/s": tokens / s,
                "MFU %": 100 * flops / s / (peak * jax.device_count()), "peak GiB": peak_memory_gb(),
-               "compile s": compile_s, "scan layers": "on" if ex.scan_layers else "off"}
+               "compile s": compile_s, "scan layers": "on" if ex.scan_layers else "off",
+               "remat": ex.remat_policy if ex.remat else "off"}
         if loss_chunks:
             row["loss chunks"] = loss_chunks
         if loss != "fused":
@@ -152,10 +158,10 @@ def prepare(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto
 
 
 def bench(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto", attention="blockwise", batch=0,
-          steps=0, breakdown=False, loss_chunks=0, loss="fused", scan_layers="") -> dict:
+          steps=0, breakdown=False, loss_chunks=0, loss="fused", scan_layers="", remat="") -> dict:
     """One row, timed on its own (the step and its parts round-robin)."""
     calls, finish = prepare(name, dispatch, n_experts, peak, capacity_factor, grouped, attention, batch, breakdown,
-                            loss_chunks, loss, scan_layers)
+                            loss_chunks, loss, scan_layers, remat)
     return finish(time_fns(calls, steps or PRESETS[name]["steps"]))
 
 
@@ -189,6 +195,9 @@ def main(argv=None):
     ap.add_argument("--scan_layers", default="",
                     help="on, off or both (on,off): execution.scan_layers, the MoE blocks as one lax.scan (default: "
                          "the preset's)")
+    ap.add_argument("--remat", default="",
+                    help="off, full, save_moe (execution.remat / remat_policy), comma-separated (default: the "
+                         "preset's)")
     ap.add_argument("--round_robin", action="store_true",
                     help="time all rows together, round-robin (all held in memory at once: CPU A/B runs; no "
                          "per-row peak memory)")
@@ -198,12 +207,14 @@ def main(argv=None):
     print(describe() + f" | matmul peak {peak / 1e12:.3g} TFLOP/s per device")
     experts_list = [int(e) for e in a.experts.split(",")]
     scans = comma_subset(ap, "--scan_layers", a.scan_layers, ("on", "off")) if a.scan_layers else [""]
-    combos = [(d, g, att, int(ch), lo, sc) for d, g in variants(a.dispatch.split(","), a.grouped_matmul.split(","))
+    remats = comma_subset(ap, "--remat", a.remat, ("off", *REMAT_POLICIES)) if a.remat else [""]
+    combos = [(d, g, att, int(ch), lo, sc, r)
+              for d, g in variants(a.dispatch.split(","), a.grouped_matmul.split(","))
               for att in a.attention_impl.split(",") for ch in a.loss_chunks.split(",") for lo in a.loss.split(",")
-              for sc in scans]
+              for sc in scans for r in remats]
     specs = [dict(dispatch=d, n_experts=e, capacity_factor=a.capacity_factor, grouped=g, attention=att,
-                  batch=a.batch, breakdown=a.breakdown, loss_chunks=ch, loss=lo, scan_layers=sc)
-             for d, g, att, ch, lo, sc in combos for e in experts_list]
+                  batch=a.batch, breakdown=a.breakdown, loss_chunks=ch, loss=lo, scan_layers=sc, remat=r)
+             for d, g, att, ch, lo, sc, r in combos for e in experts_list]
     if a.round_robin:
         rows = bench_round_robin(specs, a.preset, peak, a.steps)
     else:  # each row printed when done: a deep model's compile takes minutes, a time limit may end the run first
@@ -213,9 +224,9 @@ def main(argv=None):
             print(table(rows[-1:]), flush=True)
     print(table(rows))
     if len(experts_list) == 2:
-        for i, (d, g, att, ch, loss, sc) in enumerate(combos):
+        for i, (d, g, att, ch, loss, sc, r) in enumerate(combos):
             extra = (f" / loss_chunks {ch}" if ch else "") + (f" / {loss} loss" if loss != "fused" else "") \
-                + (f" / scan_layers {sc}" if sc else "")
+                + (f" / scan_layers {sc}" if sc else "") + (f" / remat {r}" if r else "")
             print(expert_ratio(f"{d} / {g} / {att}{extra}", rows[2 * i:2 * i + 2], experts_list))
 
 

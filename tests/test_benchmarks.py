@@ -86,17 +86,23 @@ def test_train_step_row(capsys):
     mfu = float(cells[9])
     assert 0 < mfu < 100
     header = next(line for line in out.splitlines() if line.startswith("| dispatch"))
-    assert header.rstrip(" |").endswith("compile s | scan layers | fwd ms | fwd+bwd ms | opt ms")  # --breakdown
+    assert header.rstrip(" |").endswith("compile s | scan layers | remat | fwd ms | fwd+bwd ms | opt ms")  # --breakdown
     assert float(cells[11]) > 0 and cells[12] == "off"  # the step's compile seconds; unrolled (the preset's)
-    assert all(float(c) > 0 for c in cells[13:16])  # the step's parts, timed
+    assert cells[13] == "off"  # no remat (the preset's)
+    assert all(float(c) > 0 for c in cells[14:17])  # the step's parts, timed
 
 
-def test_train_step_scan_layers_override():
+def test_train_step_scan_layers_and_remat_overrides():
     """--scan_layers on/off overrides the preset's execution.scan_layers; "" keeps it (off in every preset)."""
     args = ("dropless", 8, 1.25, "slab", "blockwise")
     assert train_step._config("cpu", *args, scan_layers="on").execution.scan_layers is True
     assert train_step._config("gpu", *args, scan_layers="off").execution.scan_layers is False
     assert train_step._config("gpu", *args).execution.scan_layers is False
+    # --remat: off, or a policy; "" keeps the preset's (configs/gpu_1b.py: remat, full)
+    assert train_step._config("gpu", *args).execution.remat is True
+    assert train_step._config("gpu", *args, remat="off").execution.remat is False
+    ex = train_step._config("cpu", *args, remat="save_moe").execution
+    assert ex.remat is True and ex.remat_policy == "save_moe"
 
 
 def test_train_step_round_robin_rows(capsys):

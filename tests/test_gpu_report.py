@@ -25,10 +25,11 @@ def test_gpu_report_tiny_writes_every_section(tmp_path):
     assert "XLA target config: none (not a GPU)" in text and not list(tmp_path.glob("*.txtpb"))
 
 
-def test_sections_flag_rejects_unknown_names(capsys):
+@pytest.mark.parametrize("flag,value", [("--sections", "tests,speed"), ("--remat", "off,everything")])
+def test_flags_reject_unknown_names(capsys, flag, value):
     with pytest.raises(SystemExit) as e:
-        gpu_report.main(["--sections", "tests,speed"])
-    assert e.value.code == 2 and "--sections" in capsys.readouterr().err
+        gpu_report.main([flag, value])
+    assert e.value.code == 2 and flag in capsys.readouterr().err
 
 
 def test_the_gpus_target_config_is_saved_beside_the_report(monkeypatch, tmp_path):
