@@ -10,11 +10,17 @@
 
 Architecture (DeepSeek-V3-like, scaled down): 16 layers (1 dense + 15 MoE), d_model 1024, 16 query heads / 4 kv
 heads of 64, 64 fine-grained routed experts of width 320 (top-6, routed in 8 groups, the best 4 eligible) plus 2
-shared experts, routed_scaling_factor 2.5, blocks rematerialized, cuDNN flash attention (bf16; it runs as `xla`
-attention off NVIDIA GPUs, tested equal to einsum; its GPU equality test is in `python -m benchmarks.gpu_report`).
+shared experts, routed_scaling_factor 2.5, cuDNN flash attention (bf16; it runs as `xla` attention off NVIDIA GPUs,
+tested equal to einsum; its GPU equality test is in `python -m benchmarks.gpu_report`). Blocks are rematerialized
+keeping the routed experts' residuals (`execution.remat_policy=save_moe`): the backward pass reruns attention, norms,
+router and shared experts but not the routed experts' sort, gathers and matmuls. XLA plans 24.7 GiB of temporaries
+for the 64-expert step at batch 16 x 2048 (11.6 GiB of state), against 15.6 with `full` remat and 52.8 without remat
+(compiled for an H200 without one: `benchmarks.gpu_compile`, docs/performance.md), so it fits one H100; the GPU A/B
+of the two policies is `python -m benchmarks.gpu_report --remat full,save_moe`.
 Global batch 64 x 2048 tokens in 4 micro-batches. `--config.execution.scan_layers=true` runs the 15 MoE blocks as
-one lax.scan (one compiled copy of the block; the unrolled step did not finish compiling in ~320 s, cold, on an
-H200): not the default here until its GPU A/B (docs/performance.md, "Compile time and scanned layers").
+one lax.scan (one compiled copy of the block: the 8-expert step compiles for an H200 in 38 s against 64 s unrolled,
+on a 2-core CPU without the GPU's autotuning): not the default here until its GPU A/B (docs/performance.md,
+"Compile time and scanned layers", "GPU figures, run 5").
 moe.param_counts(...) gives the exact figures (total 1,042M / active 186M with the bundled 8192-token vocabulary).
 """
 
@@ -26,7 +32,7 @@ def get_config():
     c.model.update(vocab_size=8192, d_model=1024, n_layers=16, n_heads=16, n_kv_heads=4, head_dim=64, d_ff=2816,
                    first_k_dense=1, n_routed_experts=64, n_shared_experts=2, top_k=6, moe_d_ff=320, n_group=8,
                    topk_group=4, routed_scaling_factor=2.5, rope_theta=10000.0)
-    c.execution.update(dtype="bfloat16", remat=True, attention_impl="cudnn")
+    c.execution.update(dtype="bfloat16", remat=True, remat_policy="save_moe", attention_impl="cudnn")
     c.data.seq_len = 2048
     c.train.update(steps=20000, batch_size=64, grad_accum=4, lr=1e-3, warmup_steps=1000, schedule="wsd",
                    decay_frac=0.2, weight_decay=0.1)

@@ -98,8 +98,9 @@ def test_train_step_scan_layers_and_remat_overrides():
     assert train_step._config("cpu", *args, scan_layers="on").execution.scan_layers is True
     assert train_step._config("gpu", *args, scan_layers="off").execution.scan_layers is False
     assert train_step._config("gpu", *args).execution.scan_layers is False
-    # --remat: off, or a policy; "" keeps the preset's (configs/gpu_1b.py: remat, full)
-    assert train_step._config("gpu", *args).execution.remat is True
+    # --remat: off, or a policy; "" keeps the preset's (configs/gpu_1b.py: remat, save_moe)
+    gpu = train_step._config("gpu", *args).execution
+    assert gpu.remat is True and gpu.remat_policy == "save_moe"
     assert train_step._config("gpu", *args, remat="off").execution.remat is False
     ex = train_step._config("cpu", *args, remat="save_moe").execution
     assert ex.remat is True and ex.remat_policy == "save_moe"
