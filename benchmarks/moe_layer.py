@@ -9,6 +9,8 @@ active FLOPs (width top_k * moe_d_ff), at n_routed_experts = 8 and 64 (fixed top
     python -m benchmarks.moe_layer --preset cpu --dispatch dropless --grouped_matmul slab,slab:1.25/1.5/2
     # on a GPU, slab's spill layouts (the CPU default) against its pure slabs (the GPU default):
     python -m benchmarks.moe_layer --preset gpu --dispatch dropless --grouped_matmul slab,slab:spill
+    # on a GPU, a routing past every pure slab at 64 experts: the fallback in 512-row blocks against 64-row ones
+    python -m benchmarks.moe_layer --preset gpu --dispatch dropless --grouped_matmul slab,slab@64 --routing skewed
     # the routing of a freshly initialized router and of one balanced by the routing bias, as in training:
     python -m benchmarks.moe_layer --preset default --routing random,balanced
     # dropless's backward with scatter-adds (autodiff) or gathers only (experts.permute_copies):
@@ -26,7 +28,9 @@ FLOPs (T * K rows), like every row, not the padded slab's.
 gets well above the mean (MaxVio column). `balanced` adds the routing bias that aux-loss-free balancing would
 learn: fitted by the training loop's rule (router.update_bias after every batch, gamma 1e-2 -> 1e-3 -> 1e-4)
 on 600 fresh batches of the same distribution, then applied to the timed batch, so its MaxVio is the batch noise
-a converged bias leaves (trained models: MaxVio per batch in docs/training.md).
+a converged bias leaves (trained models: MaxVio per batch in docs/training.md). `skewed` adds a fixed random bias
+(SKEW below) that loads the experts as unevenly as a deep, freshly initialized model does: the routing under which
+`slab` falls back to its padded blocks at 64 experts.
 """
 
 import functools
@@ -48,14 +52,20 @@ def _expert_matmuls(*args):
 def _grouped(name: str):
     """A grouped_matmul name; `slab:F1/F2/...`: the slab path with only pure slabs of those sizes (multiples of
     N / E) and the padded-block fallback (the slab path before its spill layouts); `slab:spill`: the slab path
-    with its CPU layouts (spill blocks) on any backend (on GPU `slab` takes pure slabs: this is the A/B)."""
+    with its CPU layouts (spill blocks) on any backend (on GPU `slab` takes pure slabs: this is the A/B). A
+    trailing `@B` sets the fallback's block rows (`slab:1.25/1.5/2@64`: the GPU layouts before 2026-11-27's
+    512-row fallback blocks)."""
+    name, _, fallback = name.partition("@")
+    fallback_block = int(fallback) if fallback else None
     if name == "slab:spill":
         return functools.partial(grouped_slab.grouped_swiglu_slab, fractions=grouped_slab.SPILL_FRACTIONS,
-                                 factors=grouped_slab.SLAB_FACTORS)
+                                 factors=grouped_slab.SLAB_FACTORS, fallback_block=fallback_block)
     if name.startswith("slab:"):
         factors = tuple(float(f) for f in name[len("slab:"):].split("/"))
         return functools.partial(grouped_slab.grouped_swiglu_slab, fractions=(), factors=factors,
-                                 block=grouped_slab.NO_SPILL_BLOCK)
+                                 block=grouped_slab.NO_SPILL_BLOCK, fallback_block=fallback_block)
+    if fallback_block:
+        return functools.partial(grouped_slab.grouped_swiglu_slab, fallback_block=fallback_block)
     return name
 
 
@@ -89,7 +99,11 @@ def _identity_grouped(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExF
     return x_NxD
 
 
-ROUTINGS = ("random", "balanced")
+ROUTINGS = ("random", "balanced", "skewed")
+# `skewed`: a fixed routing bias of SKEW x N(0, 1) per expert. At configs/gpu_1b.py's widths it gives MaxVio ~0.2 at
+# 8 experts and ~2.4 at 64, like the deep layers of that model at initialization (0.04-0.3 and 0.6-3.5 on the
+# benchmark batch; docs/performance.md): past every pure slab at 64 experts, so `slab` runs its fallback.
+SKEW = 0.1
 BIAS_SCHEDULE = ((1e-2, 200), (1e-3, 200), (1e-4, 200))  # (gamma, updates)
 
 
@@ -142,6 +156,8 @@ def bench(name: str, n_experts: int, dispatches, grouped_matmuls=("auto",), capa
         bias = jnp.zeros(n_experts, jnp.float32)
         if routing == "balanced":  # fitted on other batches of the same distribution, timed on this one
             bias = balanced_bias(ks[5], T, D, w_router, K, dt)
+        elif routing == "skewed":
+            bias = SKEW * jax.random.normal(ks[5], (n_experts,), jnp.float32)
         _, ids, gates = route(x.astype(jnp.float32), w_router, bias)
         sizes = jnp.bincount(ids.reshape(-1), length=n_experts)
         maxvio = float(router.max_violation(sizes))
@@ -184,7 +200,7 @@ def bench(name: str, n_experts: int, dispatches, grouped_matmuls=("auto",), capa
 def main(argv=None):
     ap = arg_parser(__doc__.splitlines()[0])
     ap.add_argument("--baseline_experts", default="", help="path of another experts.py to time beside")
-    ap.add_argument("--routing", default="random", help="comma-separated from random,balanced (see above)")
+    ap.add_argument("--routing", default="random", help="comma-separated from random,balanced,skewed (see above)")
     a = ap.parse_args(argv)
     host_memory.keep_freed_memory()  # as `python -m train` runs (train/host_memory.py)
     routings = comma_subset(ap, "--routing", a.routing, ROUTINGS)

@@ -10,7 +10,7 @@ gathers). A layout is exact when the spill fits its S blocks. The layouts tried 
 of C = the mean rows per expert with spill budgets of `SPILL_FRACTIONS` of the rows, pure slabs
 (`SLAB_FACTORS` x the mean, no spill), and the padded-block fallback (C = 0: every row in blocks, enough for any
 routing); spill layouts on CPU, where they are measured, pure slabs of 1.25 / 1.5 / 2 x the mean elsewhere
-(`default_layout_sets`: the layouts measured on an H200). The cheapest layout that fits runs, picked on the data
+(`default_layout_sets`: the slabs measured on an H200), with a fallback of larger blocks there. The cheapest layout that fits runs, picked on the data
 by one `lax.switch`; their costs are static. Balanced or not, the rows computed stay close to N: the busiest
 experts overflow into a few blocks instead of sizing every expert's slab (at 64 experts and the router's
 initialization, 1.19-1.25 N rows against 1.5-2.0 N for slabs alone; docs/performance.md).
@@ -33,24 +33,34 @@ from moe import experts
 
 SPILL_FRACTIONS = (1 / 16, 1 / 8, 3 / 16, 1 / 4, 1 / 2)  # spill budgets tried beside mean-sized slabs, x N rows
 SLAB_FACTORS = (1.25,)  # pure slabs tried, as multiples of the mean rows per expert N / E
-# Spill blocks are measured on XLA:CPU only. Elsewhere the layouts measured on an H200 (pure slabs of 1.25 / 1.5 /
-# 2 x the mean, then the fallback in 64-row blocks) stay the default until a GPU A/B says otherwise: at GPU widths a
+# Spill blocks are measured on XLA:CPU only. Elsewhere the slabs measured on an H200 (pure slabs of 1.25 / 1.5 / 2 x
+# the mean, then the fallback) stay the default until a GPU A/B says otherwise: at GPU widths a
 # spill block's weights are ~15x its rows' bytes (configs/gpu_1b.py), a cost this CPU-fitted model does not see.
 NO_SPILL_SLAB_FACTORS = (1.25, 1.5, 2.0)
 NO_SPILL_BLOCK = 64
 # The all-blocks fallback runs when the routing is collapsed (a young router): 64-row blocks there, whatever the
 # spill blocks' size (at 64 experts, a collapsed routing: 132 ms against 159 for 32-row blocks; fallback_ab.py).
 FALLBACK_BLOCK = 64
+# Off the CPU the fallback's blocks are larger (`fallback_block_rows`): each block gathers its expert's weights,
+# 3 x D x F values for its b rows, so at configs/gpu_1b.py's widths a 64-row block moves ~15x its rows' bytes in
+# weights and its matmuls run memory-bound, while a 512-row block does ~256 FLOPs per byte of gathered weight,
+# above an H100's or H200's bf16 ridge (~200-300). The fallback runs on skewed routings: the deep layers of a
+# freshly initialized configs/gpu_1b.py at 64 experts route max/mean 2-4.5 x (docs/performance.md), past every
+# pure slab. A roofline estimate, to be confirmed on a GPU (`benchmarks.moe_layer --routing skewed`).
+GPU_FALLBACK_BLOCK_MAX = 512
 # A spill row's cost against a slab row's: its block's weights are gathered (and their gradients summed back).
 # From the profile of the default train step at 64 experts: the blocks' matmuls run at the slabs' rate, and the
 # weight gather and segment sums add ~25% (docs/performance.md).
 SPILL_ROW_COST = 1.25
 
 
-def default_layout_sets(backend: str) -> tuple[tuple[float, ...], tuple[float, ...], int]:
-    """(spill fractions, slab factors, block rows; 0: `spill_block_rows`) for a backend: spill layouts on CPU, pure
-    slabs and 64-row fallback blocks elsewhere."""
-    return (SPILL_FRACTIONS, SLAB_FACTORS, 0) if backend == "cpu" else ((), NO_SPILL_SLAB_FACTORS, NO_SPILL_BLOCK)
+def default_layout_sets(backend: str) -> tuple[tuple[float, ...], tuple[float, ...], int, int]:
+    """(spill fractions, slab factors, spill block rows, fallback block rows; 0: `spill_block_rows` /
+    `fallback_block_rows`) for a backend: spill layouts and 64-row fallback blocks on CPU, pure slabs and larger
+    fallback blocks elsewhere."""
+    if backend == "cpu":
+        return SPILL_FRACTIONS, SLAB_FACTORS, 0, FALLBACK_BLOCK
+    return (), NO_SPILL_SLAB_FACTORS, NO_SPILL_BLOCK, 0
 
 
 class Layout(NamedTuple):
@@ -68,13 +78,21 @@ def spill_block_rows(N: int, E: int) -> int:
     return int(min(64, max(16, 2 ** math.floor(math.log2(max(N / E / 4, 1))))))
 
 
+def fallback_block_rows(N: int, E: int) -> int:
+    """The fallback's block rows off the CPU: a power of 2 in [64, GPU_FALLBACK_BLOCK_MAX], at most a quarter of the
+    mean rows per expert, so padding every expert to whole blocks adds under N / 4 rows (E x (b - 1)) where the
+    rows allow more than 64."""
+    return int(min(GPU_FALLBACK_BLOCK_MAX, max(64, 2 ** math.floor(math.log2(max(N / E / 4, 1))))))
+
+
 def layouts(N: int, E: int, fractions=SPILL_FRACTIONS, factors=SLAB_FACTORS, block: int = 0,
             fallback_block: int = FALLBACK_BLOCK) -> tuple[Layout, ...]:
     """The static layouts for N sorted rows and E experts, cheapest first; the last (the padded-block fallback, in
-    blocks of `fallback_block` rows) fits any routing. Spill blocks have `block` rows (0: `spill_block_rows`). Slab
+    blocks of `fallback_block` rows; 0: `fallback_block_rows`) fits any routing. Spill blocks have `block` rows
+    (0: `spill_block_rows`). Slab
     sizes are rounded up to 8 rows, at most N. Spill layouts are kept only where cheaper than the fallback; pure
     slabs always (each is the fallback's alternative when its routing fits)."""
-    b, fb = block or spill_block_rows(N, E), fallback_block
+    b, fb = block or spill_block_rows(N, E), fallback_block or fallback_block_rows(N, E)
     round8 = lambda rows: min(N, -(-math.ceil(rows) // 8) * 8)
     fallback = Layout(0, -(-(N + E * (fb - 1)) // fb), fb)
     spills = {Layout(round8(N / E), math.ceil(f * N / b), b) for f in fractions}
@@ -254,11 +272,13 @@ def grouped_swiglu_layouts(lays: tuple[Layout, ...]):
 
 
 def grouped_swiglu_slab(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, fractions=None, factors=None,
-                        block: int = 0, fallback_block: int = FALLBACK_BLOCK):
-    """Exact grouped SwiGLU (rows past sum(group_sizes) give 0): see the module docstring. fractions / factors:
-    the spill budgets and pure slab sizes tried (None: `default_layout_sets` of this backend)."""
-    default_fractions, default_factors, default_block = default_layout_sets(jax.default_backend())
+                        block: int = 0, fallback_block: int | None = None):
+    """Exact grouped SwiGLU (rows past sum(group_sizes) give 0): see the module docstring. fractions / factors /
+    block / fallback_block: the spill budgets, pure slab sizes and block rows tried (None, 0: `default_layout_sets`
+    of this backend)."""
+    default_fractions, default_factors, default_block, default_fallback = default_layout_sets(jax.default_backend())
     fractions = default_fractions if fractions is None else fractions
     factors = default_factors if factors is None else factors
+    fallback_block = default_fallback if fallback_block is None else fallback_block
     lays = layouts(x_NxD.shape[0], group_sizes_E.shape[0], fractions, factors, block or default_block, fallback_block)
     return grouped_swiglu_layouts(lays)(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)

@@ -1,6 +1,7 @@
 """The benchmark scripts run and report sane figures (on CPU, one small combination each; timings not asserted)."""
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from benchmarks import common, moe_layer, train_step
@@ -54,23 +55,39 @@ def test_balanced_routing_is_what_the_bias_rule_leaves_on_a_fresh_batch():
 
 def test_moe_layer_routing_flag(capsys):
     moe_layer.main(["--preset", "tiny", "--dispatch", "dropless", "--grouped_matmul", "slab", "--experts", "8",
-                    "--routing", "random,balanced", "--steps", "1"])
+                    "--routing", "random,balanced,skewed", "--steps", "1"])
     out = capsys.readouterr().out
-    assert "| dropless | slab | random |" in out and "| dropless | slab | balanced |" in out
+    assert all(f"| dropless | slab | {r} |" in out for r in ("random", "balanced", "skewed"))
     with pytest.raises(SystemExit) as e:
         moe_layer.main(["--routing", "trained"])
     assert e.value.code == 2 and "--routing" in capsys.readouterr().err
+
+
+def test_skewed_routing_loads_64_experts_past_every_gpu_slab():
+    """--routing skewed, at configs/gpu_1b.py's widths (8,192 tokens here): mild at 8 experts, past the largest
+    pure slab (2x the mean, MaxVio 1) at 64, where slab's fallback runs, as in a deep model at initialization."""
+    T, D, K = 8192, 1024, 6
+    for E, lo, hi in ((8, 0.05, 0.5), (64, 1.5, 3.5)):
+        ks = jax.random.split(jax.random.key(0), 3)
+        x = jax.random.normal(ks[0], (T, D))
+        w = jax.random.normal(ks[1], (D, E)) * D**-0.5
+        _, ids, _ = router.route(x, w, moe_layer.SKEW * jax.random.normal(ks[2], (E,)), top_k=K)
+        assert lo < float(router.max_violation(jnp.bincount(ids.reshape(-1), length=E))) < hi
 
 
 def test_slab_factor_variants_reach_the_grouped_matmul():
     from moe import experts
 
     fn = moe_layer._grouped("slab:1.25/1.5/1.75/2")  # pure slabs only: no spill layouts
-    assert fn.keywords == {"fractions": (), "factors": (1.25, 1.5, 1.75, 2.0), "block": 64}
+    assert fn.keywords == {"fractions": (), "factors": (1.25, 1.5, 1.75, 2.0), "block": 64, "fallback_block": None}
     assert experts.grouped_swiglu_for(fn) is fn
     assert moe_layer._grouped("blocked") == "blocked"
     spill = moe_layer._grouped("slab:spill")  # the CPU layouts on any backend: the GPU A/B
-    assert spill.keywords == {"fractions": grouped_slab.SPILL_FRACTIONS, "factors": grouped_slab.SLAB_FACTORS}
+    assert spill.keywords == {"fractions": grouped_slab.SPILL_FRACTIONS, "factors": grouped_slab.SLAB_FACTORS,
+                              "fallback_block": None}
+    # @B: the fallback's block rows (the GPU's 512 against the 64 it had before)
+    assert moe_layer._grouped("slab:1.25/1.5/2@64").keywords["fallback_block"] == 64
+    assert moe_layer._grouped("slab@64").keywords == {"fallback_block": 64}
 
 
 def test_train_step_row(capsys):

@@ -55,11 +55,19 @@ def test_slab_layouts_are_static_cheapest_first_ending_with_the_fallback():
 
 
 def test_spill_layouts_are_the_default_on_cpu_only():
-    assert grouped_slab.default_layout_sets("cpu") == (grouped_slab.SPILL_FRACTIONS, grouped_slab.SLAB_FACTORS, 0)
-    # elsewhere the layouts measured on an H200 until a GPU A/B: slabs of 1.25 / 1.5 / 2 x the mean 128 rows, all
-    # kept, then 64-row fallback blocks
+    assert grouped_slab.default_layout_sets("cpu") == (grouped_slab.SPILL_FRACTIONS, grouped_slab.SLAB_FACTORS, 0,
+                                                       grouped_slab.FALLBACK_BLOCK)
+    # elsewhere the slabs measured on an H200 until a GPU A/B: 1.25 / 1.5 / 2 x the mean 128 rows, all kept, then
+    # fallback blocks of 64 rows at this size (a quarter of the mean: 32, raised to 64)
     lays = grouped_slab.layouts(8192, 64, *grouped_slab.default_layout_sets("gpu"))
     assert lays == ((160, 0, 64), (192, 0, 64), (256, 0, 64), (0, 191, 64))
+    # configs/gpu_1b.py's 16 x 2048 tokens, top-6: 512-row fallback blocks (compute-bound weight gathers), whose
+    # padding stays under N / 4 at 64 experts
+    N = 16 * 2048 * 6
+    for E in (8, 64):
+        C, S, b = grouped_slab.layouts(N, E, *grouped_slab.default_layout_sets("gpu"))[-1]
+        assert (C, b) == (0, 512) and S == -(-(N + E * (b - 1)) // b) and E * (b - 1) < N / 4
+    assert grouped_slab.fallback_block_rows(N, 64) == 512 and grouped_slab.fallback_block_rows(6 * 8, 64) == 64
 
 
 def test_a_layout_fits_when_its_spill_blocks_hold_the_rows_past_the_slabs():
@@ -118,8 +126,9 @@ def test_slab_in_bf16_is_as_close_to_the_fp32_truth_as_ragged_dot_in_bf16(backen
     error (+25%, +0.02 of the largest entry), and finite. Both errors are ~1% at these inputs, so the slack
     dominates: this catches a wrong row or a precision loss of several bf16 ulps, not an error twice ragged_dot's
     (to tighten once a GPU has rerun it: docs/performance.md, "GPU figures, run 4")."""
-    fractions, factors, block = grouped_slab.default_layout_sets(backend)
-    slab = functools.partial(grouped_slab.grouped_swiglu_slab, fractions=fractions, factors=factors, block=block)
+    fractions, factors, block, fallback = grouped_slab.default_layout_sets(backend)
+    slab = functools.partial(grouped_slab.grouped_swiglu_slab, fractions=fractions, factors=factors, block=block,
+                             fallback_block=fallback)
     x, ws = kernel_accuracy.inputs(jnp.bfloat16)
     for sizes in SIZES.values():
         got = kernel_accuracy.relative_errors(slab, sizes, x, ws)
