@@ -11,11 +11,12 @@ Sections: device and measured bf16 matmul peak (train.flops.measure_peak_flops, 
 (cuDNN attention == einsum, tokamax grouped-matmul kernels as accurate as ragged_dot; run by pytest with
 JAX_PLATFORMS=cuda, skipped off GPU); each grouped matmul's bf16 error against the fp32 truth
 (benchmarks.kernel_accuracy); MoE layer vs the dense FFN of equal active FLOPs at 8 and 64 experts per grouped
-matmul, with dropless's dispatch alone and its backward by scatter-adds or by gathers only (`dropless:gather`); the
-train step of configs/gpu_1b.py (MFU against the measured peak, tokens/s, peak memory) at 8 and 64 experts per
+matmul, with dropless's dispatch alone and its backward by scatter-adds or by gathers only (`dropless:gather`);
+the layer at 64 experts under a skewed routing, where slab runs its padded-block fallback (512- against 64-row
+blocks; `fallback`); the train step of configs/gpu_1b.py (MFU against the measured peak, tokens/s, peak memory) at 8 and 64 experts per
 grouped matmul, and the 64/8 step-time ratio. Goals (issue 13): MFU >= 40%, layer <= 1.3x dense, 64/8 <= 1.15x.
 Every section runs even if an earlier one fails (its error goes into the report), in the order tests, accuracy,
-train step (first grouped matmul), layer, a profile of the first train step (its 25 largest XLA ops,
+train step (first grouped matmul), layer, fallback, a profile of the first train step (its 25 largest XLA ops,
 benchmarks.profile_step), train step (the others), and the report is rewritten after each: a run cut off by the
 lease's time limit keeps what finished.
 """
@@ -38,6 +39,7 @@ from moe import grouped_kernels
 from moe.execution import REMAT_POLICIES
 from train.flops import measure_peak_flops
 
+SECTIONS = ("tests", "accuracy", "train", "layer", "fallback", "profile")
 GPU_TESTS = ["tests/test_attention_impl.py::test_cudnn_equals_einsum_on_gpu", "tests/test_grouped_kernels.py"]
 
 
@@ -95,6 +97,13 @@ def layer_section(preset: str, experts: list[int], grouped: list[str]) -> str:
     return table(rows)
 
 
+def fallback_section(preset: str, experts: int) -> str:
+    """slab's fallback A/B: the layer under a routing past every pure slab (moe_layer's `skewed`, as the deep layers
+    of a fresh configs/gpu_1b.py at 64 experts route), its padded blocks of 512 rows (the GPU default since
+    2026-11-27) against the 64 they had before."""
+    return table(moe_layer.bench(preset, experts, ["dropless"], ["slab", "slab@64"], routings=("skewed",)))
+
+
 def accuracy_section(grouped: list[str]) -> str:
     """bf16 error against the fp32 truth of each grouped matmul, tokamax's GPU kernels by name (see
     benchmarks/kernel_accuracy.py): what the GPU test asserts, as figures."""
@@ -141,9 +150,8 @@ def main(argv=None) -> str:
     ap.add_argument("--out", default="gpu_report.md")
     ap.add_argument("--tiny", action="store_true", help="toy shapes (preset tiny): checks the script, not speed")
     ap.add_argument("--attention_impl", default="cudnn", help="train step attention (configs/gpu_1b.py: cudnn)")
-    ap.add_argument("--sections", default="tests,accuracy,train,layer,profile",
-                    help="which of tests, accuracy, train, layer, profile to run (e.g. a rerun of what failed in a "
-                         "short lease)")
+    ap.add_argument("--sections", default=",".join(SECTIONS),
+                    help=f"which of {', '.join(SECTIONS)} to run (e.g. a rerun of what failed in a short lease)")
     ap.add_argument("--grouped_matmul", default="",
                     help="comma-separated grouped matmuls to time (default: slab, tokamax if installed, ragged_dot; "
                          "the first also runs the train step right after the tests)")
@@ -154,8 +162,8 @@ def main(argv=None) -> str:
     a = ap.parse_args(argv)
     remats = tuple(comma_subset(ap, "--remat", a.remat, ("off", *REMAT_POLICIES))) if a.remat else ("",)
     wanted = set(a.sections.split(","))
-    if wanted - {"tests", "accuracy", "train", "layer", "profile"}:
-        ap.error(f"--sections takes tests, accuracy, train, layer, profile; got {a.sections}")
+    if wanted - set(SECTIONS):
+        ap.error(f"--sections takes {', '.join(SECTIONS)}; got {a.sections}")
     preset = "tiny" if a.tiny else "gpu"
     # tiny: one grouped matmul, two expert counts: every section and the ratio line, few compilations
     experts = [4, 8] if a.tiny else [8, 64]
@@ -174,6 +182,8 @@ def main(argv=None) -> str:
              ("train", train(grouped[0])),
              ("layer", ("MoE layer vs dense FFN (forward + backward)",
                         lambda: layer_section(preset, experts, grouped))),
+             ("fallback", (f"MoE layer, skewed routing, {experts[-1]} experts: slab's fallback in 512- and 64-row "
+                           "blocks", lambda: fallback_section(preset, experts[-1]))),
              ("profile", (f"Train step profile ({grouped[0]}, {experts[0]} experts): the largest ops",
                           lambda: profile_step.profile(preset, "dropless", experts[0], grouped[0], a.attention_impl,
                                                        steps=2, top=25, scan_layers=a.scan_layers))),
