@@ -100,8 +100,9 @@ def layer_section(preset: str, experts: list[int], grouped: list[str]) -> str:
 def fallback_section(preset: str, experts: int) -> str:
     """slab's fallback A/B: the layer under a routing past every pure slab (moe_layer's `skewed`, as the deep layers
     of a fresh configs/gpu_1b.py at 64 experts route), its padded blocks of 512 rows (the GPU default since
-    2026-11-27) against the 64 they had before."""
-    return table(moe_layer.bench(preset, experts, ["dropless"], ["slab", "slab@64"], routings=("skewed",)))
+    2026-11-27) against the 64 they had before, and against spill layouts of 512-row blocks (`slab:spill512`)."""
+    return table(moe_layer.bench(preset, experts, ["dropless"], ["slab", "slab@64", "slab:spill512"],
+                                 routings=("skewed",)))
 
 
 def accuracy_section(grouped: list[str]) -> str:
@@ -183,7 +184,7 @@ def main(argv=None) -> str:
              ("layer", ("MoE layer vs dense FFN (forward + backward)",
                         lambda: layer_section(preset, experts, grouped))),
              ("fallback", (f"MoE layer, skewed routing, {experts[-1]} experts: slab's fallback in 512- and 64-row "
-                           "blocks", lambda: fallback_section(preset, experts[-1]))),
+                           "blocks, and 512-row spill layouts", lambda: fallback_section(preset, experts[-1]))),
              ("profile", (f"Train step profile ({grouped[0]}, {experts[0]} experts): the largest ops",
                           lambda: profile_step.profile(preset, "dropless", experts[0], grouped[0], a.attention_impl,
                                                        steps=2, top=25, scan_layers=a.scan_layers))),

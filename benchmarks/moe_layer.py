@@ -10,7 +10,8 @@ active FLOPs (width top_k * moe_d_ff), at n_routed_experts = 8 and 64 (fixed top
     # on a GPU, slab's spill layouts (the CPU default) against its pure slabs (the GPU default):
     python -m benchmarks.moe_layer --preset gpu --dispatch dropless --grouped_matmul slab,slab:spill
     # on a GPU, a routing past every pure slab at 64 experts: the fallback in 512-row blocks against 64-row ones
-    python -m benchmarks.moe_layer --preset gpu --dispatch dropless --grouped_matmul slab,slab@64 --routing skewed
+    python -m benchmarks.moe_layer --preset gpu --dispatch dropless --grouped_matmul slab,slab@64,slab:spill512 \
+        --routing skewed
     # the routing of a freshly initialized router and of one balanced by the routing bias, as in training:
     python -m benchmarks.moe_layer --preset default --routing random,balanced
     # dropless's backward with scatter-adds (autodiff) or gathers only (experts.permute_copies):
@@ -52,11 +53,16 @@ def _expert_matmuls(*args):
 def _grouped(name: str):
     """A grouped_matmul name; `slab:F1/F2/...`: the slab path with only pure slabs of those sizes (multiples of
     N / E) and the padded-block fallback (the slab path before its spill layouts); `slab:spill`: the slab path
-    with its CPU layouts (spill blocks) on any backend (on GPU `slab` takes pure slabs: this is the A/B). A
+    with its CPU layouts (spill blocks) on any backend (on GPU `slab` takes pure slabs: this is the A/B);
+    `slab:spill512`: the GPU's pure slabs plus mean-sized slabs with 512-row spill blocks for a quarter of the rows
+    (a roofline estimate: 42 ms against 54 for the 64-expert step's skewed layers; docs/performance.md). A
     trailing `@B` sets the fallback's block rows (`slab:1.25/1.5/2@64`: the GPU layouts before 2026-11-27's
     512-row fallback blocks)."""
     name, _, fallback = name.partition("@")
     fallback_block = int(fallback) if fallback else None
+    if name == "slab:spill512":  # GPU-sized spill blocks beside the GPU's pure slabs: the next GPU A/B
+        return functools.partial(grouped_slab.grouped_swiglu_slab, fractions=GPU_SPILL_FRACTIONS,
+                                 factors=grouped_slab.NO_SPILL_SLAB_FACTORS, block=512, fallback_block=fallback_block)
     if name == "slab:spill":
         return functools.partial(grouped_slab.grouped_swiglu_slab, fractions=grouped_slab.SPILL_FRACTIONS,
                                  factors=grouped_slab.SLAB_FACTORS, fallback_block=fallback_block)
@@ -67,6 +73,11 @@ def _grouped(name: str):
     if fallback_block:
         return functools.partial(grouped_slab.grouped_swiglu_slab, fallback_block=fallback_block)
     return name
+
+
+# The spill budget of slab:spill512 (x N rows): its layout costs more than the 1.25x slab (1.31 N rows), so a balanced
+# routing still takes the slab measured on the H200; larger budgets cost more than the fallback (`layouts` drops them).
+GPU_SPILL_FRACTIONS = (1 / 4,)
 
 
 def _routed_fn(dispatch: str, grouped: str, capacity_factor: float, group_size: int):
