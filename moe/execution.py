@@ -39,10 +39,9 @@ ATTENTION_IMPLS = ("blockwise", "einsum", "xla", "cudnn")
 GROUPED_MATMULS = ("auto", "ragged_dot", "blocked", "slab", "tokamax")
 # What a rematerialized block keeps for its backward pass (moe/model.py, `remat_policy`):
 #   full      nothing but its input: the backward pass reruns the whole block
-#   save_moe  the routed experts' residuals too (the sort, the gate/up pre-activations, the experts' output rows;
-#             moe/experts.py, `saved`): the backward pass reruns attention, the norms, the router and the shared
-#             experts, but no routed-expert matmul or row exchange. dropless dispatch only (the others tag
-#             nothing, so they run as under `full`).
+#   save_moe  the routed experts' residuals too (the sorts, the gate/up pre-activations, the experts' output rows,
+#             expert_parallel's exchanged rows; moe/experts.py, `saved`): the backward pass reruns attention, the
+#             norms, the router and the shared experts, but no routed-expert matmul, sort or all_to_all of rows.
 REMAT_POLICIES = ("full", "save_moe")
 
 

@@ -64,7 +64,7 @@ def local_dispatch(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_E
     # By destination shard, then by top-k rank, then by token: when a destination's C rows overflow, the copies
     # dropped are the latest choices (as in capacity dispatch), not whichever experts sort last.
     rank_N = jnp.arange(N) % K
-    order_N = jnp.argsort((flat_ids_N // El) * K + rank_N, stable=True)
+    order_N = experts.saved(jnp.argsort((flat_ids_N // El) * K + rank_N, stable=True))
     ids_N = flat_ids_N[order_N]
     dest_N = ids_N // El
     counts_P = (dest_N[:, None] == jnp.arange(Pn)).sum(0)
@@ -77,21 +77,23 @@ def local_dispatch(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_E
     def exchange(a):
         return a if axis_name is None else jax.lax.all_to_all(a, axis_name, 0, 0, tiled=True)
 
-    recv_PxCxD, recv_ids_PxC = exchange(send_PxCxD), exchange(send_ids_PxC)
+    # Kept under remat_policy="save_moe" (with the sorts and the returned rows): its backward pass exchanges no rows
+    # that the forward pass already sent.
+    recv_PxCxD, recv_ids_PxC = experts.saved(exchange(send_PxCxD)), experts.saved(exchange(send_ids_PxC))
     M = Pn * C
     rids_M = recv_ids_PxC.reshape(M)
-    order_M = jnp.argsort(rids_M, stable=True)  # padding rows (id El) last, outside every group
+    order_M = experts.saved(jnp.argsort(rids_M, stable=True))  # padding rows (id El) last, outside every group
     gs_E = (rids_M[:, None] == jnp.arange(El)).sum(0).astype(jnp.int32)
     grouped_fn = experts.grouped_swiglu_for(grouped_matmul)
     y_sorted_MxD = grouped_fn(jnp.take(recv_PxCxD.reshape(M, D), order_M, axis=0), gs_E,
                               w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
     if tensor_axis is not None:
         y_sorted_MxD = jax.lax.psum(y_sorted_MxD, tensor_axis)
-    y_PxCxD = jnp.take(y_sorted_MxD, jnp.argsort(order_M), axis=0).reshape(Pn, C, D)
-    back_PxCxD = exchange(y_PxCxD)
+    y_PxCxD = jnp.take(y_sorted_MxD, experts.saved(jnp.argsort(order_M)), axis=0).reshape(Pn, C, D)
+    back_PxCxD = experts.saved(exchange(y_PxCxD))
 
     y_NxD = back_PxCxD[dest_N, jnp.minimum(slot_N, C - 1)] * keep_N[:, None].astype(x_TxD.dtype)
-    inverse_N = jnp.argsort(order_N)
+    inverse_N = experts.saved(jnp.argsort(order_N))
     y_TxKxD = jnp.take(y_NxD, inverse_N, axis=0).reshape(T, K, D)
     keep_TxK = keep_N[inverse_N].reshape(T, K)
     y_TxD = jnp.einsum("tkd,tk->td", y_TxKxD.astype(jnp.float32), gates_TxK)

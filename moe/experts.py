@@ -244,10 +244,11 @@ def capacity_with_stats(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_d
                                  gates_TxK.reshape(G, S, K))
     dt = x_TxD.dtype
     x_GxSxD = x_TxD.reshape(G, S, -1)
-    x_ExGCxD = jnp.einsum("gsec,gsd->egcd", dispatch_GxSxExC.astype(dt), x_GxSxD).reshape(E, G * C, -1)
-    h_ExGCxF = jax.nn.silu(jnp.einsum("end,edf->enf", x_ExGCxD, w_gate_ExDxF)) * jnp.einsum(
-        "end,edf->enf", x_ExGCxD, w_up_ExDxF)
-    y_ExGxCxD = jnp.einsum("enf,efd->end", h_ExGCxF, w_down_ExFxD).reshape(E, G, C, -1)
+    # The dispatched rows, pre-activations and expert outputs are kept under remat_policy="save_moe".
+    x_ExGCxD = saved(jnp.einsum("gsec,gsd->egcd", dispatch_GxSxExC.astype(dt), x_GxSxD).reshape(E, G * C, -1))
+    h_ExGCxF = jax.nn.silu(saved(jnp.einsum("end,edf->enf", x_ExGCxD, w_gate_ExDxF))) * saved(jnp.einsum(
+        "end,edf->enf", x_ExGCxD, w_up_ExDxF))
+    y_ExGxCxD = saved(jnp.einsum("enf,efd->end", h_ExGCxF, w_down_ExFxD).reshape(E, G, C, -1))
     y_GxSxD = jnp.einsum("gsec,egcd->gsd", combine_GxSxExC, y_ExGxCxD.astype(jnp.float32))
     return y_GxSxD.reshape(T, -1).astype(dt), keep_GxSxK.reshape(T, K)
 

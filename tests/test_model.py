@@ -46,26 +46,30 @@ def _loss_and_state(tokens, ex):
     return loss, state
 
 
-@pytest.mark.parametrize("policy", REMAT_POLICIES)
-def test_remat_gives_identical_gradients(policy):
+@pytest.mark.parametrize("policy,dispatch", [*((p, "dropless") for p in REMAT_POLICIES), ("save_moe", "capacity"),
+                                             ("save_moe", "expert_parallel_dropless")])
+def test_remat_gives_identical_gradients(policy, dispatch):
     tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, TINY["vocab_size"])
 
     def grads(ex):
         loss, state = _loss_and_state(tokens, ex)
         return jax.tree.leaves(jax.jit(jax.grad(loss))(state))
 
-    for a, b in zip(grads(Execution()), grads(Execution(remat=True, remat_policy=policy)), strict=True):
+    plain = grads(Execution(dispatch=dispatch))
+    for a, b in zip(plain, grads(Execution(dispatch=dispatch, remat=True, remat_policy=policy)), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
 
 
-@pytest.mark.parametrize("grouped,expert_op", [("ragged_dot", "ragged_dot"), ("slab", "cond[")])
-def test_save_moe_remat_reruns_no_routed_expert_work(grouped, expert_op):
+@pytest.mark.parametrize("dispatch,grouped,expert_op", [("dropless", "ragged_dot", "ragged_dot"),
+                                                        ("dropless", "slab", "cond["),
+                                                        ("expert_parallel_dropless", "ragged_dot", "ragged_dot")])
+def test_save_moe_remat_reruns_no_routed_expert_work(dispatch, grouped, expert_op):
     """remat_policy=save_moe keeps the routed experts' residuals: its gradient program runs the experts' matmuls
-    (ragged_dot; slab's layout switch) and the sort as often as without remat, where full remat runs them again."""
+    (ragged_dot; slab's layout switch) and the sorts as often as without remat, where full remat runs them again."""
     tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, TINY["vocab_size"])
 
     def counts(**remat):
-        loss, state = _loss_and_state(tokens, Execution(grouped_matmul=grouped, **remat))
+        loss, state = _loss_and_state(tokens, Execution(dispatch=dispatch, grouped_matmul=grouped, **remat))
         program = str(jax.make_jaxpr(jax.grad(loss))(state))
         return program.count(expert_op), program.count("sort["), program.count("dot_general")
 

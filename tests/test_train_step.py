@@ -26,14 +26,15 @@ def _batch(B=8, L=16, V=64, seed=0):
             "domains": rng.integers(0, 3, (B, L)).astype(np.int32)}
 
 
-def _two_steps(mesh_shape, grad_accum=1, dispatch="dropless", loss_chunks=1, fused_loss=True):
+def _two_steps(mesh_shape, grad_accum=1, dispatch="dropless", loss_chunks=1, fused_loss=True, remat=""):
     c = tiny_config(**{"model.vocab_size": 64, "train.grad_accum": grad_accum, "train.bias_update_rate": 1e-2})
     mcfg = check(c)
     n = int(np.prod(mesh_shape))
     mesh = sharding.make_mesh(*mesh_shape, devices=jax.devices()[:n])
     tx = optim.optimizer(c.train)
     graphdef, state, shardings = init_state(mcfg, tx, 0, mesh)
-    ex = Execution(dispatch=dispatch, mesh=mesh, loss_chunks=loss_chunks)
+    ex = Execution(dispatch=dispatch, mesh=mesh, loss_chunks=loss_chunks, remat=bool(remat),
+                   remat_policy=remat or "full")
     step = jax.jit(make_train_step(graphdef, tx, optim.schedule(c.train), c.train, ex,
                                    train_forward if fused_loss else forward))
     spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
@@ -50,12 +51,14 @@ def single_device():
     return _two_steps((1, 1, 1, 1))
 
 
-@pytest.mark.parametrize("mesh_shape,dispatch", [((8, 1, 1, 1), "dropless"), ((2, 2, 2, 1), "dropless"),
-                                                 ((2, 2, 2, 1), "expert_parallel_dropless"),
-                                                 ((1, 2, 2, 2), "expert_parallel_dropless")])
-def test_sharded_step_equals_single_device(single_device, mesh_shape, dispatch):
+@pytest.mark.parametrize("mesh_shape,dispatch,remat", [((8, 1, 1, 1), "dropless", ""), ((2, 2, 2, 1), "dropless", ""),
+                                                       ((2, 2, 2, 1), "expert_parallel_dropless", ""),
+                                                       ((1, 2, 2, 2), "expert_parallel_dropless", ""),
+                                                       # the exchanged rows kept for the backward pass
+                                                       ((2, 2, 2, 1), "expert_parallel_dropless", "save_moe")])
+def test_sharded_step_equals_single_device(single_device, mesh_shape, dispatch, remat):
     ref_state, ref_metrics = single_device
-    state, metrics = _two_steps(mesh_shape, dispatch=dispatch)
+    state, metrics = _two_steps(mesh_shape, dispatch=dispatch, remat=remat)
     for a, b in zip(metrics, ref_metrics):
         np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5)
         np.testing.assert_allclose(a["grad_norm"], b["grad_norm"], rtol=1e-4)
