@@ -28,7 +28,9 @@ import subprocess
 import sys
 import time
 
+from benchmarks import hlo_flops
 from benchmarks.common import DISPATCHES, comma_subset, table, variants
+from moe import train_flops_per_token
 from moe.experts import GROUPED_SWIGLU
 
 TARGET = os.path.join(os.path.dirname(__file__), "gpu_targets", "h200.txtpb")
@@ -86,10 +88,16 @@ def compile_row(spec: dict) -> dict:
     compiled = lowered.compile()
     t2 = time.perf_counter()
     memory = compiled.memory_analysis()
+    hlo = compiled.as_text()
+    tokens = t.batch_size * c.data.seq_len
     return {**_row_keys(spec), "layers": mcfg.n_layers, "scan layers": "on" if ex.scan_layers else "off",
             "remat": ex.remat_policy if ex.remat else "off",
             "lower s": round(t1 - t0, 1),
-            "compile s": round(t2 - t1, 1), **_kernel_stats(compiled.as_text()),
+            "compile s": round(t2 - t1, 1), **_kernel_stats(hlo),
+            # the matmuls the program runs (slab's cheapest layout; attention's kernel not included) against the
+            # model FLOPs MFU counts (attention included)
+            "GEMM TFLOP": round(hlo_flops.matmul_flops(hlo) / 1e12, 1),
+            "model TFLOP": round(train_flops_per_token(mcfg, c.data.seq_len) * tokens / 1e12, 1),
             # XLA's buffer assignment: what the step needs beyond its arguments and outputs (every switch branch's)
             "temp GiB": round(memory.temp_size_in_bytes / 2**30, 1),
             # the state and batch (the training loop donates the state, so its outputs reuse these buffers)
