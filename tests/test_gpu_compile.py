@@ -25,7 +25,8 @@ def test_a_missing_target_config_is_refused(monkeypatch, capsys, tmp_path):
     assert e.value.code == 2 and "--target" in capsys.readouterr().err
 
 
-SPEC = dict(dispatch="dropless", grouped="slab", experts=8, scan="on", n_layers=2, batch=1, target=gpu_compile.TARGET)
+SPEC = dict(dispatch="dropless", grouped="slab", experts=8, scan="on", remat="save_moe", n_layers=2, batch=1,
+            target=gpu_compile.TARGET, attention="pallas_flash")
 
 
 def test_a_row_that_fails_or_hangs_says_so(monkeypatch):
@@ -74,7 +75,7 @@ def test_a_timeout_kills_the_rows_child_processes_too(tmp_path):
 
 
 @pytest.mark.parametrize("flags", [["--experts", "8,x"], ["--dispatch", "droples"], ["--grouped_matmul", "slb"],
-                                   ["--scan_layers", "maybe"]])
+                                   ["--scan_layers", "maybe"], ["--remat", "on"], ["--attention", "cudnn"]])
 def test_bad_flags_get_one_line_and_exit_2(monkeypatch, capsys, flags):
     monkeypatch.setattr(gpu_compile, "plugin_ready", lambda: True)
     with pytest.raises(SystemExit) as e:
