@@ -70,6 +70,9 @@ class MoE(nnx.Module):
             u_TxD, self.router.value, self.bias.value, top_k=cfg.top_k, n_group=cfg.n_group,
             topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor,
             normalize=cfg.norm_topk_prob, score=cfg.router_score)
+        # Kept under remat_policy="save_moe" with the experts' rows they index: a router rerun in the backward pass
+        # (its bf16 inputs recomputed, maybe fused otherwise) could flip a choice and misalign every saved row.
+        ids_TxK, gates_TxK = experts.saved(ids_TxK), experts.saved(gates_TxK)
         dt = u_BxLxD.dtype
         w = [self.w_gate.value.astype(dt), self.w_up.value.astype(dt), self.w_down.value.astype(dt)]
         routed_TxD, keep_TxK = routed_experts(ex, u_TxD, ids_TxK, gates_TxK, *w, group_size=L)

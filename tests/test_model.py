@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moe import Execution, param_counts, train_flops_per_token
+from moe import Execution, param_counts, router, train_flops_per_token
 from moe.execution import REMAT_POLICIES
 from tests.model_fixtures import TINY, tiny_model
 
@@ -89,3 +89,38 @@ def test_forward_exposes_hidden_states_and_attention():
     np.testing.assert_allclose(model.unembed(aux["hidden"][-1]), logits, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(model.embed_tokens(tokens), aux["hidden"][0])
     np.testing.assert_allclose(aux["attention"][0].sum(-1), 1.0, rtol=1e-5)
+
+
+def test_save_moe_backward_uses_the_forwards_routing(monkeypatch):
+    """If the router rerun in the backward pass chose differently (bf16 recomputed on a GPU may flip a near tie),
+    save_moe's saved expert rows must still be read with the forward's routing: here the rerun is forced to swap
+    one token's first expert, and every other expert's weight gradient stays what the forward's routing gives."""
+    calls = [0]
+
+    def flip_on_rerun(ids):  # the forward's selection runs first, the backward's rerun second
+        calls[0] += 1
+        ids = np.array(ids)
+        if calls[0] % 2 == 0:
+            ids[0, 0] = next(e for e in reversed(range(TINY["n_routed_experts"])) if e not in ids[0])
+        return ids
+
+    select = router.select_experts
+    monkeypatch.setattr(router, "select_experts", lambda *a, **k: jax.pure_callback(
+        flip_on_rerun, jax.ShapeDtypeStruct(select(*a, **k).shape, jnp.int32), select(*a, **k)))
+    tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, TINY["vocab_size"])
+    model = tiny_model(n_layers=2)  # one dense block, one MoE block
+    graphdef, state = nnx.split(model)
+
+    def w_gate_grad(ex):
+        def loss(state):
+            logits, aux = nnx.merge(graphdef, state)(tokens, execution=ex)
+            return logits.mean() + aux["balance_loss"]
+        calls[0] = 1  # no rerun without remat: every call is a forward's
+        return np.asarray(jax.jit(jax.grad(loss))(state)["blocks"][1]["ffn"]["w_gate"].value)
+
+    plain = w_gate_grad(Execution())
+    saved = w_gate_grad(Execution(remat=True, remat_policy="save_moe"))
+    first = np.asarray(jax.jit(lambda s: nnx.merge(graphdef, s)(tokens, return_routing=True)[1]["routing"][0][
+        "expert_ids"])(state))[0, 0]  # token 0's forward experts: their gates are renormalized by the rerun
+    others = [e for e in range(TINY["n_routed_experts"]) if e not in first]
+    np.testing.assert_allclose(saved[others], plain[others], rtol=1e-6, atol=1e-8)
