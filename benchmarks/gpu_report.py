@@ -13,8 +13,9 @@ JAX_PLATFORMS=cuda, skipped off GPU); each grouped matmul's bf16 error against t
 (benchmarks.kernel_accuracy); MoE layer vs the dense FFN of equal active FLOPs at 8 and 64 experts per grouped
 matmul, with dropless's dispatch alone and its backward by scatter-adds or by gathers only (`dropless:gather`);
 the layer at 64 experts under a skewed routing, where slab runs its padded-block fallback (512- against 64-row
-blocks; `fallback`); the train step of configs/gpu_1b.py (MFU against the measured peak, tokens/s, peak memory) at 8 and 64 experts per
-grouped matmul, and the 64/8 step-time ratio. Goals (issue 13): MFU >= 40%, layer <= 1.3x dense, 64/8 <= 1.15x.
+blocks, and 512-row spill layouts; `fallback`); the train step of configs/gpu_1b.py (MFU against the measured
+peak, tokens/s, peak memory) at 8 and 64 experts per grouped matmul and `--remat` setting, and the 64/8 step-time
+ratio. Goals (issue 13): MFU >= 40%, layer <= 1.3x dense, 64/8 <= 1.15x.
 Every section runs even if an earlier one fails (its error goes into the report), in the order tests, accuracy,
 train step (first grouped matmul), layer, fallback, a profile of the first train step (its 25 largest XLA ops,
 benchmarks.profile_step), train step (the others), and the report is rewritten after each: a run cut off by the

@@ -112,7 +112,7 @@ def _identity_grouped(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExF
 
 ROUTINGS = ("random", "balanced", "skewed")
 # `skewed`: a fixed routing bias of SKEW x N(0, 1) per expert. At configs/gpu_1b.py's widths it gives MaxVio ~0.2 at
-# 8 experts and ~2.4 at 64, like the deep layers of that model at initialization (0.04-0.3 and 0.6-3.5 on the
+# 8 experts and ~2.4 at 64, like the layers of that model at initialization (0.04-0.24 and 0.36-2.45 on the
 # benchmark batch; docs/performance.md): past every pure slab at 64 experts, so `slab` runs its fallback.
 SKEW = 0.1
 BIAS_SCHEDULE = ((1e-2, 200), (1e-3, 200), (1e-4, 200))  # (gamma, updates)

@@ -114,8 +114,8 @@ def prepare(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto
             breakdown=False, loss_chunks=0, loss="fused", scan_layers="", remat="", compile_step=True):
     """(calls, finish): the (fn, args) to time -- the step, then with `breakdown` its forward pass, forward +
     backward pass and optimizer update -- and finish(seconds per call of each) -> the table row. scan_layers:
-    "on" / "off" overrides execution.scan_layers, remat "off" / a policy execution.remat ("": the preset's). The step is compiled here and the seconds it
-    took go into the row (`jax.stages.Compiled`); compile_step=False returns the jitted step instead, for callers
+    "on" / "off" overrides execution.scan_layers, remat "off" or a policy execution.remat / remat_policy ("": the
+    preset's). The step is compiled here and the seconds it took go into the row (`jax.stages.Compiled`); compile_step=False returns the jitted step instead, for callers
     that compile it their own way (benchmarks/cpu_dots.py)."""
     c = _config(name, dispatch, n_experts, capacity_factor, grouped, attention, batch, loss_chunks, scan_layers,
                 remat)

@@ -1,9 +1,10 @@
 """GPU-sized config: ~1.0B total / ~0.19B active parameters, sequence 2048, bf16 compute (fp32 master params).
 
     python -m train --config configs/gpu_1b.py --workdir runs/gpu_1b
-    # 8 GPUs, experts split 8 ways, batch over the rest:
+    # 8 GPUs, experts split 8 ways, batch over the rest (full remat: expert-parallel's no-drop exchange buffers hold
+    # mesh.expert x the local rows, which save_moe would keep for every layer):
     python -m train --config configs/gpu_1b.py --workdir runs/gpu_1b --config.mesh.expert=8 --config.mesh.data=1 \\
-        --config.execution.dispatch=expert_parallel_dropless
+        --config.execution.dispatch=expert_parallel_dropless --config.execution.remat_policy=full
     # another TFDS text set (prepared as array_record) with its own tokenizer:
     python -m train --config configs/gpu_1b.py --config.data.name=lm1b --config.data.tokenizer=PATH/tokenizer.json \\
         --config.model.vocab_size=32768
@@ -13,7 +14,7 @@ heads of 64, 64 fine-grained routed experts of width 320 (top-6, routed in 8 gro
 shared experts, routed_scaling_factor 2.5, cuDNN flash attention (bf16; it runs as `xla` attention off NVIDIA GPUs,
 tested equal to einsum; its GPU equality test is in `python -m benchmarks.gpu_report`). Blocks are rematerialized
 keeping the routed experts' residuals (`execution.remat_policy=save_moe`): the backward pass reruns attention, norms,
-router and shared experts but not the routed experts' sort, gathers and matmuls: 14% fewer matmul FLOPs than
+router and shared experts but not the routed experts' routing, sort or matmuls: 14% fewer matmul FLOPs than
 `full`. XLA plans 22.2 GiB of temporaries for the 64-expert step at batch 16 x 2048 (11.6 GiB of state), against
 11.2 with `full` remat and 51.7 without remat (compiled for an H200 without one: `benchmarks.gpu_compile`,
 docs/performance.md), so it fits one H100; the GPU A/B of the two policies is `python -m benchmarks.gpu_report

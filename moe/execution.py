@@ -42,6 +42,8 @@ GROUPED_MATMULS = ("auto", "ragged_dot", "blocked", "slab", "tokamax")
 #   save_moe  the routed experts' residuals too (the sorts, the gate/up pre-activations, the experts' output rows,
 #             expert_parallel's exchanged rows; moe/experts.py, `saved`): the backward pass reruns attention, the
 #             norms, the router and the shared experts, but no routed-expert matmul, sort or all_to_all of rows.
+#             expert_parallel_dropless keeps its exchange buffers, mesh.expert x the local rows (no-drop padding):
+#             prefer full there when memory is short.
 REMAT_POLICIES = ("full", "save_moe")
 
 

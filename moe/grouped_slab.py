@@ -10,8 +10,8 @@ gathers). A layout is exact when the spill fits its S blocks. The layouts tried 
 of C = the mean rows per expert with spill budgets of `SPILL_FRACTIONS` of the rows, pure slabs
 (`SLAB_FACTORS` x the mean, no spill), and the padded-block fallback (C = 0: every row in blocks, enough for any
 routing); spill layouts on CPU, where they are measured, pure slabs of 1.25 / 1.5 / 2 x the mean elsewhere
-(`default_layout_sets`: the slabs measured on an H200), with a fallback of larger blocks there. The cheapest layout that fits runs, picked on the data
-by one `lax.switch`; their costs are static. Balanced or not, the rows computed stay close to N: the busiest
+(`default_layout_sets`: the slabs measured on an H200), with a fallback of larger blocks there. The cheapest
+layout that fits runs, picked on the data by one `lax.switch`; their costs are static. Balanced or not, the rows computed stay close to N: the busiest
 experts overflow into a few blocks instead of sizing every expert's slab (at 64 experts and the router's
 initialization, 1.19-1.25 N rows against 1.5-2.0 N for slabs alone; docs/performance.md).
 
@@ -44,9 +44,10 @@ FALLBACK_BLOCK = 64
 # Off the CPU the fallback's blocks are larger (`fallback_block_rows`): each block gathers its expert's weights,
 # 3 x D x F values for its b rows, so at configs/gpu_1b.py's widths a 64-row block moves ~15x its rows' bytes in
 # weights and its matmuls run memory-bound, while a 512-row block does ~256 FLOPs per byte of gathered weight,
-# above an H100's or H200's bf16 ridge (~200-300). The fallback runs on skewed routings: the deep layers of a
-# freshly initialized configs/gpu_1b.py at 64 experts route max/mean 2-4.5 x (docs/performance.md), past every
-# pure slab. A roofline estimate, to be confirmed on a GPU (`benchmarks.moe_layer --routing skewed`).
+# above an H100's or H200's bf16 ridge (~200-300). The fallback runs on skewed routings: 11 of the 15 MoE layers of
+# a freshly initialized configs/gpu_1b.py at 64 experts route past every pure slab on the benchmark batch (busiest
+# expert 1.9-3.5 x the mean rows; docs/performance.md). A roofline estimate, to be confirmed on a GPU
+# (`benchmarks.moe_layer --routing skewed`, gpu_report's fallback section).
 GPU_FALLBACK_BLOCK_MAX = 512
 # A spill row's cost against a slab row's: its block's weights are gathered (and their gradients summed back).
 # From the profile of the default train step at 64 experts: the blocks' matmuls run at the slabs' rate, and the
@@ -89,9 +90,8 @@ def layouts(N: int, E: int, fractions=SPILL_FRACTIONS, factors=SLAB_FACTORS, blo
             fallback_block: int = FALLBACK_BLOCK) -> tuple[Layout, ...]:
     """The static layouts for N sorted rows and E experts, cheapest first; the last (the padded-block fallback, in
     blocks of `fallback_block` rows; 0: `fallback_block_rows`) fits any routing. Spill blocks have `block` rows
-    (0: `spill_block_rows`). Slab
-    sizes are rounded up to 8 rows, at most N. Spill layouts are kept only where cheaper than the fallback; pure
-    slabs always (each is the fallback's alternative when its routing fits)."""
+    (0: `spill_block_rows`). Slab sizes are rounded up to 8 rows, at most N. Spill layouts are kept only where
+    cheaper than the fallback; pure slabs always (each is the fallback's alternative when its routing fits)."""
     b, fb = block or spill_block_rows(N, E), fallback_block or fallback_block_rows(N, E)
     round8 = lambda rows: min(N, -(-math.ceil(rows) // 8) * 8)
     fallback = Layout(0, -(-(N + E * (fb - 1)) // fb), fb)
@@ -274,8 +274,8 @@ def grouped_swiglu_layouts(lays: tuple[Layout, ...]):
 def grouped_swiglu_slab(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, fractions=None, factors=None,
                         block: int = 0, fallback_block: int | None = None):
     """Exact grouped SwiGLU (rows past sum(group_sizes) give 0): see the module docstring. fractions / factors /
-    block / fallback_block: the spill budgets, pure slab sizes and block rows tried (None, 0: `default_layout_sets`
-    of this backend)."""
+    block: the spill budgets, pure slab sizes and spill block rows tried (None, 0: `default_layout_sets` of this
+    backend); fallback_block: the fallback's block rows (None: this backend's; 0: `fallback_block_rows`)."""
     default_fractions, default_factors, default_block, default_fallback = default_layout_sets(jax.default_backend())
     fractions = default_fractions if fractions is None else fractions
     factors = default_factors if factors is None else factors

@@ -1,4 +1,5 @@
-"""Whole-model properties: routing capture, accounting against the real parameter tree, remat == no remat (every policy)."""
+"""Whole-model properties: routing capture, accounting against the real parameter tree, remat == no remat (every
+policy)."""
 
 import jax
 import jax.numpy as jnp
@@ -60,9 +61,10 @@ def test_remat_gives_identical_gradients(policy, dispatch):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
 
 
-@pytest.mark.parametrize("dispatch,grouped,expert_op", [("dropless", "ragged_dot", "ragged_dot"),
+@pytest.mark.parametrize("dispatch,grouped,expert_op", [("dropless", "ragged_dot", "ragged_dot_general["),
                                                         ("dropless", "slab", "cond["),
-                                                        ("expert_parallel_dropless", "ragged_dot", "ragged_dot")])
+                                                        ("expert_parallel_dropless", "ragged_dot",
+                                                         "ragged_dot_general[")])
 def test_save_moe_remat_reruns_no_routed_expert_work(dispatch, grouped, expert_op):
     """remat_policy=save_moe keeps the routed experts' residuals: its gradient program runs the experts' matmuls
     (ragged_dot; slab's layout switch) and the sorts as often as without remat, where full remat runs them again."""
