@@ -9,6 +9,7 @@ import time
 
 import jax
 
+from moe.execution import REMAT_POLICIES
 from train import host_memory
 
 # Shapes per preset. cpu: small enough for a shared 2-core box (figures show relative cost only);
@@ -132,6 +133,32 @@ def add_scan_layers_flag(ap: argparse.ArgumentParser, where: str = "the train st
     ap.add_argument("--scan_layers", default="", choices=["", "on", "off"],
                     help=f"{where} MoE blocks as one lax.scan (on: one compiled copy of the block) or unrolled (off); "
                          "default: the preset's (off)")
+
+
+REMAT_CHOICES = ("off", *REMAT_POLICIES)  # --remat: no remat, or remat keeping what that remat_policy keeps
+
+
+def add_remat_flag(ap: argparse.ArgumentParser, where: str = "the train step's") -> None:
+    """--remat off|full|save_moe, comma-separated ("": the preset's): `remat_settings` reads it."""
+    ap.add_argument("--remat", default="", help=f"{where} remat, comma-separated from {','.join(REMAT_CHOICES)} "
+                                                "(execution.remat / remat_policy); default: the preset's")
+
+
+def remat_settings(ap: argparse.ArgumentParser, value: str) -> list[str]:
+    """The --remat values to run ([""]: the preset's); a bad one is ap.error (exit 2)."""
+    return comma_subset(ap, "--remat", value, REMAT_CHOICES) if value else [""]
+
+
+def remat_overrides(remat: str) -> dict:
+    """execution.* for a --remat value ("": none, the preset's)."""
+    if not remat:
+        return {}
+    return {"remat": remat != "off", "remat_policy": "full" if remat == "off" else remat}
+
+
+def remat_label(ex) -> str:
+    """An Execution's remat as a --remat value: off, or its policy."""
+    return ex.remat_policy if ex.remat else "off"
 
 
 def arg_parser(description: str) -> argparse.ArgumentParser:

@@ -29,7 +29,15 @@ import sys
 import time
 
 from benchmarks import hlo_flops
-from benchmarks.common import DISPATCHES, comma_subset, table, variants
+from benchmarks.common import (
+    DISPATCHES,
+    add_remat_flag,
+    comma_subset,
+    remat_label,
+    remat_settings,
+    table,
+    variants,
+)
 from moe import train_flops_per_token
 from moe.experts import GROUPED_SWIGLU
 
@@ -62,13 +70,11 @@ def compile_row(spec: dict) -> dict:
     from train.state import state_shapes
     from train.step import forward, make_train_step
 
-    c = _config("gpu", spec["dispatch"], spec["experts"], 1.25, spec["grouped"], "xla", spec["batch"], 0, spec["scan"])
+    c = _config("gpu", spec["dispatch"], spec["experts"], 1.25, spec["grouped"], "xla", spec["batch"], 0, spec["scan"],
+                spec["remat"])
     c.train.batch_size = spec["batch"]  # one GPU, whatever devices this host's JAX sees
     if spec["n_layers"]:
         c.model.n_layers = spec["n_layers"]
-    if spec["remat"]:
-        c.execution.remat = spec["remat"] != "off"
-        c.execution.remat_policy = spec["remat"] if spec["remat"] != "off" else "full"
     if spec["attention"] == "pallas_flash":
         _flash_attention_standin()
     mcfg, t = check(c), c.train
@@ -91,7 +97,7 @@ def compile_row(spec: dict) -> dict:
     hlo = compiled.as_text()
     tokens = t.batch_size * c.data.seq_len
     return {**_row_keys(spec), "layers": mcfg.n_layers, "scan layers": "on" if ex.scan_layers else "off",
-            "remat": ex.remat_policy if ex.remat else "off",
+            "remat": remat_label(ex),
             "lower s": round(t1 - t0, 1),
             "compile s": round(t2 - t1, 1), **_kernel_stats(hlo),
             # the matmuls the program runs (slab's cheapest layout; attention's kernel not included) against the
@@ -186,8 +192,7 @@ def main(argv=None):
     ap.add_argument("--experts", default="8", help="routed experts, comma-separated")
     ap.add_argument("--grouped_matmul", default="slab", help="comma-separated")
     ap.add_argument("--scan_layers", default="on", help="on, off or both (on,off)")
-    ap.add_argument("--remat", default="", help="off, full, save_moe (execution.remat_policy), comma-separated; "
-                                                "default: the config's")
+    add_remat_flag(ap)
     ap.add_argument("--attention", default="pallas_flash", choices=["pallas_flash", "xla"],
                     help="pallas_flash: JAX's Pallas flash attention, standing in for cuDNN's (whose compile needs "
                          "the cuDNN library): the same residuals (q, k, v, out, log-sum-exp), so the same memory; "
@@ -208,7 +213,7 @@ def main(argv=None):
         print(f"error: --target {a.target} is not a file; pass an XLA GPU target config", file=sys.stderr)
         sys.exit(2)
     scans = comma_subset(ap, "--scan_layers", a.scan_layers, ("on", "off"))
-    remats = comma_subset(ap, "--remat", a.remat, ("off", "full", "save_moe")) if a.remat else [""]
+    remats = remat_settings(ap, a.remat)
     comma_subset(ap, "--dispatch", a.dispatch, DISPATCHES)
     comma_subset(ap, "--grouped_matmul", a.grouped_matmul, ("auto", *GROUPED_SWIGLU))
     if not all(e.isdigit() and int(e) > 0 for e in a.experts.split(",")):

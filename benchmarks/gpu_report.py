@@ -35,9 +35,8 @@ import traceback
 import jax
 
 from benchmarks import kernel_accuracy, moe_layer, profile_step, train_step
-from benchmarks.common import add_scan_layers_flag, comma_subset, describe, table
+from benchmarks.common import add_remat_flag, add_scan_layers_flag, describe, remat_settings, table
 from moe import grouped_kernels
-from moe.execution import REMAT_POLICIES
 from train.flops import measure_peak_flops
 
 SECTIONS = ("tests", "accuracy", "train", "layer", "fallback", "profile")
@@ -158,11 +157,9 @@ def main(argv=None) -> str:
                     help="comma-separated grouped matmuls to time (default: slab, tokamax if installed, ragged_dot; "
                          "the first also runs the train step right after the tests)")
     add_scan_layers_flag(ap, "the train and profile sections' train step:")
-    ap.add_argument("--remat", default="",
-                    help="the train section's remat, comma-separated: off, full, save_moe (execution.remat / "
-                         "remat_policy; default: the config's)")
+    add_remat_flag(ap, "the train section's")
     a = ap.parse_args(argv)
-    remats = tuple(comma_subset(ap, "--remat", a.remat, ("off", *REMAT_POLICIES))) if a.remat else ("",)
+    remats = tuple(remat_settings(ap, a.remat))
     wanted = set(a.sections.split(","))
     if wanted - set(SECTIONS):
         ap.error(f"--sections takes {', '.join(SECTIONS)}; got {a.sections}")

@@ -38,18 +38,21 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from benchmarks.common import (
     PRESETS,
+    add_remat_flag,
     arg_parser,
     comma_subset,
     describe,
     peak_memory_gb,
     preset,
+    remat_label,
+    remat_overrides,
+    remat_settings,
     table,
     time_fns,
     variants,
 )
 from configs.base import base_config
 from moe import train_flops_per_token
-from moe.execution import REMAT_POLICIES
 from train import host_memory, optim
 from train import mesh as mesh_lib
 from train.config import check, execution
@@ -67,9 +70,7 @@ def _config(name: str, dispatch: str, n_experts: int, capacity_factor: float, gr
                           "grouped_matmul": "auto" if grouped == "-" else grouped, "attention_impl": attention,
                           **({"loss_chunks": loss_chunks} if loss_chunks else {}),
                           **({"scan_layers": scan_layers == "on"} if scan_layers else {}),
-                          # off, or a remat policy (execution.remat_policy); "": the preset's
-                          **({"remat": remat != "off", "remat_policy": "full" if remat == "off" else remat}
-                             if remat else {})})
+                          **remat_overrides(remat)})
     c.data.seq_len = p["seq_len"]
     # The preset's batch is per device: on N devices the (data-parallel) step sees N times the rows.
     c.train.update(batch_size=(batch or p["batch"]) * jax.device_count(), steps=1000, warmup_steps=10)
@@ -115,8 +116,9 @@ def prepare(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto
     """(calls, finish): the (fn, args) to time -- the step, then with `breakdown` its forward pass, forward +
     backward pass and optimizer update -- and finish(seconds per call of each) -> the table row. scan_layers:
     "on" / "off" overrides execution.scan_layers, remat "off" or a policy execution.remat / remat_policy ("": the
-    preset's). The step is compiled here and the seconds it took go into the row (`jax.stages.Compiled`); compile_step=False returns the jitted step instead, for callers
-    that compile it their own way (benchmarks/cpu_dots.py)."""
+    preset's). The step is compiled here and the seconds it took go into the row (`jax.stages.Compiled`);
+    compile_step=False returns the jitted step instead, for callers that compile it their own way
+    (benchmarks/cpu_dots.py)."""
     c = _config(name, dispatch, n_experts, capacity_factor, grouped, attention, batch, loss_chunks, scan_layers,
                 remat)
     mcfg, t = check(c), c.train
@@ -145,7 +147,7 @@ def prepare(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto
                "tokens/step": tokens, "step ms": s * 1e3, "tokens/s": tokens / s,
                "MFU %": 100 * flops / s / (peak * jax.device_count()), "peak GiB": peak_memory_gb(),
                "compile s": compile_s, "scan layers": "on" if ex.scan_layers else "off",
-               "remat": ex.remat_policy if ex.remat else "off"}
+               "remat": remat_label(ex)}
         if loss_chunks:
             row["loss chunks"] = loss_chunks
         if loss != "fused":
@@ -195,9 +197,7 @@ def main(argv=None):
     ap.add_argument("--scan_layers", default="",
                     help="on, off or both (on,off): execution.scan_layers, the MoE blocks as one lax.scan (default: "
                          "the preset's)")
-    ap.add_argument("--remat", default="",
-                    help="off, full, save_moe (execution.remat / remat_policy), comma-separated (default: the "
-                         "preset's)")
+    add_remat_flag(ap)
     ap.add_argument("--round_robin", action="store_true",
                     help="time all rows together, round-robin (all held in memory at once: CPU A/B runs; no "
                          "per-row peak memory)")
@@ -207,7 +207,7 @@ def main(argv=None):
     print(describe() + f" | matmul peak {peak / 1e12:.3g} TFLOP/s per device")
     experts_list = [int(e) for e in a.experts.split(",")]
     scans = comma_subset(ap, "--scan_layers", a.scan_layers, ("on", "off")) if a.scan_layers else [""]
-    remats = comma_subset(ap, "--remat", a.remat, ("off", *REMAT_POLICIES)) if a.remat else [""]
+    remats = remat_settings(ap, a.remat)
     combos = [(d, g, att, int(ch), lo, sc, r)
               for d, g in variants(a.dispatch.split(","), a.grouped_matmul.split(","))
               for att in a.attention_impl.split(",") for ch in a.loss_chunks.split(",") for lo in a.loss.split(",")

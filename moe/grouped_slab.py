@@ -11,9 +11,10 @@ of C = the mean rows per expert with spill budgets of `SPILL_FRACTIONS` of the r
 (`SLAB_FACTORS` x the mean, no spill), and the padded-block fallback (C = 0: every row in blocks, enough for any
 routing); spill layouts on CPU, where they are measured, pure slabs of 1.25 / 1.5 / 2 x the mean elsewhere
 (`default_layout_sets`: the slabs measured on an H200), with a fallback of larger blocks there. The cheapest
-layout that fits runs, picked on the data by one `lax.switch`; their costs are static. Balanced or not, the rows computed stay close to N: the busiest
-experts overflow into a few blocks instead of sizing every expert's slab (at 64 experts and the router's
-initialization, 1.19-1.25 N rows against 1.5-2.0 N for slabs alone; docs/performance.md).
+layout that fits runs, picked on the data by one `lax.switch`; their costs are static. Balanced or not, the rows
+computed stay close to N: the busiest experts overflow into a few blocks instead of sizing every expert's slab (at
+64 experts and the router's initialization, 1.19-1.25 N rows against 1.5-2.0 N for slabs alone;
+docs/performance.md).
 
 The VJP is written by hand (`jax.custom_vjp`): differentiating a `lax.switch` makes XLA carry every branch's
 residuals and cost ~2x here. Every branch's forward keeps only the gate/up pre-activations, in sorted-row order
@@ -34,8 +35,8 @@ from moe import experts
 SPILL_FRACTIONS = (1 / 16, 1 / 8, 3 / 16, 1 / 4, 1 / 2)  # spill budgets tried beside mean-sized slabs, x N rows
 SLAB_FACTORS = (1.25,)  # pure slabs tried, as multiples of the mean rows per expert N / E
 # Spill blocks are measured on XLA:CPU only. Elsewhere the slabs measured on an H200 (pure slabs of 1.25 / 1.5 / 2 x
-# the mean, then the fallback) stay the default until a GPU A/B says otherwise: at GPU widths a
-# spill block's weights are ~15x its rows' bytes (configs/gpu_1b.py), a cost this CPU-fitted model does not see.
+# the mean, then the fallback) stay the default until a GPU A/B says otherwise: at GPU widths a 64-row spill block's
+# weights are ~15x its rows' bytes (configs/gpu_1b.py), a cost this CPU-fitted model does not see.
 NO_SPILL_SLAB_FACTORS = (1.25, 1.5, 2.0)
 NO_SPILL_BLOCK = 64
 # The all-blocks fallback runs when the routing is collapsed (a young router): 64-row blocks there, whatever the
