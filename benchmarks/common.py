@@ -92,10 +92,29 @@ def time_fns(calls: list, steps: int) -> list[float]:
 
 
 def peak_memory_gb() -> float | None:
-    """Peak bytes in use on device 0 since start (None where the backend does not report it, e.g. CPU)."""
+    """Peak bytes in use on device 0 since the process started (None where the backend does not report it, e.g.
+    CPU). JAX cannot reset it: a row's own peak is known only where it raises the process's (`row_peak_gb`)."""
     stats = jax.devices()[0].memory_stats() or {}
     peak = stats.get("peak_bytes_in_use")
     return None if peak is None else peak / 2**30
+
+
+def row_peak_gb(peak_before: float | None) -> float | None:
+    """The process's peak memory if the row run since `peak_before` raised it, else None: a row that peaks below
+    an earlier row's peak in the same process cannot be told apart from it (GPU run 6 printed a 45.6 GiB peak for
+    an 8-expert step because the 64-expert row before it had reached that)."""
+    now = peak_memory_gb()
+    return now if now is not None and (peak_before is None or now > peak_before) else None
+
+
+def planned_memory_gb(compiled) -> float | None:
+    """What XLA planned for one call of a compiled program: arguments + outputs (less the donated, aliased ones)
+    + temporaries, in GiB; per program, so comparable between rows of one process (None where not reported)."""
+    m = compiled.memory_analysis()
+    if m is None:
+        return None
+    total = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+    return total / 2**30
 
 
 def host_cpu() -> str:

@@ -43,10 +43,12 @@ from benchmarks.common import (
     comma_subset,
     describe,
     peak_memory_gb,
+    planned_memory_gb,
     preset,
     remat_label,
     remat_overrides,
     remat_settings,
+    row_peak_gb,
     table,
     time_fns,
     variants,
@@ -119,6 +121,7 @@ def prepare(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto
     preset's). The step is compiled here and the seconds it took go into the row (`jax.stages.Compiled`);
     compile_step=False returns the jitted step instead, for callers that compile it their own way
     (benchmarks/cpu_dots.py)."""
+    peak_before = peak_memory_gb()
     c = _config(name, dispatch, n_experts, capacity_factor, grouped, attention, batch, loss_chunks, scan_layers,
                 remat)
     mcfg, t = check(c), c.train
@@ -145,7 +148,8 @@ def prepare(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto
         row = {"dispatch": dispatch, "grouped matmul": grouped, "attention": attention, "experts": n_experts,
                "top_k": mcfg.top_k, "MaxVio": float(maxvio.mean()) if maxvio.size else None,
                "tokens/step": tokens, "step ms": s * 1e3, "tokens/s": tokens / s,
-               "MFU %": 100 * flops / s / (peak * jax.device_count()), "peak GiB": peak_memory_gb(),
+               "MFU %": 100 * flops / s / (peak * jax.device_count()), "peak GiB": row_peak_gb(peak_before),
+               "planned GiB": planned_memory_gb(run) if compile_step else None,
                "compile s": compile_s, "scan layers": "on" if ex.scan_layers else "off",
                "remat": remat_label(ex)}
         if loss_chunks:

@@ -108,10 +108,21 @@ def test_train_step_row(capsys):
     mfu = float(cells[9])
     assert 0 < mfu < 100
     header = next(line for line in out.splitlines() if line.startswith("| dispatch"))
-    assert header.rstrip(" |").endswith("compile s | scan layers | remat | fwd ms | fwd+bwd ms | opt ms")  # --breakdown
-    assert float(cells[11]) > 0 and cells[12] == "off"  # the step's compile seconds; unrolled (the preset's)
-    assert cells[13] == "off"  # no remat (the preset's)
-    assert all(float(c) > 0 for c in cells[14:17])  # the step's parts, timed
+    assert header.rstrip(" |").endswith("peak GiB | planned GiB | compile s | scan layers | remat | fwd ms | fwd+bwd ms "
+                                        "| opt ms")  # --breakdown
+    assert cells[10] == "n/a"  # XLA:CPU reports no peak memory
+    assert 0 < float(cells[11]) < 1  # XLA's plan for the tiny step: params, optimizer state, batch, temporaries
+    assert float(cells[12]) > 0 and cells[13] == "off"  # the step's compile seconds; unrolled (the preset's)
+    assert cells[14] == "off"  # no remat (the preset's)
+    assert all(float(c) > 0 for c in cells[15:18])  # the step's parts, timed
+
+
+def test_a_rows_peak_memory_is_shown_only_where_the_row_raised_the_process_peak(monkeypatch):
+    peaks = iter([10.0, 10.0, 12.0])
+    monkeypatch.setattr(common, "peak_memory_gb", lambda: next(peaks))
+    assert common.row_peak_gb(10.0) is None  # a smaller row after a larger one: its own peak is unknown
+    assert common.row_peak_gb(None) == 10.0  # the process's first row
+    assert common.row_peak_gb(10.0) == 12.0
 
 
 def test_train_step_scan_layers_and_remat_overrides():

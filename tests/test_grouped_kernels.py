@@ -7,6 +7,7 @@ import functools
 import types
 
 import jax
+import jax.extend.core  # jaxprs_in_params (jax.core lost it in JAX 0.11)
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -103,7 +104,7 @@ def _scatters(jaxpr):
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "scatter-add":
             yield eqn
-        for sub in jax.core.jaxprs_in_params(eqn.params):
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             yield from _scatters(sub)
 
 
