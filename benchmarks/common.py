@@ -185,7 +185,9 @@ def arg_parser(description: str) -> argparse.ArgumentParser:
     factor. Lists are comma-separated; each combination is one row."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
-    ap.add_argument("--dispatch", default=",".join(DISPATCHES))
+    ap.add_argument("--dispatch", default=",".join(DISPATCHES),
+                    help="comma-separated dispatch paths; dropless:scatter / dropless:gather pick dropless's backward "
+                         "(execution.dropless_permute)")
     ap.add_argument("--grouped_matmul", default="auto", help="auto,ragged_dot,blocked,slab,tokamax (dropless/expert_parallel)")
     ap.add_argument("--attention_impl", default="blockwise", help="blockwise,einsum,xla,cudnn (train step only)")
     ap.add_argument("--experts", default="8,64")

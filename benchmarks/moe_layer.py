@@ -14,8 +14,9 @@ active FLOPs (width top_k * moe_d_ff), at n_routed_experts = 8 and 64 (fixed top
         --routing skewed
     # the routing of a freshly initialized router and of one balanced by the routing bias, as in training:
     python -m benchmarks.moe_layer --preset default --routing random,balanced
-    # dropless's backward with scatter-adds (autodiff) or gathers only (experts.permute_copies):
-    python -m benchmarks.moe_layer --preset gpu --dispatch dropless,dropless:gather --grouped_matmul tokamax
+    # dropless's backward with scatter-adds (autodiff) or gathers only (experts.permute_copies); plain `dropless`
+    # is the model's default (execution.dropless_permute=auto: scatter on CPU, gather elsewhere):
+    python -m benchmarks.moe_layer --preset gpu --dispatch dropless:scatter,dropless:gather --grouped_matmul slab
 
 All rows of one expert count are timed round-robin (benchmarks.common.time_fns): `x dense` is a same-run ratio.
 With `dropless` among the dispatches, a row times its dispatch alone (the grouped matmul replaced by the
@@ -81,7 +82,7 @@ GPU_SPILL_FRACTIONS = (1 / 4,)
 
 
 def _routed_fn(dispatch: str, grouped: str, capacity_factor: float, group_size: int):
-    if dispatch.split(":")[0] == "dropless":  # dropless or dropless:gather (experts.dropless's permute)
+    if dispatch.split(":")[0] == "dropless":  # dropless[:auto|scatter|gather] (experts.dropless's permute)
         return functools.partial(experts.dropless, grouped=_grouped(grouped), permute=_permute(dispatch))
     if dispatch == "capacity":
         return functools.partial(experts.capacity, capacity_factor=capacity_factor, group_size=group_size)
@@ -99,9 +100,9 @@ def _load_experts(path: str):
 
 
 def _permute(dispatch: str) -> str:
-    permute = dispatch.partition(":")[2] or "scatter"
-    if permute not in experts.PERMUTES:
-        raise ValueError(f"dispatch {dispatch!r}: dropless:{'|'.join(experts.PERMUTES)}")
+    permute = dispatch.partition(":")[2] or "auto"
+    if permute not in ("auto", *experts.PERMUTES):
+        raise ValueError(f"dispatch {dispatch!r}: dropless:{'|'.join(('auto', *experts.PERMUTES))}")
     return permute
 
 

@@ -5,9 +5,13 @@ dispatch path, grouped matmul, attention implementation and routed-expert count 
     python -m benchmarks.train_step --preset gpu --dispatch dropless,capacity --experts 8,64   # configs/gpu_1b.py
     python -m benchmarks.train_step --preset gpu --grouped_matmul ragged_dot,blocked --attention_impl einsum,cudnn
     python -m benchmarks.train_step --preset default --experts 16 --attention_impl einsum,blockwise --round_robin
+    # dropless's backward by scatter-adds or by gathers (execution.dropless_permute; plain dropless: auto)
+    python -m benchmarks.train_step --preset gpu --dispatch dropless:scatter,dropless:gather --grouped_matmul slab
 
 MFU = model FLOPs (moe.accounting.train_flops_per_token, the loop's figure) / the measured peak of a large matmul
 (bf16 on accelerators, fp32 on CPU: train.flops.measure_peak_flops) x devices.
+`peak GiB` is the device's peak memory, shown only where the row raised the process's peak (JAX cannot reset it);
+`planned GiB` is XLA's plan for one step (arguments, outputs less the donated, temporaries).
 `compile s` is the step's lowering and compilation (XLA reuses what this process or JAX_COMPILATION_CACHE_DIR
 already autotuned, so only a process's first row is cold); `scan layers` says whether the MoE blocks ran as one
 lax.scan (moe/layer_scan.py), and `--scan_layers on,off` times both.
@@ -68,7 +72,9 @@ def _config(name: str, dispatch: str, n_experts: int, capacity_factor: float, gr
     p = preset(name, n_experts)
     c = base_config()
     c.model.update(**p["model"])
+    dispatch, _, permute = dispatch.partition(":")  # dropless:scatter / dropless:gather: execution.dropless_permute
     c.execution.update(**{**p["execution"], "dispatch": dispatch, "capacity_factor": capacity_factor,
+                          **({"dropless_permute": permute} if permute else {}),
                           "grouped_matmul": "auto" if grouped == "-" else grouped, "attention_impl": attention,
                           **({"loss_chunks": loss_chunks} if loss_chunks else {}),
                           **({"scan_layers": scan_layers == "on"} if scan_layers else {}),

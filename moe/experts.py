@@ -173,14 +173,26 @@ unpermute_copies.defvjp(_unpermute_fwd, _unpermute_bwd)
 PERMUTES = ("scatter", "gather")
 
 
+def permute_for(permute: str = "auto") -> str:
+    """`execution.dropless_permute` by name; auto, by measurement (docs/performance.md): scatter on CPU (the
+    gathers made the layer 12-16% slower there), gather elsewhere (H200, gpu_1b's widths: the dispatch alone,
+    forward + backward, 0.55 ms against the scatter-adds' 4.05; TPU not measured)."""
+    if permute == "auto":
+        return "scatter" if jax.default_backend() == "cpu" else "gather"
+    if permute not in PERMUTES:
+        raise ValueError(f"permute {permute!r}: one of auto, {', '.join(PERMUTES)}")
+    return permute
+
+
 def dropless(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, grouped="auto",
-             constrain=lambda a, names: a, permute="scatter"):
+             constrain=lambda a, names: a, permute="auto"):
     """Sort the T*K token copies by expert and run each expert on exactly its tokens (no capacity, no drops).
     grouped: a `grouped_swiglu_for` name, or the grouped SwiGLU function itself. constrain: `Execution.constrain`
     when XLA partitions this over a mesh. permute: how the backward pass moves rows: "scatter" (autodiff of the
-    gathers: scatter-adds) or "gather" (permute_copies / unpermute_copies: gathers only; the same numbers up to
-    the order of the K-copy sum). On XLA:CPU "gather" made the whole layer 12-16% slower (docs/performance.md);
-    the GPU A/B is `benchmarks.moe_layer --dispatch dropless,dropless:gather`."""
+    gathers: scatter-adds), "gather" (permute_copies / unpermute_copies: gathers only; the same numbers up to
+    the order of the K-copy sum) or "auto" (`permute_for`). The A/B is `benchmarks.moe_layer --dispatch
+    dropless:scatter,dropless:gather`."""
+    permute = permute_for(permute)
     T, K = ids_TxK.shape
     E = w_gate_ExDxF.shape[0]
     flat_ids_N = ids_TxK.reshape(-1)  # N = T*K token copies

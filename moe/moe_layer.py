@@ -37,7 +37,7 @@ def routed_experts(ex: Execution, x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_dow
     if ex.dispatch == "reference":
         return experts.reference(x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_down), None
     return experts.dropless(x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_down, grouped=ex.grouped_matmul,
-                            constrain=ex.constrain), None
+                            constrain=ex.constrain, permute=ex.dropless_permute), None
 
 
 class RoutingBias(nnx.Variable):
