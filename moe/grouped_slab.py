@@ -132,7 +132,7 @@ def _maps(group_sizes_E, N: int, lay: Layout) -> _Maps:
     g_N = jnp.minimum(group_N, E - 1)
     spill_N = jnp.where(in_group_N & (offset_N >= C), spill_start_E[g_N] + offset_N - C, S * b)
     slot_J = jnp.arange(S * b)
-    expert_J = jnp.minimum(jnp.searchsorted(spill_end_E, slot_J, side="right"), E - 1)
+    expert_J = jnp.minimum(experts.positions_per_end(spill_end_E, S * b), E - 1)
     offset_J = slot_J - spill_start_E[expert_J]
     # slots past the last spill fall to the last expert with offset_J >= its padded spill: empty
     src_J = jnp.where(offset_J < over_E[expert_J], start_E[expert_J] + C + offset_J, N)

@@ -90,3 +90,13 @@ def test_dropless_gather_permute_equals_scatter(K):
     np.testing.assert_allclose(got, want, rtol=1e-6)
     for a, b in zip(got_g, want_g, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_positions_per_end_is_searchsorted():
+    """The loop-free count of ends <= each position: equal ends (empty groups), ends at 0 and past n included."""
+    rng = np.random.default_rng(0)
+    for n, E in [(1, 1), (7, 3), (50, 8), (300, 64)]:
+        ends = np.sort(rng.integers(0, n + 5, E))
+        ends[: E // 3] = 0
+        want = np.searchsorted(ends, np.arange(n), side="right")
+        np.testing.assert_array_equal(experts.positions_per_end(jnp.asarray(ends), n), want)
