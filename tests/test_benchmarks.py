@@ -200,6 +200,22 @@ def test_profile_step_lists_the_steps_ops(capsys, tmp_path):
     assert any("dot_general" in r[4] for r in rows)  # op_name read back from the compiled HLO
 
 
+def test_profile_step_sums_every_kernel_on_the_gpu_streams_once():
+    """cuBLAS / cuDNN kernels, named other than any HLO op, count toward the device's busy time; the device's
+    derived "XLA Ops" line (the same time again) and the host's events do not."""
+    from benchmarks import profile_step
+
+    meta = lambda kind, pid, name, tid=None: {"ph": "M", "name": kind, "pid": pid, "tid": tid, "args": {"name": name}}
+    x = lambda pid, tid, name, dur: {"ph": "X", "pid": pid, "tid": tid, "name": name, "dur": dur}
+    events = [meta("process_name", 1, "/device:GPU:0"), meta("process_name", 2, "/host:CPU"),
+              meta("thread_name", 1, "Stream #13(Compute)", 7), meta("thread_name", 1, "XLA Ops", 8),
+              meta("thread_name", 2, "python", 9),
+              x(1, 7, "sm90_xmma_gemm_bf16", 30), x(1, 7, "loop_add_fusion", 5), x(1, 7, "sm90_xmma_gemm_bf16", 10),
+              x(1, 8, "loop_add_fusion", 5), x(2, 9, "sm90_xmma_gemm_bf16", 99)]
+    assert profile_step.device_kernel_times(events) == {"sm90_xmma_gemm_bf16": 40, "loop_add_fusion": 5}
+    assert profile_step.device_kernel_times([e for e in events if e["pid"] == 2]) == {}  # a CPU trace
+
+
 def test_cpu_dots_compiles_each_library_differently():
     """The compile options take effect: the batched dot goes to YNNPACK by default and to XLA's own dot under
     `eigen` (a renamed XLA flag would make every library the same program, and the table meaningless)."""
