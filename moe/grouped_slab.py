@@ -9,8 +9,8 @@ Rows move by gathers both ways (sorted row <-> slot is a bijection on the used r
 gathers). A layout is exact when the spill fits its S blocks. The layouts tried are static (`layouts`): slabs
 of C = the mean rows per expert with spill budgets of `SPILL_FRACTIONS` of the rows, pure slabs
 (`SLAB_FACTORS` x the mean, no spill), and the padded-block fallback (C = 0: every row in blocks, enough for any
-routing); spill layouts on CPU, where they are measured, pure slabs of 1.25 / 1.5 / 2 x the mean elsewhere
-(`default_layout_sets`: the slabs measured on an H200), with a fallback of larger blocks there. The cheapest
+routing); spill layouts on CPU, where they are measured, pure slabs of 1.25 - 3 x the mean elsewhere
+(`default_layout_sets`: from what was measured on an H200), with a fallback of larger blocks there. The cheapest
 layout that fits runs, picked on the data by one `lax.switch`; their costs are static. Balanced or not, the rows
 computed stay close to N: the busiest experts overflow into a few blocks instead of sizing every expert's slab (at
 64 experts and the router's initialization, 1.19-1.25 N rows against 1.5-2.0 N for slabs alone;
@@ -34,10 +34,13 @@ from moe import experts
 
 SPILL_FRACTIONS = (1 / 16, 1 / 8, 3 / 16, 1 / 4, 1 / 2)  # spill budgets tried beside mean-sized slabs, x N rows
 SLAB_FACTORS = (1.25,)  # pure slabs tried, as multiples of the mean rows per expert N / E
-# Spill blocks are measured on XLA:CPU only. Elsewhere the slabs measured on an H200 (pure slabs of 1.25 / 1.5 / 2 x
-# the mean, then the fallback) stay the default until a GPU A/B says otherwise: at GPU widths a 64-row spill block's
-# weights are ~15x its rows' bytes (configs/gpu_1b.py), a cost this CPU-fitted model does not see.
-NO_SPILL_SLAB_FACTORS = (1.25, 1.5, 2.0)
+# Spill blocks are measured on XLA:CPU only. Elsewhere pure slabs, then the fallback: at GPU widths a 64-row spill
+# block's weights are ~15x its rows' bytes (configs/gpu_1b.py), a cost this CPU-fitted model does not see, and on the
+# H200 the 512-row spill layouts ran no faster than slabs (GPU run 6). 2.5x and 3x slabs since run 6: there a slab's
+# experts' matmuls took ~2.4 ms per N rows (forward + backward, 64 experts) and the 512-row fallback ~9.3 ms, so a
+# slab beats the fallback up to ~3.5-3.9x the mean rows; at initialization 10 of the 11 layers of configs/gpu_1b.py
+# at 64 experts that went past the 2x slab fit a 3x one (busiest expert 2.0-2.6x the mean, one 3.45x).
+NO_SPILL_SLAB_FACTORS = (1.25, 1.5, 2.0, 2.5, 3.0)
 NO_SPILL_BLOCK = 64
 # The all-blocks fallback runs when the routing is collapsed (a young router): 64-row blocks there, whatever the
 # spill blocks' size (at 64 experts, a collapsed routing: 132 ms against 159 for 32-row blocks; fallback_ab.py).

@@ -92,7 +92,8 @@ def test_slab_factor_variants_reach_the_grouped_matmul():
     assert spill512["block"] == 512 and spill512["factors"] == grouped_slab.NO_SPILL_SLAB_FACTORS
     # its spill layouts sit after the 1.25x slab: a balanced routing's layout is the GPU default's
     lays = grouped_slab.layouts(196608, 64, spill512["fractions"], spill512["factors"], 512, 512)
-    assert lays == ((3840, 0, 512), (3072, 96, 512), (4608, 0, 512), (6144, 0, 512), (0, 448, 512))
+    assert lays == ((3840, 0, 512), (3072, 96, 512), (4608, 0, 512), (6144, 0, 512), (7680, 0, 512), (9216, 0, 512),
+                    (0, 448, 512))
 
 
 def test_train_step_row(capsys):

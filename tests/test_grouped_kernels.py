@@ -58,10 +58,10 @@ def test_slab_layouts_are_static_cheapest_first_ending_with_the_fallback():
 def test_spill_layouts_are_the_default_on_cpu_only():
     assert grouped_slab.default_layout_sets("cpu") == (grouped_slab.SPILL_FRACTIONS, grouped_slab.SLAB_FACTORS, 0,
                                                        grouped_slab.FALLBACK_BLOCK)
-    # elsewhere the slabs measured on an H200 until a GPU A/B: 1.25 / 1.5 / 2 x the mean 128 rows, all kept, then
-    # fallback blocks of 64 rows at this size (a quarter of the mean: 32, raised to 64)
+    # elsewhere pure slabs of 1.25 / 1.5 / 2 / 2.5 / 3 x the mean 128 rows, all kept, then fallback blocks of 64
+    # rows at this size (a quarter of the mean: 32, raised to 64)
     lays = grouped_slab.layouts(8192, 64, *grouped_slab.default_layout_sets("gpu"))
-    assert lays == ((160, 0, 64), (192, 0, 64), (256, 0, 64), (0, 191, 64))
+    assert lays == ((160, 0, 64), (192, 0, 64), (256, 0, 64), (320, 0, 64), (384, 0, 64), (0, 191, 64))
     # configs/gpu_1b.py's 16 x 2048 tokens, top-6: 512-row fallback blocks (compute-bound weight gathers), whose
     # padding stays under N / 4 at 64 experts
     N = 16 * 2048 * 6
