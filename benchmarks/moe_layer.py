@@ -32,7 +32,8 @@ learn: fitted by the training loop's rule (router.update_bias after every batch,
 on 600 fresh batches of the same distribution, then applied to the timed batch, so its MaxVio is the batch noise
 a converged bias leaves (trained models: MaxVio per batch in docs/training.md). `skewed` adds a fixed random bias
 (SKEW below) that loads the experts as unevenly as a deep, freshly initialized model does: the routing under which
-`slab` falls back to its padded blocks at 64 experts.
+`slab` falls back to its padded blocks at 64 experts; `skewed@S` scales that bias by S instead (at configs/gpu_1b.py's
+widths and 64 experts, the busiest expert gets 2.5x the mean rows at 0.05, 2.8x at 0.06, 4.2x at SKEW's 0.1).
 """
 
 import functools
@@ -41,7 +42,7 @@ import importlib.util
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import arg_parser, comma_subset, describe, preset, table, time_fns, variants
+from benchmarks.common import arg_parser, describe, preset, table, time_fns, variants
 from moe import expert_parallel, experts, grouped_slab, router
 from train import host_memory
 
@@ -116,6 +117,21 @@ ROUTINGS = ("random", "balanced", "skewed")
 # 8 experts and ~2.4 at 64, like the layers of that model at initialization (0.04-0.24 and 0.36-2.45 on the
 # benchmark batch; docs/performance.md): past every pure slab at 64 experts, so `slab` runs its fallback.
 SKEW = 0.1
+
+
+def _valid_routing(routing: str) -> bool:
+    try:
+        return routing in ROUTINGS or _skew(routing) >= 0
+    except ValueError:
+        return False
+
+
+def _skew(routing: str) -> float:
+    """The bias scale of `skewed` (SKEW) or `skewed@S` (S); ValueError for anything else."""
+    name, at, scale = routing.partition("@")
+    if name != "skewed" or (at and not scale.replace(".", "", 1).isdigit()):
+        raise ValueError(f"routing {routing!r}: skewed or skewed@S with S a number >= 0")
+    return float(scale) if at else SKEW
 BIAS_SCHEDULE = ((1e-2, 200), (1e-3, 200), (1e-4, 200))  # (gamma, updates)
 
 
@@ -168,8 +184,8 @@ def bench(name: str, n_experts: int, dispatches, grouped_matmuls=("auto",), capa
         bias = jnp.zeros(n_experts, jnp.float32)
         if routing == "balanced":  # fitted on other batches of the same distribution, timed on this one
             bias = balanced_bias(ks[5], T, D, w_router, K, dt)
-        elif routing == "skewed":
-            bias = SKEW * jax.random.normal(ks[5], (n_experts,), jnp.float32)
+        elif routing.startswith("skewed"):
+            bias = _skew(routing) * jax.random.normal(ks[5], (n_experts,), jnp.float32)
         _, ids, gates = route(x.astype(jnp.float32), w_router, bias)
         sizes = jnp.bincount(ids.reshape(-1), length=n_experts)
         maxvio = float(router.max_violation(sizes))
@@ -212,10 +228,13 @@ def bench(name: str, n_experts: int, dispatches, grouped_matmuls=("auto",), capa
 def main(argv=None):
     ap = arg_parser(__doc__.splitlines()[0])
     ap.add_argument("--baseline_experts", default="", help="path of another experts.py to time beside")
-    ap.add_argument("--routing", default="random", help="comma-separated from random,balanced,skewed (see above)")
+    ap.add_argument("--routing", default="random",
+                    help="comma-separated from random,balanced,skewed,skewed@S (see above)")
     a = ap.parse_args(argv)
     host_memory.keep_freed_memory()  # as `python -m train` runs (train/host_memory.py)
-    routings = comma_subset(ap, "--routing", a.routing, ROUTINGS)
+    routings = [r for r in a.routing.split(",") if r]
+    if not routings or not all(map(_valid_routing, routings)):
+        ap.error(f"--routing takes a comma-separated subset of {','.join(ROUTINGS)},skewed@S; got {a.routing!r}")
     print(describe())
     rows = []
     for e in map(int, a.experts.split(",")):

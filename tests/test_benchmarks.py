@@ -55,9 +55,9 @@ def test_balanced_routing_is_what_the_bias_rule_leaves_on_a_fresh_batch():
 
 def test_moe_layer_routing_flag(capsys):
     moe_layer.main(["--preset", "tiny", "--dispatch", "dropless", "--grouped_matmul", "slab", "--experts", "8",
-                    "--routing", "random,balanced,skewed", "--steps", "1"])
+                    "--routing", "random,balanced,skewed,skewed@0.05", "--steps", "1"])
     out = capsys.readouterr().out
-    assert all(f"| dropless | slab | {r} |" in out for r in ("random", "balanced", "skewed"))
+    assert all(f"| dropless | slab | {r} |" in out for r in ("random", "balanced", "skewed", "skewed@0.05"))
     with pytest.raises(SystemExit) as e:
         moe_layer.main(["--routing", "trained"])
     assert e.value.code == 2 and "--routing" in capsys.readouterr().err
@@ -65,14 +65,17 @@ def test_moe_layer_routing_flag(capsys):
 
 def test_skewed_routing_loads_64_experts_past_every_gpu_slab():
     """--routing skewed, at configs/gpu_1b.py's widths (8,192 tokens here): mild at 8 experts, past the largest
-    pure slab (2x the mean, MaxVio 1) at 64, where slab's fallback runs, as in a deep model at initialization."""
+    pure slab (3x the mean, MaxVio 2) at 64, where slab's fallback runs, as in a deep model at initialization;
+    skewed@0.06 between the 2x and 3x slabs (the A/B of the 2.5x / 3x slabs against the fallback)."""
     T, D, K = 8192, 1024, 6
-    for E, lo, hi in ((8, 0.05, 0.5), (64, 1.5, 3.5)):
+    for routing, E, lo, hi in (("skewed", 8, 0.05, 0.5), ("skewed", 64, 2.0, 3.5), ("skewed@0.06", 64, 1.0, 2.0)):
         ks = jax.random.split(jax.random.key(0), 3)
         x = jax.random.normal(ks[0], (T, D))
         w = jax.random.normal(ks[1], (D, E)) * D**-0.5
-        _, ids, _ = router.route(x, w, moe_layer.SKEW * jax.random.normal(ks[2], (E,)), top_k=K)
+        _, ids, _ = router.route(x, w, moe_layer._skew(routing) * jax.random.normal(ks[2], (E,)), top_k=K)
         assert lo < float(router.max_violation(jnp.bincount(ids.reshape(-1), length=E))) < hi
+    for bad in ("skewed@", "skewed@x", "skewed@-1", "random@0.1"):
+        assert not moe_layer._valid_routing(bad)
 
 
 def test_slab_factor_variants_reach_the_grouped_matmul():

@@ -14,14 +14,14 @@ def test_gpu_report_tiny_writes_every_section(tmp_path):
     gpu_report.main(["--tiny", "--out", str(out), "--attention_impl", "xla"])
     text = out.read_text()
     for title in ("## Device", "## GPU-only tests", "## Grouped matmuls' bf16 error", "## MoE layer vs dense FFN", "## Train step",
-                  "## Train step profile", "## MoE layer, skewed routing"):
+                  "## Train step profile", "## MoE layer, skewed routings"):
         assert title in text
     assert "FAILED" not in text
     assert "test_cudnn_equals_einsum_on_gpu" in text  # the GPU tests were collected
     assert "from 4 to 8 routed experts" in text
     assert "| empty_and_padding | d/dw_down |" in text  # the accuracy table
-    assert "| dropless | slab:spill |" in text  # the layer rows A/B slab's spill layouts against its GPU default
-    assert "| dropless | slab@64 | skewed |" in text  # the fallback's A/B
+    assert "| dropless:gather | slab |" in text  # the layer rows A/B dropless's backward by gathers
+    assert "| dropless | slab:1.25/1.5/2 | skewed@0.06 |" in text  # the slabs' A/B under an uneven routing
     assert "dot_general" in text  # the profile's table names the ops' JAX origin
     assert "XLA target config: none (not a GPU)" in text and not list(tmp_path.glob("*.txtpb"))
 
