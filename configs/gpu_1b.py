@@ -14,15 +14,14 @@ heads of 64, 64 fine-grained routed experts of width 320 (top-6, routed in 8 gro
 shared experts, routed_scaling_factor 2.5, cuDNN flash attention (bf16; it runs as `xla` attention off NVIDIA GPUs,
 tested equal to einsum; its GPU equality test is in `python -m benchmarks.gpu_report`). Blocks are rematerialized
 keeping the routed experts' residuals (`execution.remat_policy=save_moe`): the backward pass reruns attention, norms,
-router and shared experts but not the routed experts' routing, sort or matmuls: 14% fewer matmul FLOPs than
-`full`. XLA plans 22.2 GiB of temporaries for the 64-expert step at batch 16 x 2048 (11.6 GiB of state), against
-11.2 with `full` remat and 51.7 without remat (compiled for an H200 without one: `benchmarks.gpu_compile`,
-docs/performance.md), so it fits one H100; the GPU A/B of the two policies is `python -m benchmarks.gpu_report
---remat full,save_moe`.
-Global batch 64 x 2048 tokens in 4 micro-batches. `--config.execution.scan_layers=true` runs the 15 MoE blocks as
-one lax.scan (one compiled copy of the block: the 8-expert step compiles for an H200 in 38 s against 64 s unrolled,
-on a 2-core CPU without the GPU's autotuning): not the default here until its GPU A/B (docs/performance.md,
-"Compile time and scanned layers", "GPU figures, run 5").
+router and shared experts but not the routed experts' routing, sort or matmuls. On one H200 (GPU run 6,
+docs/performance.md; batch 16 x 2048, scanned layers) its step took 264.8 ms at 8 experts (MFU 26.8%) and 386.5 ms
+at 64, against 282.0 / 406.9 ms with `full` remat; its peak memory at 64 experts was 45.6 GiB (34.8 with `full`),
+which fits an H100 (those runs moved dropless's rows backward by scatter-adds; `execution.dropless_permute`'s
+`auto` now gathers on GPUs). `--config.execution.scan_layers=true` runs the 15 MoE blocks as one lax.scan (one compiled
+copy of the block: 38-40 s to compile on the H200, against 100-150 s unrolled in run 3): not the default here
+until the unrolled step is timed on the same code (docs/performance.md, "Compile time and scanned layers").
+Global batch 64 x 2048 tokens in 4 micro-batches.
 moe.param_counts(...) gives the exact figures (total 1,042M / active 186M with the bundled 8192-token vocabulary).
 """
 
