@@ -64,7 +64,7 @@ def fingerprint(config) -> str:
     # all logits at once (every run before 2026-11-26) stay valid under the chunked default.
     d.get("execution", {}).pop("loss_chunks", None)
     d.get("execution", {}).pop("scan_layers", None)  # likewise: the unrolled loop's function (tests/test_layer_scan.py)
-    d.get("execution", {}).pop("dropless_permute", None)  # likewise: how rows move backward (tests/test_model.py)
+    d.get("execution", {}).pop("permute_grad", None)  # likewise: how rows move backward (tests/test_model.py)
     # In the layout before the model/execution split, so results cached before it keep their fingerprint.
     d = pre_split_layout(d)
     d["log"] = {k: v for k, v in d["log"].items() if k not in ("progress", "tensorboard")}

@@ -58,6 +58,8 @@ def preset(name: str, n_experts: int | None = None) -> dict:
 
 DISPATCHES = ("dropless", "capacity", "expert_parallel")
 GROUPED = ("dropless", "expert_parallel")  # the dispatches that run a grouped matmul (execution.grouped_matmul)
+# The dispatches whose permuted rows' backward a `:scatter` / `:gather` suffix picks (execution.permute_grad).
+PERMUTED = ("dropless", "expert_parallel", "expert_parallel_dropless")
 
 
 def variants(dispatches: list[str], grouped_matmuls: list[str]) -> list[tuple[str, str]]:
@@ -108,13 +110,12 @@ def row_peak_gb(peak_before: float | None) -> float | None:
 
 
 def planned_memory_gb(compiled) -> float | None:
-    """What XLA planned for one call of a compiled program: arguments + outputs (less the donated, aliased ones)
-    + temporaries, in GiB; per program, so comparable between rows of one process (None where not reported)."""
+    """What XLA planned for one call of a compiled train step: arguments + temporaries, in GiB; per program, so
+    comparable between rows of one process (None where not reported). Outputs are left out: the training loop
+    donates the state, whose update then takes the old state's buffers (the benchmark donates nothing, so its
+    outputs would count the state twice)."""
     m = compiled.memory_analysis()
-    if m is None:
-        return None
-    total = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-    return total / 2**30
+    return None if m is None else (m.argument_size_in_bytes + m.temp_size_in_bytes) / 2**30
 
 
 def host_cpu() -> str:
@@ -180,14 +181,28 @@ def remat_label(ex) -> str:
     return ex.remat_policy if ex.remat else "off"
 
 
+def dispatch_list(ap: argparse.ArgumentParser, value: str, allowed=DISPATCHES) -> list[str]:
+    """--dispatch's comma-separated paths, each one of `allowed`, those in PERMUTED optionally as NAME:scatter or
+    NAME:gather (execution.permute_grad); else ap.error (exit 2), before any work starts."""
+    def valid(item):
+        name, colon, rule = item.partition(":")
+        return name in allowed and (not colon or (name in PERMUTED and rule in ("scatter", "gather")))
+
+    items = [v for v in value.split(",") if v]
+    if not items or not all(map(valid, items)):
+        ap.error(f"--dispatch takes a comma-separated subset of {','.join(allowed)}, with :scatter or :gather after "
+                 f"{' / '.join(p for p in PERMUTED if p in allowed)}; got {value!r}")
+    return items
+
+
 def arg_parser(description: str) -> argparse.ArgumentParser:
     """The flags every benchmark takes: preset, dispatch paths, grouped matmuls, attention, expert counts, capacity
     factor. Lists are comma-separated; each combination is one row."""
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
     ap.add_argument("--dispatch", default=",".join(DISPATCHES),
-                    help="comma-separated dispatch paths; dropless:scatter / dropless:gather pick dropless's backward "
-                         "(execution.dropless_permute)")
+                    help="comma-separated dispatch paths; NAME:scatter / NAME:gather pick how dropless's or "
+                         "expert_parallel's backward moves rows (execution.permute_grad; plain NAME: auto)")
     ap.add_argument("--grouped_matmul", default="auto", help="auto,ragged_dot,blocked,slab,tokamax (dropless/expert_parallel)")
     ap.add_argument("--attention_impl", default="blockwise", help="blockwise,einsum,xla,cudnn (train step only)")
     ap.add_argument("--experts", default="8,64")

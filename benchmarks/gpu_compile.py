@@ -30,9 +30,9 @@ import time
 
 from benchmarks import hlo_flops
 from benchmarks.common import (
-    DISPATCHES,
     add_remat_flag,
     comma_subset,
+    dispatch_list,
     remat_label,
     remat_settings,
     table,
@@ -214,12 +214,12 @@ def main(argv=None):
         sys.exit(2)
     scans = comma_subset(ap, "--scan_layers", a.scan_layers, ("on", "off"))
     remats = remat_settings(ap, a.remat)
-    comma_subset(ap, "--dispatch", a.dispatch, DISPATCHES)
+    dispatches = dispatch_list(ap, a.dispatch)
     comma_subset(ap, "--grouped_matmul", a.grouped_matmul, ("auto", *GROUPED_SWIGLU))
     if not all(e.isdigit() and int(e) > 0 for e in a.experts.split(",")):
         ap.error(f"--experts takes positive integers, comma-separated; got {a.experts!r}")
     rows = []
-    for d, g in variants(a.dispatch.split(","), a.grouped_matmul.split(",")):
+    for d, g in variants(dispatches, a.grouped_matmul.split(",")):
         for e in (int(x) for x in a.experts.split(",")):
             for sc in scans:
                 for r in remats:

@@ -15,7 +15,7 @@ active FLOPs (width top_k * moe_d_ff), at n_routed_experts = 8 and 64 (fixed top
     # the routing of a freshly initialized router and of one balanced by the routing bias, as in training:
     python -m benchmarks.moe_layer --preset default --routing random,balanced
     # dropless's backward with scatter-adds (autodiff) or gathers only (experts.permute_copies); plain `dropless`
-    # is the model's default (execution.dropless_permute=auto: scatter on CPU, gather elsewhere):
+    # is the model's default (execution.permute_grad=auto: scatter on CPU, gather elsewhere):
     python -m benchmarks.moe_layer --preset gpu --dispatch dropless:scatter,dropless:gather --grouped_matmul slab
 
 All rows of one expert count are timed round-robin (benchmarks.common.time_fns): `x dense` is a same-run ratio.
@@ -42,7 +42,7 @@ import importlib.util
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import arg_parser, describe, preset, table, time_fns, variants
+from benchmarks.common import arg_parser, describe, dispatch_list, preset, table, time_fns, variants
 from moe import expert_parallel, experts, grouped_slab, router
 from train import host_memory
 
@@ -87,9 +87,9 @@ def _routed_fn(dispatch: str, grouped: str, capacity_factor: float, group_size: 
         return functools.partial(experts.dropless, grouped=_grouped(grouped), permute=_permute(dispatch))
     if dispatch == "capacity":
         return functools.partial(experts.capacity, capacity_factor=capacity_factor, group_size=group_size)
-    if dispatch == "expert_parallel":  # one device: the all_to_all-free single-shard version of the same math
+    if dispatch.split(":")[0] == "expert_parallel":  # one device: the all_to_all-free single-shard version
         return lambda *a: expert_parallel.dispatch(*a, capacity_factor=capacity_factor,
-                                                   grouped_matmul=_grouped(grouped))[0]
+                                                   grouped_matmul=_grouped(grouped), permute=_permute(dispatch))[0]
     raise ValueError(f"unknown dispatch {dispatch!r}")
 
 
@@ -238,7 +238,7 @@ def main(argv=None):
     print(describe())
     rows = []
     for e in map(int, a.experts.split(",")):
-        rows += bench(a.preset, e, a.dispatch.split(","), a.grouped_matmul.split(","), a.capacity_factor, a.batch,
+        rows += bench(a.preset, e, dispatch_list(ap, a.dispatch), a.grouped_matmul.split(","), a.capacity_factor, a.batch,
                       a.steps, a.baseline_experts, routings)
     print(table(rows))
 

@@ -5,13 +5,14 @@ dispatch path, grouped matmul, attention implementation and routed-expert count 
     python -m benchmarks.train_step --preset gpu --dispatch dropless,capacity --experts 8,64   # configs/gpu_1b.py
     python -m benchmarks.train_step --preset gpu --grouped_matmul ragged_dot,blocked --attention_impl einsum,cudnn
     python -m benchmarks.train_step --preset default --experts 16 --attention_impl einsum,blockwise --round_robin
-    # dropless's backward by scatter-adds or by gathers (execution.dropless_permute; plain dropless: auto)
+    # dropless's backward by scatter-adds or by gathers (execution.permute_grad; plain dropless: auto)
     python -m benchmarks.train_step --preset gpu --dispatch dropless:scatter,dropless:gather --grouped_matmul slab
 
 MFU = model FLOPs (moe.accounting.train_flops_per_token, the loop's figure) / the measured peak of a large matmul
 (bf16 on accelerators, fp32 on CPU: train.flops.measure_peak_flops) x devices.
 `peak GiB` is the device's peak memory, shown only where the row raised the process's peak (JAX cannot reset it);
-`planned GiB` is XLA's plan for one step (arguments, outputs less the donated, temporaries).
+`planned GiB` is XLA's plan for one step (arguments and temporaries: the training loop donates the state, so the
+updated state takes its buffers).
 `compile s` is the step's lowering and compilation (XLA reuses what this process or JAX_COMPILATION_CACHE_DIR
 already autotuned, so only a process's first row is cold); `scan layers` says whether the MoE blocks ran as one
 lax.scan (moe/layer_scan.py), and `--scan_layers on,off` times both.
@@ -46,6 +47,7 @@ from benchmarks.common import (
     arg_parser,
     comma_subset,
     describe,
+    dispatch_list,
     peak_memory_gb,
     planned_memory_gb,
     preset,
@@ -59,6 +61,7 @@ from benchmarks.common import (
 )
 from configs.base import base_config
 from moe import train_flops_per_token
+from moe.execution import DISPATCH_MODES
 from train import host_memory, optim
 from train import mesh as mesh_lib
 from train.config import check, execution
@@ -72,9 +75,9 @@ def _config(name: str, dispatch: str, n_experts: int, capacity_factor: float, gr
     p = preset(name, n_experts)
     c = base_config()
     c.model.update(**p["model"])
-    dispatch, _, permute = dispatch.partition(":")  # dropless:scatter / dropless:gather: execution.dropless_permute
+    dispatch, _, permute = dispatch.partition(":")  # dropless:scatter / dropless:gather: execution.permute_grad
     c.execution.update(**{**p["execution"], "dispatch": dispatch, "capacity_factor": capacity_factor,
-                          **({"dropless_permute": permute} if permute else {}),
+                          **({"permute_grad": permute} if permute else {}),
                           "grouped_matmul": "auto" if grouped == "-" else grouped, "attention_impl": attention,
                           **({"loss_chunks": loss_chunks} if loss_chunks else {}),
                           **({"scan_layers": scan_layers == "on"} if scan_layers else {}),
@@ -212,6 +215,7 @@ def main(argv=None):
                     help="time all rows together, round-robin (all held in memory at once: CPU A/B runs; no "
                          "per-row peak memory)")
     a = ap.parse_args(argv)
+    dispatches = dispatch_list(ap, a.dispatch, DISPATCH_MODES)
     host_memory.keep_freed_memory()  # as `python -m train` runs (train/host_memory.py)
     peak = a.peak_flops or measure_peak_flops()
     print(describe() + f" | matmul peak {peak / 1e12:.3g} TFLOP/s per device")
@@ -219,7 +223,7 @@ def main(argv=None):
     scans = comma_subset(ap, "--scan_layers", a.scan_layers, ("on", "off")) if a.scan_layers else [""]
     remats = remat_settings(ap, a.remat)
     combos = [(d, g, att, int(ch), lo, sc, r)
-              for d, g in variants(a.dispatch.split(","), a.grouped_matmul.split(","))
+              for d, g in variants(dispatches, a.grouped_matmul.split(","))
               for att in a.attention_impl.split(",") for ch in a.loss_chunks.split(",") for lo in a.loss.split(",")
               for sc in scans for r in remats]
     specs = [dict(dispatch=d, n_experts=e, capacity_factor=a.capacity_factor, grouped=g, attention=att,

@@ -17,7 +17,7 @@ keeping the routed experts' residuals (`execution.remat_policy=save_moe`): the b
 router and shared experts but not the routed experts' routing, sort or matmuls. On one H200 (GPU run 6,
 docs/performance.md; batch 16 x 2048, scanned layers) its step took 264.8 ms at 8 experts (MFU 26.8%) and 386.5 ms
 at 64, against 282.0 / 406.9 ms with `full` remat; its peak memory at 64 experts was 45.6 GiB (34.8 with `full`),
-which fits an H100 (those runs moved dropless's rows backward by scatter-adds; `execution.dropless_permute`'s
+which fits an H100 (those runs moved dropless's rows backward by scatter-adds; `execution.permute_grad`'s
 `auto` now gathers on GPUs). `--config.execution.scan_layers=true` runs the 15 MoE blocks as one lax.scan (one compiled
 copy of the block: 38-40 s to compile on the H200, against 100-150 s unrolled in run 3): not the default here
 until the unrolled step is timed on the same code (docs/performance.md, "Compile time and scanned layers").

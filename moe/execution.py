@@ -45,12 +45,12 @@ GROUPED_MATMULS = ("auto", "ragged_dot", "blocked", "slab", "tokamax")
 #             expert_parallel_dropless keeps its exchange buffers, mesh.expert x the local rows (no-drop padding):
 #             prefer full there when memory is short.
 REMAT_POLICIES = ("full", "save_moe")
-# How dropless's backward pass moves the token copies' rows (moe/experts.py, `permute_for`): scatter (autodiff of the
-# row gathers: scatter-adds), gather (custom VJPs that gather by the inverse permutation), auto (scatter on CPU,
-# where it was 12-16% faster in the layer; gather elsewhere: on the H200 the scatter-adds cost 3.5 ms per layer,
-# forward + backward, the gathers 0.55; docs/performance.md, GPU run 6). The same numbers up to the order of the
-# top-k copies' sum.
-DROPLESS_PERMUTES = ("auto", "scatter", "gather")
+# How the backward pass of the dropless and expert-parallel dispatches moves the permuted rows (the token copies into
+# expert order and back; moe/experts.py, `permute_for`): scatter (autodiff of the row gathers: scatter-adds), gather
+# (custom VJPs that gather by the inverse permutation), auto (scatter on CPU, where it was 12-16% faster in the layer;
+# gather elsewhere: on the H200 dropless's scatter-adds cost 3.5 ms per layer, forward + backward, the gathers 0.55;
+# docs/performance.md, GPU run 6). The same numbers up to the order of the top-k copies' sum.
+PERMUTE_GRADS = ("auto", "scatter", "gather")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +62,7 @@ class Execution:
     # tokamax (Pallas kernels, optional package; moe/grouped_kernels.py), auto (slab on CPU, where XLA lowers
     # ragged_dot densely; else ragged_dot). See docs/performance.md.
     grouped_matmul: str = "auto"
-    dropless_permute: str = "auto"  # dispatch=dropless: DROPLESS_PERMUTES above
+    permute_grad: str = "auto"  # dropless / expert_parallel dispatch: PERMUTE_GRADS above
     # einsum: explicit einsums + fp32 softmax (the reference; always used with a KV cache or for attention maps).
     # blockwise: the same einsums a block of queries at a time, each block against only the keys a causal mask
     # can show it (~37% less work at 4 blocks; other masks run as einsum). xla / cudnn:
@@ -130,8 +130,8 @@ def validate(ex: Execution) -> None:
     if ex.grouped_matmul not in GROUPED_MATMULS:
         fail("grouped_matmul", f"unknown grouped matmul {ex.grouped_matmul!r}; allowed: "
                                f"{', '.join(GROUPED_MATMULS)}")
-    if ex.dropless_permute not in DROPLESS_PERMUTES:
-        fail("dropless_permute", f"unknown permute {ex.dropless_permute!r}; allowed: {', '.join(DROPLESS_PERMUTES)}")
+    if ex.permute_grad not in PERMUTE_GRADS:
+        fail("permute_grad", f"unknown rule {ex.permute_grad!r}; allowed: {', '.join(PERMUTE_GRADS)}")
     if ex.dtype not in DTYPES:
         fail("dtype", f"unknown dtype {ex.dtype!r}; allowed: {', '.join(DTYPES)}")
     if ex.attention_impl not in ATTENTION_IMPLS:

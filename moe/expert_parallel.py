@@ -49,12 +49,14 @@ def token_shards(mesh) -> int:
 
 def local_dispatch(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, n_shards: int,
                    capacity: int, axis_name: str | None = "expert", grouped_matmul: str = "auto",
-                   tensor_axis: str | None = None):
+                   tensor_axis: str | None = None, permute: str = "auto"):
     """One device's part (inside shard_map; ids are global expert ids, weights the E_l local experts).
     Returns (y_TxD, keep_TxK). With axis_name None (one shard) there is no exchange. grouped_matmul: see
     experts.grouped_swiglu_for; rows past sum(group sizes) are padding and come out zero in both.
     tensor_axis: the weights hold this device's slice of the expert width F (Megatron style), so the expert
-    outputs are partial sums, added up over that axis."""
+    outputs are partial sums, added up over that axis. permute: how the backward pass moves the permuted rows
+    (experts.permute_for: scatter-adds or gathers)."""
+    permute = experts.permute_for(permute)
     T, K = ids_TxK.shape
     El = w_gate_ExDxF.shape[0]
     D = x_TxD.shape[-1]
@@ -65,12 +67,13 @@ def local_dispatch(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_E
     # dropped are the latest choices (as in capacity dispatch), not whichever experts sort last.
     rank_N = jnp.arange(N) % K
     order_N = experts.saved(jnp.argsort((flat_ids_N // El) * K + rank_N, stable=True))
+    inverse_N = experts.saved(jnp.argsort(order_N))
     ids_N = flat_ids_N[order_N]
     dest_N = ids_N // El
     counts_P = (dest_N[:, None] == jnp.arange(Pn)).sum(0)
     slot_N = jnp.arange(N) - (jnp.cumsum(counts_P) - counts_P)[dest_N]  # row within the destination block
     keep_N = slot_N < C
-    x_NxD = jnp.take(x_TxD, order_N // K, axis=0)
+    x_NxD = experts.take_copies(x_TxD, order_N, inverse_N, K, permute)
     send_PxCxD = jnp.zeros((Pn, C, D), x_TxD.dtype).at[dest_N, slot_N].set(x_NxD, mode="drop")
     send_ids_PxC = jnp.full((Pn, C), El, jnp.int32).at[dest_N, slot_N].set(ids_N % El, mode="drop")
 
@@ -83,32 +86,32 @@ def local_dispatch(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_E
     M = Pn * C
     rids_M = recv_ids_PxC.reshape(M)
     order_M = experts.saved(jnp.argsort(rids_M, stable=True))  # padding rows (id El) last, outside every group
+    inverse_M = experts.saved(jnp.argsort(order_M))
     gs_E = (rids_M[:, None] == jnp.arange(El)).sum(0).astype(jnp.int32)
     grouped_fn = experts.grouped_swiglu_for(grouped_matmul)
-    y_sorted_MxD = grouped_fn(jnp.take(recv_PxCxD.reshape(M, D), order_M, axis=0), gs_E,
+    y_sorted_MxD = grouped_fn(experts.take_rows(recv_PxCxD.reshape(M, D), order_M, inverse_M, permute), gs_E,
                               w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
     if tensor_axis is not None:
         y_sorted_MxD = jax.lax.psum(y_sorted_MxD, tensor_axis)
-    y_PxCxD = jnp.take(y_sorted_MxD, experts.saved(jnp.argsort(order_M)), axis=0).reshape(Pn, C, D)
+    y_PxCxD = experts.take_rows(y_sorted_MxD, inverse_M, order_M, permute).reshape(Pn, C, D)
     back_PxCxD = experts.saved(exchange(y_PxCxD))
 
     y_NxD = back_PxCxD[dest_N, jnp.minimum(slot_N, C - 1)] * keep_N[:, None].astype(x_TxD.dtype)
-    inverse_N = experts.saved(jnp.argsort(order_N))
-    y_TxKxD = jnp.take(y_NxD, inverse_N, axis=0).reshape(T, K, D)
+    y_TxKxD = experts.take_rows(y_NxD, inverse_N, order_N, permute).reshape(T, K, D)
     keep_TxK = keep_N[inverse_N].reshape(T, K)
     y_TxD = jnp.einsum("tkd,tk->td", y_TxKxD.astype(jnp.float32), gates_TxK)
     return y_TxD.astype(x_TxD.dtype), keep_TxK
 
 
 def dispatch(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, mesh=None,
-             capacity_factor: float | None = None, grouped_matmul: str = "auto"):
+             capacity_factor: float | None = None, grouped_matmul: str = "auto", permute: str = "auto"):
     """(y_TxD, keep_TxK) with experts sharded over mesh axis `expert`. T must be divisible by
     data * fsdp * expert. mesh None: the same math on one shard (no exchange)."""
     T, K = ids_TxK.shape
     if mesh is None:
         C = send_capacity(T * K, 1, capacity_factor)
         return local_dispatch(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, n_shards=1,
-                              capacity=C, axis_name=None, grouped_matmul=grouped_matmul)
+                              capacity=C, axis_name=None, grouped_matmul=grouped_matmul, permute=permute)
     n_ep, n_tok = mesh.shape["expert"], token_shards(mesh)
     if T % n_tok:
         raise ValueError(f"expert parallelism needs the {T} tokens divisible by data*fsdp*expert ({n_tok})")
@@ -117,7 +120,7 @@ def dispatch(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, 
     tp = "tensor" if mesh.shape.get("tensor", 1) > 1 else None
     w_in, w_out = P("expert", None, tp), P("expert", tp, None)  # [E, D, F] and [E, F, D]: F split over tensor
     f = jax.shard_map(functools.partial(local_dispatch, n_shards=n_ep, capacity=C, grouped_matmul=grouped_matmul,
-                                        tensor_axis=tp),
+                                        tensor_axis=tp, permute=permute),
                       mesh=mesh, in_specs=(tok, tok, tok, w_in, w_in, w_out), out_specs=(tok, tok))
     return f(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
 

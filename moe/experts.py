@@ -163,27 +163,43 @@ permute_copies.defvjp(_permute_fwd, _permute_bwd)
 
 
 @jax.custom_vjp
-def unpermute_copies(y_sorted_NxD, order_N, inverse_N):
-    """The rows back in token-copy order (gather by the inverse permutation), with a VJP that gathers by the
-    permutation itself (the transpose of a permutation is its inverse) instead of scatter-adding."""
-    return jnp.take(y_sorted_NxD, inverse_N, axis=0)
+def permute_rows(a_NxD, perm_N, inverse_N):
+    """a's rows in the order perm_N (row n is a[perm_N[n]]), with a VJP that gathers by the inverse permutation
+    (the transpose of a permutation is its inverse) instead of scatter-adding."""
+    return jnp.take(a_NxD, perm_N, axis=0)
 
 
-def _unpermute_fwd(y_sorted_NxD, order_N, inverse_N):
-    return unpermute_copies(y_sorted_NxD, order_N, inverse_N), order_N
+def _permute_rows_fwd(a_NxD, perm_N, inverse_N):
+    return permute_rows(a_NxD, perm_N, inverse_N), inverse_N
 
 
-def _unpermute_bwd(order_N, dy_NxD):
-    return jnp.take(dy_NxD, order_N, axis=0), None, None
+def _permute_rows_bwd(inverse_N, d_NxD):
+    return jnp.take(d_NxD, inverse_N, axis=0), None, None
 
 
-unpermute_copies.defvjp(_unpermute_fwd, _unpermute_bwd)
+permute_rows.defvjp(_permute_rows_fwd, _permute_rows_bwd)
+
+
+def take_copies(x_TxD, order_N, inverse_N, K: int, permute: str):
+    """x's rows for the sorted token copies (row n: token order_N[n] // K); its backward by `permute`'s rule
+    (scatter: autodiff's scatter-add; gather: `permute_copies`)."""
+    if permute == "gather":
+        return permute_copies(x_TxD, order_N, inverse_N, K)
+    return jnp.take(x_TxD, order_N // K, axis=0)
+
+
+def take_rows(a_NxD, perm_N, inverse_N, permute: str):
+    """a's rows in the order perm_N (a permutation; inverse_N its inverse); its backward by `permute`'s rule."""
+    if permute == "gather":
+        return permute_rows(a_NxD, perm_N, inverse_N)
+    return jnp.take(a_NxD, perm_N, axis=0)
+
 
 PERMUTES = ("scatter", "gather")
 
 
 def permute_for(permute: str = "auto") -> str:
-    """`execution.dropless_permute` by name; auto, by measurement (docs/performance.md): scatter on CPU (the
+    """`execution.permute_grad` by name; auto, by measurement (docs/performance.md): scatter on CPU (the
     gathers made the layer 12-16% slower there), gather elsewhere (H200, gpu_1b's widths: the dispatch alone,
     forward + backward, 0.55 ms against the scatter-adds' 4.05; TPU not measured)."""
     if permute == "auto":
@@ -198,8 +214,8 @@ def dropless(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, 
     """Sort the T*K token copies by expert and run each expert on exactly its tokens (no capacity, no drops).
     grouped: a `grouped_swiglu_for` name, or the grouped SwiGLU function itself. constrain: `Execution.constrain`
     when XLA partitions this over a mesh. permute: how the backward pass moves rows: "scatter" (autodiff of the
-    gathers: scatter-adds), "gather" (permute_copies / unpermute_copies: gathers only; the same numbers up to
-    the order of the K-copy sum) or "auto" (`permute_for`). The A/B is `benchmarks.moe_layer --dispatch
+    gathers: scatter-adds), "gather" (permute_copies / permute_rows: gathers only; the same numbers up to the
+    order of the K-copy sum) or "auto" (`permute_for`). The A/B is `benchmarks.moe_layer --dispatch
     dropless:scatter,dropless:gather`."""
     permute = permute_for(permute)
     T, K = ids_TxK.shape
@@ -210,10 +226,7 @@ def dropless(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, 
     # second sort.
     inverse_N = saved(jnp.zeros_like(order_N).at[order_N].set(jnp.arange(order_N.shape[0], dtype=order_N.dtype),
                                                                unique_indices=True))
-    if permute == "gather":
-        x_NxD = permute_copies(x_TxD, order_N, inverse_N, K)
-    else:
-        x_NxD = jnp.take(x_TxD, order_N // K, axis=0)
+    x_NxD = take_copies(x_TxD, order_N, inverse_N, K, permute)
     # Every device needs every group size. Left to XLA's sharding propagation they may come out split along
     # `expert` (like the weights they index), and XLA:CPU then partitioned the padded-block fallback inside slab's
     # lax.switch wrongly (the last expert's rows came out 0; tests/test_sharding.py): pinned replicated.
@@ -221,10 +234,7 @@ def dropless(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, 
     grouped_fn = grouped if callable(grouped) else grouped_swiglu_for(grouped)
     # Under remat_policy="save_moe" the backward pass reruns the gather into x_NxD (cheap), not the experts.
     y_sorted_NxD = saved(grouped_fn(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD))
-    if permute == "gather":
-        y_TxKxD = unpermute_copies(y_sorted_NxD, order_N, inverse_N).reshape(T, K, -1)
-    else:
-        y_TxKxD = jnp.take(y_sorted_NxD, inverse_N, axis=0).reshape(T, K, -1)
+    y_TxKxD = take_rows(y_sorted_NxD, inverse_N, order_N, permute).reshape(T, K, -1)
     y_TxD = jnp.einsum("tkd,tk->td", y_TxKxD.astype(jnp.float32), gates_TxK)
     return y_TxD.astype(x_TxD.dtype)
 

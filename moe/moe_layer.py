@@ -32,12 +32,12 @@ def routed_experts(ex: Execution, x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_dow
         cf = ex.capacity_factor if ex.dispatch == "expert_parallel" else None
         y_TxD, keep_TxK = expert_parallel.dispatch(x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_down,
                                                    mesh=ex.mesh, capacity_factor=cf,
-                                                   grouped_matmul=ex.grouped_matmul)
+                                                   grouped_matmul=ex.grouped_matmul, permute=ex.permute_grad)
         return y_TxD, keep_TxK if cf is not None else None
     if ex.dispatch == "reference":
         return experts.reference(x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_down), None
     return experts.dropless(x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_down, grouped=ex.grouped_matmul,
-                            constrain=ex.constrain, permute=ex.dropless_permute), None
+                            constrain=ex.constrain, permute=ex.permute_grad), None
 
 
 class RoutingBias(nnx.Variable):

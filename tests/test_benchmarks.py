@@ -53,6 +53,23 @@ def test_balanced_routing_is_what_the_bias_rule_leaves_on_a_fresh_batch():
     assert maxvio(bias) < 0.5 * maxvio(bias * 0)
 
 
+@pytest.mark.parametrize("script", [moe_layer, train_step])
+@pytest.mark.parametrize("dispatch", ["dropless:atomic", "capacity:gather", ",", "teleport"])
+def test_a_bad_dispatch_gets_one_line_and_exit_2_before_any_work(script, dispatch, capsys, monkeypatch):
+    monkeypatch.setattr(train_step, "measure_peak_flops", lambda: pytest.fail("ran before checking --dispatch"))
+    with pytest.raises(SystemExit) as e:
+        script.main(["--preset", "tiny", "--dispatch", dispatch])
+    assert e.value.code == 2 and "--dispatch" in capsys.readouterr().err
+
+
+def test_dispatch_suffixes_pick_the_backward_rule():
+    ap = common.arg_parser("x")
+    assert common.dispatch_list(ap, "dropless:gather,expert_parallel:scatter,capacity") == [
+        "dropless:gather", "expert_parallel:scatter", "capacity"]
+    assert train_step._config("tiny", "dropless:gather", 8, 1.25, "-", "xla").execution.permute_grad == "gather"
+    assert train_step._config("tiny", "dropless", 8, 1.25, "-", "xla").execution.permute_grad == "auto"
+
+
 def test_moe_layer_routing_flag(capsys):
     moe_layer.main(["--preset", "tiny", "--dispatch", "dropless", "--grouped_matmul", "slab", "--experts", "8",
                     "--routing", "random,balanced,skewed,skewed@0.05", "--steps", "1"])

@@ -51,7 +51,7 @@ def test_validation_errors(changes, field):
     (dict(dtype="int8"), "execution.dtype"),
     (dict(remat=1), "execution.remat"),
     (dict(remat_policy="save_all"), "execution.remat_policy"),
-    (dict(dropless_permute="atomic"), "execution.dropless_permute"),
+    (dict(permute_grad="atomic"), "execution.permute_grad"),
     (dict(scan_layers=1), "execution.scan_layers"),
 ])
 def test_execution_validation_errors(changes, field):

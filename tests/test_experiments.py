@@ -34,7 +34,7 @@ def test_fingerprint_ignores_what_does_not_change_a_run():
     assert fingerprint(c) != fingerprint(tiny_config(**{"execution.attention_impl": "xla"}))
     assert fingerprint(c) == fingerprint(tiny_config(**{"execution.loss_chunks": 1}))
     assert fingerprint(c) == fingerprint(tiny_config(**{"execution.scan_layers": True}))
-    assert fingerprint(c) == fingerprint(tiny_config(**{"execution.dropless_permute": "gather"}))
+    assert fingerprint(c) == fingerprint(tiny_config(**{"execution.permute_grad": "gather"}))
     assert fingerprint(c) != fingerprint(tiny_config(**{"execution.dtype": "bfloat16"}))
 
 

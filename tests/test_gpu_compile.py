@@ -74,7 +74,8 @@ def test_a_timeout_kills_the_rows_child_processes_too(tmp_path):
     assert not _alive(grandchild)
 
 
-@pytest.mark.parametrize("flags", [["--experts", "8,x"], ["--dispatch", "droples"], ["--grouped_matmul", "slb"],
+@pytest.mark.parametrize("flags", [["--experts", "8,x"], ["--dispatch", "droples"], ["--dispatch", "dropless:atomic"],
+                                   ["--dispatch", "capacity:gather"], ["--grouped_matmul", "slb"],
                                    ["--scan_layers", "maybe"], ["--remat", "on"], ["--attention", "cudnn"]])
 def test_bad_flags_get_one_line_and_exit_2(monkeypatch, capsys, flags):
     monkeypatch.setattr(gpu_compile, "plugin_ready", lambda: True)

@@ -61,19 +61,20 @@ def test_remat_gives_identical_gradients(policy, dispatch):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
 
 
-@pytest.mark.parametrize("remat", [False, True])
-def test_dropless_permute_gather_gives_the_scatter_gradients(remat):
-    """execution.dropless_permute (auto: scatter on this CPU, gather on GPUs) moves rows backward by gathers or by
+@pytest.mark.parametrize("dispatch,remat", [("dropless", False), ("dropless", True),
+                                            ("expert_parallel_dropless", True), ("expert_parallel", False)])
+def test_permute_grad_gather_gives_the_scatter_gradients(dispatch, remat):
+    """execution.permute_grad (auto: scatter on CPU, gather on GPUs) moves rows backward by gathers or by
     scatter-adds: the same gradients through the whole model, also under save_moe's kept residuals."""
     tokens = jax.random.randint(jax.random.key(2), (2, 10), 0, TINY["vocab_size"])
 
     def grads(permute):
-        loss, state = _loss_and_state(tokens, Execution(dropless_permute=permute, remat=remat,
+        loss, state = _loss_and_state(tokens, Execution(dispatch=dispatch, permute_grad=permute, remat=remat,
                                                         remat_policy="save_moe"))
         scatter_adds = str(jax.make_jaxpr(jax.grad(loss))(state)).count("scatter-add")
         return jax.tree.leaves(jax.jit(jax.grad(loss))(state)), scatter_adds
 
-    assert experts.permute_for("auto") == "scatter"  # this CPU's default, measured faster here
+    assert experts.permute_for("auto") == ("scatter" if jax.default_backend() == "cpu" else "gather")
     (scattered, n_scatter), (gathered, n_gather) = grads("scatter"), grads("gather")
     assert n_gather < n_scatter  # the setting reaches the MoE layers: their row scatter-adds are gone
     for a, b in zip(scattered, gathered, strict=True):

@@ -33,9 +33,9 @@ def _two_steps(mesh_shape, grad_accum=1, dispatch="dropless", loss_chunks=1, fus
     mesh = sharding.make_mesh(*mesh_shape, devices=jax.devices()[:n])
     tx = optim.optimizer(c.train)
     graphdef, state, shardings = init_state(mcfg, tx, 0, mesh)
-    dispatch, _, permute = dispatch.partition(":")  # dropless:gather: execution.dropless_permute
+    dispatch, _, permute = dispatch.partition(":")  # dropless:gather: execution.permute_grad
     ex = Execution(dispatch=dispatch, mesh=mesh, loss_chunks=loss_chunks, remat=bool(remat),
-                   remat_policy=remat or "full", dropless_permute=permute or "auto")
+                   remat_policy=remat or "full", permute_grad=permute or "auto")
     step = jax.jit(make_train_step(graphdef, tx, optim.schedule(c.train), c.train, ex,
                                    train_forward if fused_loss else forward))
     spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
@@ -56,6 +56,7 @@ def single_device():
                                                        # a GPU's default, partitioned by XLA
                                                        ((2, 2, 2, 1), "dropless:gather", ""),
                                                        ((2, 2, 2, 1), "expert_parallel_dropless", ""),
+                                                       ((2, 2, 2, 1), "expert_parallel_dropless:gather", ""),
                                                        ((1, 2, 2, 2), "expert_parallel_dropless", ""),
                                                        # the exchanged rows kept for the backward pass
                                                        ((2, 2, 2, 1), "expert_parallel_dropless", "save_moe")])

@@ -94,7 +94,7 @@ def migrate(config: dict) -> dict:
 # (loss_chunks: the runs before it computed all logits at once, which the chunked default reproduces up to
 # floating-point rounding only; scan_layers likewise; analysis.experiments.fingerprint leaves any value out.)
 ADDED_KEYS = {"eval.dispatch": "", "execution.loss_chunks": 8, "execution.scan_layers": False,
-              "execution.remat_policy": "full", "execution.dropless_permute": "auto"}
+              "execution.remat_policy": "full", "execution.permute_grad": "auto"}
 
 
 def pre_split_layout(config: dict) -> dict:
