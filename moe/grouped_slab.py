@@ -191,8 +191,34 @@ def _swiglu_bwd(dy_BxCxD, x_BxCxD, a_BxCxF, b_BxCxF, w_gate_BxDxF, w_up_BxDxF, w
     return dx_BxCxD, dw_gate, dw_up, dw_down
 
 
-def _layout_bwd(lay: Layout, dy_NxD, res, x_NxD, group_sizes_E, *ws):
-    """The layout's gradients (dx, dw_gate, dw_up, dw_down) from the saved sorted-row pre-activations."""
+WEIGHT_SUMS = ("scatter", "matmul")
+
+
+def weight_sum_for(backend: str) -> str:
+    """How the blocks' weight gradients are summed per expert (`sum_per_expert`): a scatter-add on CPU (measured
+    there), a matmul elsewhere (no atomics, so the gradient is the same bit for bit run after run; f32 sums)."""
+    return "scatter" if backend == "cpu" else "matmul"
+
+
+def sum_per_expert(dw_SxDxF, expert_S, E: int, how: str):
+    """Each block's weight gradient added into its expert's: [S, D, F] -> [E, D, F].
+    scatter: `jax.ops.segment_sum`. The blocks come in expert order, but saying so (indices_are_sorted=True) sends
+    XLA:GPU to a scatter emitter that unrolls each [D, F] update into every thread: a 20 MB PTX kernel that ptxas
+    had not compiled after 9 minutes at configs/gpu_1b.py's widths (docs/performance.md, GPU run 5); unsorted it
+    compiles in 0.2 s, and runs at the same speed on XLA:CPU. On a GPU the scatter-add's atomics add in whatever
+    order the threads run, so the gradient changes in its last bits from run to run.
+    matmul: the blocks' one-hot expert matrix [S, E] contracted with the blocks' gradients, accumulated in f32:
+    deterministic; 2 E S D F FLOPs (0.06 TFLOP per layer backward at configs/gpu_1b.py's 64 experts and 448
+    fallback blocks: ~0.1 ms on an H200; not yet timed there)."""
+    if how == "scatter":
+        return jax.ops.segment_sum(dw_SxDxF, expert_S, E, indices_are_sorted=False)
+    onehot_SxE = jax.nn.one_hot(expert_S, E, dtype=dw_SxDxF.dtype)
+    return jnp.einsum("se,sdf->edf", onehot_SxE, dw_SxDxF, preferred_element_type=jnp.float32).astype(dw_SxDxF.dtype)
+
+
+def _layout_bwd(lay: Layout, weight_sum: str, dy_NxD, res, x_NxD, group_sizes_E, *ws):
+    """The layout's gradients (dx, dw_gate, dw_up, dw_down) from the saved sorted-row pre-activations; the spill
+    blocks' weight gradients summed per expert by `weight_sum` (`sum_per_expert`)."""
     C, S, b = lay
     E = group_sizes_E.shape[0]
     maps = _maps(group_sizes_E, x_NxD.shape[0], lay)
@@ -204,13 +230,7 @@ def _layout_bwd(lay: Layout, dy_NxD, res, x_NxD, group_sizes_E, *ws):
     if S:
         spilled = (_gather(r, maps.src_J).reshape(S, b, -1) for r in rows)
         dx_spill, *dws_S = _swiglu_bwd(*spilled, *(w[maps.expert_S] for w in ws))
-        # Each block's weight gradient added into its expert's. The blocks come in expert order, but saying so
-        # (indices_are_sorted=True) sends XLA:GPU to a scatter emitter that unrolls each [D, F] update into every
-        # thread: a 20 MB PTX kernel that ptxas had not compiled after 9 minutes at configs/gpu_1b.py's widths,
-        # so the GPU train step never compiled (docs/performance.md, GPU run 5). Unsorted: 0.2 s there, and the
-        # same speed on XLA:CPU.
-        dws = [dw + jax.ops.segment_sum(dw_S, maps.expert_S, E, indices_are_sorted=False)
-               for dw, dw_S in zip(dws, dws_S)]
+        dws = [dw + sum_per_expert(dw_S, maps.expert_S, E, weight_sum) for dw, dw_S in zip(dws, dws_S)]
     return _to_sorted_rows(maps, dx_slab, dx_spill), *dws
 
 
@@ -244,8 +264,9 @@ def _reduce_like(g, primal):
 
 
 @functools.cache
-def grouped_swiglu_layouts(lays: tuple[Layout, ...]):
-    """The exact grouped SwiGLU running the first of `lays` that fits (the last must fit any routing)."""
+def grouped_swiglu_layouts(lays: tuple[Layout, ...], weight_sum: str = "scatter"):
+    """The exact grouped SwiGLU running the first of `lays` that fits (the last must fit any routing); the blocks'
+    weight gradients summed per expert by `weight_sum` (`sum_per_expert`)."""
     def index(group_sizes_E):  # the first (cheapest) layout that fits; the last fits any routing (sum <= N)
         return jnp.argmax(jnp.stack([fits(group_sizes_E, lay) for lay in lays[:-1]] + [jnp.array(True)]))
 
@@ -266,7 +287,7 @@ def grouped_swiglu_layouts(lays: tuple[Layout, ...]):
 
     def bwd(saved, dy_NxD):
         res, x_NxD, group_sizes_E, ws = saved
-        parts = [functools.partial(_layout_bwd, lay) for lay in lays]
+        parts = [functools.partial(_layout_bwd, lay, weight_sum) for lay in lays]
         dx, dwg, dwu, dwd = switch(parts, group_sizes_E, dy_NxD, res, x_NxD, group_sizes_E, *ws)
         grads = [_reduce_like(g, p) for g, p in zip((dx, dwg, dwu, dwd), (x_NxD, *ws))]
         return grads[0], None, *grads[1:]
@@ -276,13 +297,18 @@ def grouped_swiglu_layouts(lays: tuple[Layout, ...]):
 
 
 def grouped_swiglu_slab(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, fractions=None, factors=None,
-                        block: int = 0, fallback_block: int | None = None):
+                        block: int = 0, fallback_block: int | None = None, weight_sum: str | None = None):
     """Exact grouped SwiGLU (rows past sum(group_sizes) give 0): see the module docstring. fractions / factors /
     block: the spill budgets, pure slab sizes and spill block rows tried (None, 0: `default_layout_sets` of this
-    backend); fallback_block: the fallback's block rows (None: this backend's; 0: `fallback_block_rows`)."""
-    default_fractions, default_factors, default_block, default_fallback = default_layout_sets(jax.default_backend())
+    backend); fallback_block: the fallback's block rows (None: this backend's; 0: `fallback_block_rows`);
+    weight_sum: how blocks' weight gradients are summed per expert (None: `weight_sum_for` this backend)."""
+    backend = jax.default_backend()
+    default_fractions, default_factors, default_block, default_fallback = default_layout_sets(backend)
     fractions = default_fractions if fractions is None else fractions
     factors = default_factors if factors is None else factors
     fallback_block = default_fallback if fallback_block is None else fallback_block
     lays = layouts(x_NxD.shape[0], group_sizes_E.shape[0], fractions, factors, block or default_block, fallback_block)
-    return grouped_swiglu_layouts(lays)(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
+    weight_sum = weight_sum or weight_sum_for(backend)
+    if weight_sum not in WEIGHT_SUMS:
+        raise ValueError(f"weight_sum {weight_sum!r}: one of {', '.join(WEIGHT_SUMS)}")
+    return grouped_swiglu_layouts(lays, weight_sum)(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)

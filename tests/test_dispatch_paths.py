@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe import Execution, ModelConfig, expert_parallel, experts, router, sharding
+from moe import Execution, ModelConfig, expert_parallel, experts, grouped_slab, router, sharding
 from moe.moe_layer import MoE
 
 T, D, E, F, K = 64, 12, 8, 10, 3
@@ -46,11 +46,21 @@ def _assert_close(got, want):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+# What a GPU runs, on this CPU: slab's pure slabs and large fallback blocks with one-hot weight-gradient sums, and
+# rows moved backward by gathers (moe/grouped_slab.py default_layout_sets / weight_sum_for, experts.permute_for).
+# These routings fit a pure slab (top-3 of 8 experts: at most 2.7x the mean rows), so the fallback alone (every row
+# in blocks; factors=()) is tested too.
+GPU_SLAB = functools.partial(grouped_slab.grouped_swiglu_slab, fractions=(), factors=grouped_slab.NO_SPILL_SLAB_FACTORS,
+                             block=grouped_slab.NO_SPILL_BLOCK, fallback_block=0, weight_sum="matmul")
+GPU_FALLBACK = functools.partial(GPU_SLAB, factors=())
+
 PATHS = {
     "dropless": experts.dropless,  # execution.grouped_matmul "auto": blocked on CPU
     "dropless_ragged_dot": functools.partial(experts.dropless, grouped="ragged_dot"),
     "capacity": functools.partial(experts.capacity, capacity_factor=E / K),  # C = T: cannot drop
     "capacity_grouped": functools.partial(experts.capacity, capacity_factor=E / K, group_size=16),
+    "dropless_gpu_choices": functools.partial(experts.dropless, grouped=GPU_SLAB, permute="gather"),
+    "dropless_gpu_fallback": functools.partial(experts.dropless, grouped=GPU_FALLBACK, permute="gather"),
 }
 
 
@@ -74,6 +84,10 @@ def test_paths_on_meshes_equal_reference(shape):
     fns = {"expert_parallel": lambda *a: expert_parallel.dispatch(*a, mesh=mesh)[0],
            "expert_parallel_ragged_dot": lambda *a: expert_parallel.dispatch(*a, mesh=mesh,
                                                                              grouped_matmul="ragged_dot")[0],
+           "expert_parallel_gpu_choices": lambda *a: expert_parallel.dispatch(*a, mesh=mesh, grouped_matmul=GPU_SLAB,
+                                                                              permute="gather")[0],
+           "expert_parallel_gpu_fallback": lambda *a: expert_parallel.dispatch(
+               *a, mesh=mesh, grouped_matmul=GPU_FALLBACK, permute="gather")[0],
            **PATHS}
     got = jax.jit(lambda *a: {name: jax.value_and_grad(functools.partial(_loss, fn), argnums=(0, 1, 2))(*a)
                               for name, fn in fns.items()})(x, w_router, ws)

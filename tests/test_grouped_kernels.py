@@ -87,11 +87,13 @@ def test_slab_equals_ragged_dot(case):
 LAYOUTS = grouped_slab.layouts(N, E, block=4, fallback_block=4)  # slabs of 8 rows + 1, 2, 3, 6 spill blocks; a 16-row slab; blocks
 
 
+@pytest.mark.parametrize("weight_sum", grouped_slab.WEIGHT_SUMS)
 @pytest.mark.parametrize("lay", LAYOUTS, ids=lambda lay: f"C{lay.capacity}-S{lay.spill_blocks}")
-def test_slab_each_layout_equals_ragged_dot(lay):
+def test_slab_each_layout_equals_ragged_dot(lay, weight_sum):
     """Each layout (slab only, slab + spill, blocks only) through the hand-written VJP: run where it fits the
-    routing, the fallback where it does not; every layout fits at least one case."""
-    fn = grouped_slab.grouped_swiglu_layouts((lay, LAYOUTS[-1]))
+    routing, the fallback where it does not; every layout fits at least one case. The blocks' weight gradients
+    summed per expert by a scatter-add (CPU) or a one-hot matmul (elsewhere)."""
+    fn = grouped_slab.grouped_swiglu_layouts((lay, LAYOUTS[-1]), weight_sum)
     fit = [bool(grouped_slab.fits(jnp.asarray(s), lay)) for s in SIZES.values()]
     assert any(fit)
     assert {lay.spill_blocks > 0 for lay in LAYOUTS} == {True, False} and LAYOUTS[-1].capacity == 0
@@ -108,16 +110,26 @@ def _scatters(jaxpr):
             yield from _scatters(sub)
 
 
-def test_slab_backward_sums_block_weight_gradients_with_an_unsorted_scatter():
+def test_slab_backward_sums_block_weight_gradients_with_an_unsorted_scatter_or_a_matmul():
     """The blocks' weight gradients are summed per expert by a scatter-add that must not claim sorted indices:
     XLA:GPU's sorted-scatter emitter unrolls each [D, F] update into every thread, a kernel ptxas could not
-    compile at model widths (docs/performance.md, GPU run 5)."""
+    compile at model widths (docs/performance.md, GPU run 5). Off the CPU a one-hot matmul sums them instead:
+    no scatter-add of weights at all (no atomics: the same gradient bit for bit, run after run)."""
     x, ws = _inputs()
     sizes = jnp.asarray(SIZES["skewed"])
-    grad = jax.grad(lambda *a: grouped_slab.grouped_swiglu_slab(a[0], sizes, *a[1:]).sum(), argnums=(0, 1, 2, 3))
-    scatters = list(_scatters(jax.make_jaxpr(grad)(x, *ws).jaxpr))
-    weight_sums = [e for e in scatters if e.invars[2].aval.ndim == 3]  # [blocks, D, F] updates
+
+    def weight_scatters(how):
+        grad = jax.grad(lambda *a: grouped_slab.grouped_swiglu_slab(a[0], sizes, *a[1:], weight_sum=how).sum(),
+                        argnums=(0, 1, 2, 3))
+        scatters = list(_scatters(jax.make_jaxpr(grad)(x, *ws).jaxpr))
+        return [e for e in scatters if e.invars[2].aval.ndim == 3]  # [blocks, D, F] updates
+
+    weight_sums = weight_scatters("scatter")
     assert weight_sums and not any(e.params["indices_are_sorted"] for e in weight_sums)
+    assert weight_scatters("matmul") == []
+    assert grouped_slab.weight_sum_for("cpu") == "scatter" and grouped_slab.weight_sum_for("gpu") == "matmul"
+    with pytest.raises(ValueError, match="weight_sum"):
+        grouped_slab.grouped_swiglu_slab(x, sizes, *ws, weight_sum="atomic")
 
 
 @pytest.mark.parametrize("backend", ["cpu", "gpu"])
@@ -129,7 +141,7 @@ def test_slab_in_bf16_is_as_close_to_the_fp32_truth_as_ragged_dot_in_bf16(backen
     (to tighten once a GPU has rerun it: docs/performance.md, "GPU figures, run 4")."""
     fractions, factors, block, fallback = grouped_slab.default_layout_sets(backend)
     slab = functools.partial(grouped_slab.grouped_swiglu_slab, fractions=fractions, factors=factors, block=block,
-                             fallback_block=fallback)
+                             fallback_block=fallback, weight_sum=grouped_slab.weight_sum_for(backend))
     x, ws = kernel_accuracy.inputs(jnp.bfloat16)
     for sizes in SIZES.values():
         got = kernel_accuracy.relative_errors(slab, sizes, x, ws)
