@@ -84,11 +84,14 @@ def test_paths_on_meshes_equal_reference(shape):
     fns = {"expert_parallel": lambda *a: expert_parallel.dispatch(*a, mesh=mesh)[0],
            "expert_parallel_ragged_dot": lambda *a: expert_parallel.dispatch(*a, mesh=mesh,
                                                                              grouped_matmul="ragged_dot")[0],
-           "expert_parallel_gpu_choices": lambda *a: expert_parallel.dispatch(*a, mesh=mesh, grouped_matmul=GPU_SLAB,
-                                                                              permute="gather")[0],
-           "expert_parallel_gpu_fallback": lambda *a: expert_parallel.dispatch(
-               *a, mesh=mesh, grouped_matmul=GPU_FALLBACK, permute="gather")[0],
            **PATHS}
+    if shape in ((2, 2, 2, 1), (1, 2, 2, 2)):  # the GPU's choices on two meshes (suite time)
+        fns["expert_parallel_gpu_choices"] = lambda *a: expert_parallel.dispatch(
+            *a, mesh=mesh, grouped_matmul=GPU_SLAB, permute="gather")[0]
+        fns["expert_parallel_gpu_fallback"] = lambda *a: expert_parallel.dispatch(
+            *a, mesh=mesh, grouped_matmul=GPU_FALLBACK, permute="gather")[0]
+    else:
+        fns = {k: f for k, f in fns.items() if "gpu" not in k}
     got = jax.jit(lambda *a: {name: jax.value_and_grad(functools.partial(_loss, fn), argnums=(0, 1, 2))(*a)
                               for name, fn in fns.items()})(x, w_router, ws)
     for name in fns:
