@@ -174,6 +174,9 @@ def bench(name: str, n_experts: int, dispatches, grouped_matmuls=("auto",), capa
     rows, calls = [], []
 
     def add(name, grouped, fn, *args, routing="-", maxvio=None):
+        # Gradients for x and the three weights; any further arguments (the routing: ids, gates) are inputs of the
+        # compiled program too, never constants in it: XLA would fold what depends only on them (the sort, the
+        # group sizes, slab's layout choice and index maps) at compile time, which training cannot.
         step = jax.jit(jax.grad(lambda x, *w: fn(x, *w).astype(jnp.float32).sum(), argnums=(0, 1, 2, 3)))
         calls.append((step, args))
         rows.append({"path": name, "grouped matmul": grouped, "routing": routing,
@@ -191,14 +194,14 @@ def bench(name: str, n_experts: int, dispatches, grouped_matmuls=("auto",), capa
         maxvio = float(router.max_violation(sizes))
         for d, g in variants(dispatches, grouped_matmuls):
             fn = _routed_fn(d, g, capacity_factor, p["seq_len"])
-            add(d, g, lambda x, wg, wu, wd, fn=fn, ids=ids, gates=gates: fn(x, ids, gates, wg, wu, wd), x, *ws,
+            add(d, g, lambda x, wg, wu, wd, ids, gates, fn=fn: fn(x, ids, gates, wg, wu, wd), x, *ws, ids, gates,
                 routing=routing, maxvio=maxvio)
         for d in [d for d in dispatches if d.split(":")[0] == "dropless"]:
             # everything but the matmuls: sort, gathers, un-permute, gate sum, forward and backward
             fn = functools.partial(experts.dropless, grouped=_identity_grouped, permute=_permute(d))
             add(f"{d} dispatch alone (grouped matmul = identity)", "-",
-                lambda x, wg, wu, wd, fn=fn, ids=ids, gates=gates: fn(x, ids, gates, wg, wu, wd),
-                x, *ws, routing=routing, maxvio=maxvio)
+                lambda x, wg, wu, wd, ids, gates, fn=fn: fn(x, ids, gates, wg, wu, wd),
+                x, *ws, ids, gates, routing=routing, maxvio=maxvio)
         # The slabs of the layout `slab` picks for this routing (its spill blocks left out): what imbalance adds.
         C, S, b = next(lay for lay in lays if grouped_slab.fits(sizes, lay))
         if C:
@@ -214,8 +217,8 @@ def bench(name: str, n_experts: int, dispatches, grouped_matmuls=("auto",), capa
     if baseline_experts:  # the dropless path of another experts.py, e.g. an earlier revision, blocked matmul
         old = _load_experts(baseline_experts)
         add(f"dropless ({baseline_experts})", "blocked",
-            lambda x, wg, wu, wd: old.dropless(x, ids, gates, wg, wu, wd, grouped="blocked"), x, *ws,
-            routing=routings[-1], maxvio=maxvio)
+            lambda x, wg, wu, wd, ids, gates: old.dropless(x, ids, gates, wg, wu, wd, grouped="blocked"), x, *ws,
+            ids, gates, routing=routings[-1], maxvio=maxvio)
     add("dense FFN (same active FLOPs)", "-", experts.swiglu, x, *dense)
     for r, s in zip(rows, time_fns(calls, steps or p["steps"])):
         r.update({"ms": s * 1e3, "TFLOP/s": flops / s / 1e12})

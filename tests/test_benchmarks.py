@@ -28,6 +28,18 @@ def test_moe_layer_rows_and_dense_baseline():
     assert rows[-1]["x dense"] == 1.0
 
 
+def test_moe_layer_routing_is_an_input_of_the_timed_program(monkeypatch):
+    """The routed rows' programs take the routing (ids, gates) as arguments: as constants XLA would fold the sort,
+    the group sizes and slab's layout choice at compile time, which a train step cannot (on XLA:CPU that made the
+    64-expert layer read 2.4x dense where training's program runs ~3x; docs/performance.md, eighth session)."""
+    seen = []
+    monkeypatch.setattr(moe_layer, "time_fns", lambda calls, steps: seen.extend(calls) or [1e-3] * len(calls))
+    rows = moe_layer.bench("tiny", 8, ["dropless", "capacity"], ["slab"], steps=1)
+    for row, (_, args) in zip(rows, seen, strict=True):  # a jitted function's arguments are its program's inputs
+        routed = not row["path"].startswith(("expert matmuls alone", "dense FFN"))  # the dispatch paths
+        assert any(a.dtype == jnp.int32 and a.shape[1:] == (2,) for a in args) == routed, row["path"]  # ids [T, K]
+
+
 def test_dispatch_alone_is_dropless_without_its_matmuls():
     """The stand-in grouped matmul keeps dropless's permutation: each token gets back sum_k gate_k * x."""
     import jax.numpy as jnp
