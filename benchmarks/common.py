@@ -10,6 +10,7 @@ import time
 import jax
 
 from moe.execution import REMAT_POLICIES
+from moe.experts import PERMUTES
 from train import host_memory
 
 # Shapes per preset. cpu: small enough for a shared 2-core box (figures show relative cost only);
@@ -186,7 +187,7 @@ def dispatch_list(ap: argparse.ArgumentParser, value: str, allowed=DISPATCHES) -
     NAME:gather (execution.permute_grad); else ap.error (exit 2), before any work starts."""
     def valid(item):
         name, colon, rule = item.partition(":")
-        return name in allowed and (not colon or (name in PERMUTED and rule in ("scatter", "gather")))
+        return name in allowed and (not colon or (name in PERMUTED and rule in PERMUTES))
 
     items = [v for v in value.split(",") if v]
     if not items or not all(map(valid, items)):

@@ -77,17 +77,22 @@ class Layout(NamedTuple):
         return n_experts * self.capacity + SPILL_ROW_COST * self.spill_blocks * self.block
 
 
+def _quarter_mean_rows(N: int, E: int, lo: int, hi: int) -> int:
+    """The power of 2 at or below a quarter of the mean rows per expert, clamped to [lo, hi]."""
+    return int(min(hi, max(lo, 2 ** math.floor(math.log2(max(N / E / 4, 1))))))
+
+
 def spill_block_rows(N: int, E: int) -> int:
     """About a quarter of the mean rows per expert, a power of 2 in [16, 64]: small enough that an expert just past
     its slab pads little, large enough for the batched matmul to stay efficient."""
-    return int(min(64, max(16, 2 ** math.floor(math.log2(max(N / E / 4, 1))))))
+    return _quarter_mean_rows(N, E, 16, 64)
 
 
 def fallback_block_rows(N: int, E: int) -> int:
     """The fallback's block rows off the CPU: a power of 2 in [64, GPU_FALLBACK_BLOCK_MAX], at most a quarter of the
     mean rows per expert, so padding every expert to whole blocks adds under N / 4 rows (E x (b - 1)) where the
     rows allow more than 64."""
-    return int(min(GPU_FALLBACK_BLOCK_MAX, max(64, 2 ** math.floor(math.log2(max(N / E / 4, 1))))))
+    return _quarter_mean_rows(N, E, 64, GPU_FALLBACK_BLOCK_MAX)
 
 
 def layouts(N: int, E: int, fractions=SPILL_FRACTIONS, factors=SLAB_FACTORS, block: int = 0,
