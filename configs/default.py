@@ -1,4 +1,4 @@
-"""The bundled default: a small MoE trained on the bundled 9-domain corpus in about 8 minutes on a quiet 2-core CPU.
+"""The bundled default: a small MoE trained on the bundled 9-domain corpus in about 3 minutes on a quiet 2-core CPU.
 
     python -m train                                # = --config configs/default.py --workdir runs/default
     python -m train --config configs/default.py --workdir runs/default --config.train.steps=2000
