@@ -40,19 +40,34 @@ def reference(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
     return y_TxD.astype(x_TxD.dtype)
 
 
-def grouped_swiglu_ragged(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
-    """SwiGLU of expert e on rows of group e (rows sorted by expert) with `jax.lax.ragged_dot`."""
+def scale_rows(h_xF, scale_x1):
+    """h's rows times their scales (fp32, [..., 1]; None: h as is), multiplied in fp32 and rounded once to h's
+    dtype: the gates applied to each row's SwiGLU product before the down projection (`dropless`)."""
+    if scale_x1 is None:
+        return h_xF
+    return (h_xF.astype(jnp.float32) * scale_x1).astype(h_xF.dtype)
+
+
+def grouped_swiglu_ragged(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, row_scale=None):
+    """SwiGLU of expert e on rows of group e (rows sorted by expert) with `jax.lax.ragged_dot`; row_scale (fp32
+    [N], or None) scales each row's product before the down projection (`scale_rows`)."""
     a_NxF = saved(jax.lax.ragged_dot(x_NxD, w_gate_ExDxF, group_sizes_E))
     h_NxF = jax.nn.silu(a_NxF) * saved(jax.lax.ragged_dot(x_NxD, w_up_ExDxF, group_sizes_E))
-    return jax.lax.ragged_dot(h_NxF, w_down_ExFxD, group_sizes_E)
+    return jax.lax.ragged_dot(scale_rows(h_NxF, _col(row_scale)), w_down_ExFxD, group_sizes_E)
 
 
-def swiglu_batched(x_BxSxD, w_gate_BxDxF, w_up_BxDxF, w_down_BxFxD):
+def _col(scale_N):
+    return None if scale_N is None else scale_N[:, None]
+
+
+def swiglu_batched(x_BxSxD, w_gate_BxDxF, w_up_BxDxF, w_down_BxFxD, scale=None):
     """Batched SwiGLU (b: an expert's slab, a padded block with its expert's weights, ...): (y, and the gate and
-    up pre-activations, which hand-written backward passes save instead of recomputing them)."""
+    up pre-activations, which hand-written backward passes save instead of recomputing them). scale: the rows'
+    scales [B, S, 1] of their product before the down projection (`scale_rows`; None: 1)."""
     a_BxSxF = saved(jnp.einsum("bsd,bdf->bsf", x_BxSxD, w_gate_BxDxF))
     b_BxSxF = saved(jnp.einsum("bsd,bdf->bsf", x_BxSxD, w_up_BxDxF))
-    return jnp.einsum("bsf,bfd->bsd", jax.nn.silu(a_BxSxF) * b_BxSxF, w_down_BxFxD), a_BxSxF, b_BxSxF
+    h_BxSxF = scale_rows(jax.nn.silu(a_BxSxF) * b_BxSxF, scale)
+    return jnp.einsum("bsf,bfd->bsd", h_BxSxF, w_down_BxFxD), a_BxSxF, b_BxSxF
 
 
 def positions_per_end(ends_G, n: int):
@@ -74,7 +89,8 @@ def _group_of_rows(sizes_G, n_rows: int):
     return group_R, offset_R, start_G
 
 
-def grouped_swiglu_blocked(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, block: int = 64):
+def grouped_swiglu_blocked(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, block: int = 64,
+                           row_scale=None):
     """The same grouped SwiGLU with plain batched matmuls: each expert's rows are padded to whole blocks of
     `block` rows and every block is multiplied by its expert's weights (gathered per block).
 
@@ -89,7 +105,10 @@ def grouped_swiglu_blocked(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_dow
     ws = (w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
     n_blocks, dest_N, used_N, expert_B = padded_blocks(group_sizes_E, N, block)
     x_BxSxD = jnp.zeros((n_blocks * block, D), x_NxD.dtype).at[dest_N].set(x_NxD).reshape(n_blocks, block, D)
-    y_BxSxD = swiglu_batched(x_BxSxD, *(w[expert_B] for w in ws))[0]
+    scale = None
+    if row_scale is not None:
+        scale = jnp.zeros(n_blocks * block, jnp.float32).at[dest_N].set(row_scale).reshape(n_blocks, block, 1)
+    y_BxSxD = swiglu_batched(x_BxSxD, *(w[expert_B] for w in ws), scale=scale)[0]
     return jnp.where(used_N[:, None], y_BxSxD.reshape(n_blocks * block, D)[dest_N], 0)
 
 
@@ -112,16 +131,16 @@ def padded_blocks(group_sizes_E, N: int, block: int):
     return n_blocks, dest_N, group_N < E, expert_B
 
 
-def _slab(*args):
+def _slab(*args, **kw):
     from moe.grouped_slab import grouped_swiglu_slab  # own file: the exact balanced-routing fast path
 
-    return grouped_swiglu_slab(*args)
+    return grouped_swiglu_slab(*args, **kw)
 
 
-def _tokamax(*args):
+def _tokamax(*args, **kw):
     from moe.grouped_kernels import grouped_swiglu_tokamax  # optional dependency, imported on use
 
-    return grouped_swiglu_tokamax(*args)
+    return grouped_swiglu_tokamax(*args, **kw)
 
 
 GROUPED_SWIGLU = {"ragged_dot": grouped_swiglu_ragged, "blocked": grouped_swiglu_blocked,
@@ -232,11 +251,15 @@ def dropless(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, 
     # lax.switch wrongly (the last expert's rows came out 0; tests/test_sharding.py): pinned replicated.
     group_sizes_E = constrain(jnp.bincount(flat_ids_N, length=E).astype(jnp.int32), (None,))
     grouped_fn = grouped if callable(grouped) else grouped_swiglu_for(grouped)
+    # Each copy's gate scales its SwiGLU product before the down projection (`scale_rows`), so the combine is a
+    # plain sum and the gates' gradient, <h, dy W_down^T>, comes from what the backward pass has anyway. Scaling the
+    # outputs instead needs the experts' output rows in the backward pass: under remat_policy="save_moe" the largest
+    # residual of configs/gpu_1b.py's step (5.6 GiB of 19.3 planned at 8 experts; docs/performance.md).
+    scale_N = take_rows(gates_TxK.astype(jnp.float32).reshape(-1, 1), order_N, inverse_N, permute)[:, 0]
     # Under remat_policy="save_moe" the backward pass reruns the gather into x_NxD (cheap), not the experts.
-    y_sorted_NxD = saved(grouped_fn(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD))
+    y_sorted_NxD = grouped_fn(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, row_scale=scale_N)
     y_TxKxD = take_rows(y_sorted_NxD, inverse_N, order_N, permute).reshape(T, K, -1)
-    y_TxD = jnp.einsum("tkd,tk->td", y_TxKxD.astype(jnp.float32), gates_TxK)
-    return y_TxD.astype(x_TxD.dtype)
+    return y_TxKxD.astype(jnp.float32).sum(1).astype(x_TxD.dtype)
 
 
 def expert_capacity(S: int, K: int, E: int, capacity_factor: float) -> int:

@@ -48,13 +48,15 @@ def tma_aligned(dtype, *widths: int) -> bool:
     return all(w * jnp.dtype(dtype).itemsize % 16 == 0 for w in widths)
 
 
-def grouped_swiglu_tokamax(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, implementation=None):
+def grouped_swiglu_tokamax(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, implementation=None,
+                           row_scale=None):
     """SwiGLU of expert e on the rows of group e (rows sorted by expert), rows past sum(group_sizes) give 0.
 
     implementation: tokamax's (None: its best available, falling back to `xla`, and `xla` outright for widths the
     GPU kernels cannot copy, see tma_aligned; e.g. "triton", "mosaic").
     Gate and up projections are one ragged dot against [E, D, 2F] (one kernel launch, twice the N width); the
     concatenation copies the weights once per call, small next to N x D x 2F at training sizes.
+    row_scale: each row's scale of its SwiGLU product before the down projection (fp32 [N]; None: 1).
     """
     tk = _tokamax()
     N, D = x_NxD.shape
@@ -72,4 +74,4 @@ def grouped_swiglu_tokamax(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_dow
                                            implementation=implementation))
     gu_Nx2F = experts.saved(dot(x_NxD, jnp.concatenate([w_gate_ExDxF, w_up_ExDxF], axis=-1)))
     h_NxF = jax.nn.silu(gu_Nx2F[:, :F]) * gu_Nx2F[:, F:]
-    return dot(h_NxF, w_down_ExFxD)
+    return dot(experts.scale_rows(h_NxF, None if row_scale is None else row_scale[:, None]), w_down_ExFxD)

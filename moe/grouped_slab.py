@@ -161,39 +161,55 @@ def _to_sorted_rows(maps: _Maps, slab, spill):
     return out
 
 
-def _layout_fwd(lay: Layout, x_NxD, group_sizes_E, *ws):
-    """The layout's forward: (y [N, D], and the gate and up pre-activations [N, F]), in sorted-row order."""
+def _scale_rows(scale_N, idx, shape):
+    """The rows' scales in the slots of idx (0 in empty slots), shaped [..., 1] to scale rows of width F; None
+    stays None (no scale)."""
+    return None if scale_N is None else _gather(scale_N[:, None], idx).reshape(*shape, 1)
+
+
+def _layout_fwd(lay: Layout, x_NxD, group_sizes_E, scale_N, *ws):
+    """The layout's forward: (y [N, D], and the gate and up pre-activations [N, F]), in sorted-row order. scale_N:
+    each row's scale of its SwiGLU product before the down projection (None: 1)."""
     C, S, b = lay
+    E = group_sizes_E.shape[0]
     maps = _maps(group_sizes_E, x_NxD.shape[0], lay)
     slab = spill = (None, None, None)
     if C:
-        slab = experts.swiglu_batched(_gather(x_NxD, maps.src_ExC), *ws)
+        slab = experts.swiglu_batched(_gather(x_NxD, maps.src_ExC), *ws,
+                                      scale=_scale_rows(scale_N, maps.src_ExC, (E, C)))
     if S:
         x_SxbxD = _gather(x_NxD, maps.src_J).reshape(S, b, -1)
-        spill = experts.swiglu_batched(x_SxbxD, *(w[maps.expert_S] for w in ws))
+        spill = experts.swiglu_batched(x_SxbxD, *(w[maps.expert_S] for w in ws),
+                                       scale=_scale_rows(scale_N, maps.src_J, (S, b)))
     y_NxD, a_NxF, b_NxF = (_to_sorted_rows(maps, r, p) for r, p in zip(slab, spill))
     return y_NxD, (a_NxF, b_NxF)
 
 
-def grouped_swiglu_layout(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, layout: Layout):
+def grouped_swiglu_layout(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, layout: Layout,
+                          row_scale=None):
     """One layout's forward, plain autodiff: exact only when the layout fits the groups (`fits`)."""
-    return _layout_fwd(layout, x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)[0]
+    return _layout_fwd(layout, x_NxD, group_sizes_E, row_scale, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)[0]
 
 
-def _swiglu_bwd(dy_BxCxD, x_BxCxD, a_BxCxF, b_BxCxF, w_gate_BxDxF, w_up_BxDxF, w_down_BxFxD):
-    """experts.swiglu_batched's gradients (dx, dw_gate, dw_up, dw_down) from its saved pre-activations: no forward matmul
-    is recomputed."""
+def _swiglu_bwd(dy_BxCxD, x_BxCxD, a_BxCxF, b_BxCxF, s_BxCx1, w_gate_BxDxF, w_up_BxDxF, w_down_BxFxD):
+    """experts.swiglu_batched's gradients (dx, dw_gate, dw_up, dw_down, and the rows' scales' ds [B, C, 1], None
+    without s) from its saved pre-activations: no forward matmul is recomputed."""
     sig_a = jax.nn.sigmoid(a_BxCxF)
     silu_a = a_BxCxF * sig_a
-    dw_down = jnp.einsum("ecf,ecd->efd", silu_a * b_BxCxF, dy_BxCxD)
-    dh_BxCxF = jnp.einsum("ecd,efd->ecf", dy_BxCxD, w_down_BxFxD)
+    h_BxCxF = silu_a * b_BxCxF
+    dw_down = jnp.einsum("ecf,ecd->efd", experts.scale_rows(h_BxCxF, s_BxCx1), dy_BxCxD)
+    dh_BxCxF = jnp.einsum("ecd,efd->ecf", dy_BxCxD, w_down_BxFxD)  # d(s h)
+    ds_BxCx1 = None
+    if s_BxCx1 is not None:  # d s = <h, d(s h)>; d h = s d(s h)
+        ds_BxCx1 = jnp.sum(h_BxCxF.astype(jnp.float32) * dh_BxCxF.astype(jnp.float32), -1, keepdims=True)
+        dh_BxCxF = experts.scale_rows(dh_BxCxF, s_BxCx1)
     db_BxCxF = dh_BxCxF * silu_a
     da_BxCxF = dh_BxCxF * b_BxCxF * sig_a * (1 + a_BxCxF * (1 - sig_a))  # silu'(a) = s + a s (1 - s)
     dw_gate = jnp.einsum("ecd,ecf->edf", x_BxCxD, da_BxCxF)
     dw_up = jnp.einsum("ecd,ecf->edf", x_BxCxD, db_BxCxF)
     dx_BxCxD = (jnp.einsum("ecf,edf->ecd", da_BxCxF, w_gate_BxDxF)
                 + jnp.einsum("ecf,edf->ecd", db_BxCxF, w_up_BxDxF))
-    return dx_BxCxD, dw_gate, dw_up, dw_down
+    return dx_BxCxD, dw_gate, dw_up, dw_down, ds_BxCx1
 
 
 WEIGHT_SUMS = ("scatter", "matmul")
@@ -221,22 +237,26 @@ def sum_per_expert(dw_SxDxF, expert_S, E: int, how: str):
     return jnp.einsum("se,sdf->edf", onehot_SxE, dw_SxDxF, preferred_element_type=jnp.float32).astype(dw_SxDxF.dtype)
 
 
-def _layout_bwd(lay: Layout, weight_sum: str, dy_NxD, res, x_NxD, group_sizes_E, *ws):
-    """The layout's gradients (dx, dw_gate, dw_up, dw_down) from the saved sorted-row pre-activations; the spill
-    blocks' weight gradients summed per expert by `weight_sum` (`sum_per_expert`)."""
+def _layout_bwd(lay: Layout, weight_sum: str, dy_NxD, res, x_NxD, group_sizes_E, scale_N, *ws):
+    """The layout's gradients (dx, dw_gate, dw_up, dw_down, and d scale_N, None without scales) from the saved
+    sorted-row pre-activations; the spill blocks' weight gradients summed per expert by `weight_sum`
+    (`sum_per_expert`)."""
     C, S, b = lay
     E = group_sizes_E.shape[0]
     maps = _maps(group_sizes_E, x_NxD.shape[0], lay)
     rows = (dy_NxD, x_NxD, *res)  # rows past the groups are in no slot, so they add to no gradient
-    dx_slab = dx_spill = None
+    dx_slab = dx_spill = ds_slab = ds_spill = None
     dws = [0, 0, 0]
     if C:
-        dx_slab, *dws = _swiglu_bwd(*(_gather(r, maps.src_ExC) for r in rows), *ws)
+        dx_slab, *dws, ds_slab = _swiglu_bwd(*(_gather(r, maps.src_ExC) for r in rows),
+                                             _scale_rows(scale_N, maps.src_ExC, (E, C)), *ws)
     if S:
         spilled = (_gather(r, maps.src_J).reshape(S, b, -1) for r in rows)
-        dx_spill, *dws_S = _swiglu_bwd(*spilled, *(w[maps.expert_S] for w in ws))
+        dx_spill, *dws_S, ds_spill = _swiglu_bwd(*spilled, _scale_rows(scale_N, maps.src_J, (S, b)),
+                                                 *(w[maps.expert_S] for w in ws))
         dws = [dw + sum_per_expert(dw_S, maps.expert_S, E, weight_sum) for dw, dw_S in zip(dws, dws_S)]
-    return _to_sorted_rows(maps, dx_slab, dx_spill), *dws
+    ds_N = None if scale_N is None else _to_sorted_rows(maps, ds_slab, ds_spill)[:, 0]
+    return _to_sorted_rows(maps, dx_slab, dx_spill), *dws, ds_N
 
 
 def _uniform(branch):
@@ -269,9 +289,11 @@ def _reduce_like(g, primal):
 
 
 @functools.cache
-def grouped_swiglu_layouts(lays: tuple[Layout, ...], weight_sum: str = "scatter"):
+def grouped_swiglu_layouts(lays: tuple[Layout, ...], weight_sum: str = "scatter", scaled: bool = False):
     """The exact grouped SwiGLU running the first of `lays` that fits (the last must fit any routing); the blocks'
-    weight gradients summed per expert by `weight_sum` (`sum_per_expert`)."""
+    weight gradients summed per expert by `weight_sum` (`sum_per_expert`). scaled: it takes each row's scale
+    (fp32 [N]) of its SwiGLU product before the down projection as its third argument, and returns its
+    gradient."""
     def index(group_sizes_E):  # the first (cheapest) layout that fits; the last fits any routing (sum <= N)
         return jnp.argmax(jnp.stack([fits(group_sizes_E, lay) for lay in lays[:-1]] + [jnp.array(True)]))
 
@@ -280,21 +302,27 @@ def grouped_swiglu_layouts(lays: tuple[Layout, ...], weight_sum: str = "scatter"
             return parts[0](*args)
         return jax.lax.switch(index(group_sizes_E), [_uniform(p) for p in parts], *args)
 
-    @jax.custom_vjp
-    def slab(x_NxD, group_sizes_E, *ws):
-        return fwd(x_NxD, group_sizes_E, *ws)[0]
+    def split(args):  # (scale_N or None, weights)
+        return (args[0], args[1:]) if scaled else (None, args)
 
-    def fwd(x_NxD, group_sizes_E, *ws):
+    @jax.custom_vjp
+    def slab(x_NxD, group_sizes_E, *args):
+        return fwd(x_NxD, group_sizes_E, *args)[0]
+
+    def fwd(x_NxD, group_sizes_E, *args):
+        scale_N, ws = split(args)
         parts = [functools.partial(_layout_fwd, lay) for lay in lays]
-        y_NxD, res = switch(parts, group_sizes_E, x_NxD, group_sizes_E, *ws)
+        y_NxD, res = switch(parts, group_sizes_E, x_NxD, group_sizes_E, scale_N, *ws)
         # The gate / up pre-activations kept under remat_policy="save_moe" (x_NxD is a gather, cheaply rerun).
-        return y_NxD, (jax.tree.map(experts.saved, res), x_NxD, group_sizes_E, ws)
+        return y_NxD, (jax.tree.map(experts.saved, res), x_NxD, group_sizes_E, scale_N, ws)
 
     def bwd(saved, dy_NxD):
-        res, x_NxD, group_sizes_E, ws = saved
+        res, x_NxD, group_sizes_E, scale_N, ws = saved
         parts = [functools.partial(_layout_bwd, lay, weight_sum) for lay in lays]
-        dx, dwg, dwu, dwd = switch(parts, group_sizes_E, dy_NxD, res, x_NxD, group_sizes_E, *ws)
+        dx, dwg, dwu, dwd, ds = switch(parts, group_sizes_E, dy_NxD, res, x_NxD, group_sizes_E, scale_N, *ws)
         grads = [_reduce_like(g, p) for g, p in zip((dx, dwg, dwu, dwd), (x_NxD, *ws))]
+        if scaled:
+            return grads[0], None, _reduce_like(ds, scale_N), *grads[1:]
         return grads[0], None, *grads[1:]
 
     slab.defvjp(fwd, bwd)
@@ -302,11 +330,13 @@ def grouped_swiglu_layouts(lays: tuple[Layout, ...], weight_sum: str = "scatter"
 
 
 def grouped_swiglu_slab(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, fractions=None, factors=None,
-                        block: int = 0, fallback_block: int | None = None, weight_sum: str | None = None):
+                        block: int = 0, fallback_block: int | None = None, weight_sum: str | None = None,
+                        row_scale=None):
     """Exact grouped SwiGLU (rows past sum(group_sizes) give 0): see the module docstring. fractions / factors /
     block: the spill budgets, pure slab sizes and spill block rows tried (None, 0: `default_layout_sets` of this
     backend); fallback_block: the fallback's block rows (None: this backend's; 0: `fallback_block_rows`);
-    weight_sum: how blocks' weight gradients are summed per expert (None: `weight_sum_for` this backend)."""
+    weight_sum: how blocks' weight gradients are summed per expert (None: `weight_sum_for` this backend);
+    row_scale: each row's scale of its SwiGLU product before the down projection (fp32 [N]; `experts.scale_rows`)."""
     backend = jax.default_backend()
     default_fractions, default_factors, default_block, default_fallback = default_layout_sets(backend)
     fractions = default_fractions if fractions is None else fractions
@@ -316,4 +346,7 @@ def grouped_swiglu_slab(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_E
     weight_sum = weight_sum or weight_sum_for(backend)
     if weight_sum not in WEIGHT_SUMS:
         raise ValueError(f"weight_sum {weight_sum!r}: one of {', '.join(WEIGHT_SUMS)}")
-    return grouped_swiglu_layouts(lays, weight_sum)(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
+    ws = (w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
+    if row_scale is None:
+        return grouped_swiglu_layouts(lays, weight_sum)(x_NxD, group_sizes_E, *ws)
+    return grouped_swiglu_layouts(lays, weight_sum, True)(x_NxD, group_sizes_E, row_scale, *ws)

@@ -163,6 +163,58 @@ def test_blocked_equals_ragged_dot(case):
     _assert_matches_ragged_dot(functools.partial(experts.grouped_swiglu_blocked, block=4), SIZES[case])
 
 
+def _scaled(fn):
+    """fn(x, group_sizes, *ws, row_scale=s) as a function of (x, group_sizes, *ws, s)."""
+    return lambda x, gs, *args: fn(x, gs, *args[:3], row_scale=args[3])
+
+
+def _slab_branch(lay):  # one slab layout (its fallback where it does not fit), with row scales, by its own VJP
+    fn = grouped_slab.grouped_swiglu_layouts((lay, LAYOUTS[-1]), grouped_slab.weight_sum_for("cpu"), True)
+    return lambda x, gs, *args: fn(x, gs, args[3], *args[:3])
+
+
+SCALED = {"ragged_dot": _scaled(experts.grouped_swiglu_ragged), "slab": _scaled(grouped_slab.grouped_swiglu_slab),
+          "blocked": _scaled(functools.partial(experts.grouped_swiglu_blocked, block=4)),
+          "tokamax": _scaled(grouped_kernels.grouped_swiglu_tokamax),
+          **{f"slab_C{lay.capacity}-S{lay.spill_blocks}": _slab_branch(lay) for lay in LAYOUTS}}
+
+
+@pytest.mark.parametrize("name", sorted(SCALED))
+def test_row_scales_scale_each_rows_output(name):
+    """With row_scale (dropless's gates, applied to each row's SwiGLU product before the down projection), every
+    grouped SwiGLU is s_n x its unscaled output (the down projection is linear), in values and in the gradients
+    of x, the weights and the scales themselves; padding rows still give 0."""
+    if name == "tokamax" and not grouped_kernels.available():
+        pytest.skip(grouped_kernels.INSTALL_HINT)
+    x, ws = _inputs()
+    s = jax.random.uniform(jax.random.key(7), (N,), jnp.float32, 0.1, 2.0)
+    want_fn = lambda x, gs, *args: args[3][:, None] * experts.grouped_swiglu_ragged(x, gs, *args[:3])
+    for sizes in SIZES.values():
+        (got_loss, got_g), got_y = _value_and_grads(SCALED[name], sizes, x, (*ws, s))
+        (want_loss, want_g), want_y = _value_and_grads(want_fn, sizes, x, (*ws, s))
+        np.testing.assert_allclose(got_y, want_y, rtol=1e-5, atol=1e-5)
+        assert float(jnp.abs(got_y[sum(sizes):]).max(initial=0.0)) == 0.0
+        np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5, atol=1e-5)
+        for a, b in zip(got_g, want_g):  # d/dx, d/dw_gate, d/dw_up, d/dw_down, d/ds
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("grouped", ["slab", "ragged_dot", "blocked"])
+@pytest.mark.parametrize("permute", ["scatter", "gather"])
+def test_dropless_gates_gradient_equals_the_loop_reference(grouped, permute):
+    """dropless applies the gates inside the experts: its gradients for x, the gates and the weights equal the loop
+    reference's, which weights each expert's output."""
+    from moe import router
+
+    x, ws = _inputs()
+    _, ids, gates = router.route(x, jax.random.normal(jax.random.key(5), (D, E)), jnp.zeros(E), top_k=2)
+    loss = lambda fn, x, gates, *ws: jnp.sum(jnp.sin(fn(x, ids, gates, *ws)))
+    fn = functools.partial(experts.dropless, grouped=grouped, permute=permute)
+    grads = lambda f: jax.jit(jax.grad(functools.partial(loss, f), argnums=(0, 1, 2, 3, 4)))(x, gates, *ws)
+    for a, b in zip(grads(fn), grads(experts.reference)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_auto_is_slab_on_cpu_and_gpu():
     want = "slab" if jax.default_backend() in ("cpu", "gpu") else "ragged_dot"
     assert experts.grouped_swiglu_for("auto") is experts.GROUPED_SWIGLU[want]
