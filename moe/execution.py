@@ -39,8 +39,9 @@ ATTENTION_IMPLS = ("blockwise", "einsum", "xla", "cudnn")
 GROUPED_MATMULS = ("auto", "ragged_dot", "blocked", "slab", "tokamax")
 # What a rematerialized block keeps for its backward pass (moe/model.py, `remat_policy`):
 #   full      nothing but its input: the backward pass reruns the whole block
-#   save_moe  the routed experts' residuals too (the sorts, the gate/up pre-activations, the experts' output rows,
-#             expert_parallel's exchanged rows; moe/experts.py, `saved`): the backward pass reruns attention, the
+#   save_moe  the routed experts' residuals too (the sorts, the gate/up pre-activations, expert_parallel's
+#             exchanged rows; moe/experts.py, `saved`; dropless needs no output rows, its gates scale the experts'
+#             products before the down projection): the backward pass reruns attention, the
 #             norms, the router and the shared experts, but no routed-expert matmul, sort or all_to_all of rows.
 #             expert_parallel_dropless keeps its exchange buffers, mesh.expert x the local rows (no-drop padding):
 #             prefer full there when memory is short.

@@ -1,7 +1,8 @@
 """The grouped SwiGLUs that dropless / expert_parallel can run (`execution.grouped_matmul`) == the plain
 `jax.lax.ragged_dot` version and the loop reference, values and gradients (weights included), with uneven and
 empty groups and padding rows past sum(group_sizes): `slab` (each of its branches forced), `blocked`, and
-`tokamax` (its `xla` implementation through tokamax's own VJP on CPU; the GPU kernels in the GPU-only test)."""
+`tokamax` (its `xla` implementation through tokamax's own VJP on CPU; the GPU kernels in the GPU-only test); with
+row scales (dropless's gates before the down projection) too."""
 
 import functools
 import types
