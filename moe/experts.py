@@ -152,7 +152,8 @@ def grouped_swiglu_for(grouped_matmul: str = "auto"):
     on CPU (XLA:CPU lowers ragged_dot -- and tokamax, whose only CPU implementation is ragged_dot -- densely over
     all experts) and on GPU (H200, configs/gpu_1b.py at 8 experts: train step 265 ms against tokamax's 315 and
     ragged_dot's 606); `ragged_dot` elsewhere (TPU: not measured). A callable is returned as is (a grouped SwiGLU
-    of the same signature)."""
+    of the same signature: (x_NxD, group_sizes_E, w_gate, w_up, w_down, row_scale=None), row_scale scaling each
+    row's SwiGLU product before the down projection, as `dropless` passes its gates)."""
     if callable(grouped_matmul):
         return grouped_matmul
     if grouped_matmul == "auto":

@@ -48,7 +48,7 @@ def test_blocked_and_ragged_grouped_matmuls_agree_with_reference():
     """Both dropless grouped-matmul implementations (whichever the backend picks), values and gradients."""
     x, w_router, ws, K = _inputs(seed=2, T=70)
     for grouped in (experts.grouped_swiglu_ragged,
-                    lambda *a: experts.grouped_swiglu_blocked(*a, block=8)):  # small blocks: many boundaries
+                    lambda *a, **kw: experts.grouped_swiglu_blocked(*a, block=8, **kw)):  # small blocks: many boundaries
         fn = lambda *a, g=grouped: experts.dropless(*a, grouped=g)
         _, ids, gates = router.route(x, w_router, jnp.zeros(8), top_k=K)
         np.testing.assert_allclose(fn(x, ids, gates, *ws), experts.reference(x, ids, gates, *ws),
