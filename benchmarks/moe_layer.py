@@ -108,7 +108,7 @@ def _permute(dispatch: str) -> str:
 def _identity_grouped(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, row_scale=None):
     """A stand-in grouped SwiGLU that does no matmul (its rows times their scales, the gates): with it `dropless`
     times its dispatch alone."""
-    return experts.scale_rows(x_NxD, None if row_scale is None else row_scale[:, None])
+    return experts.scale_rows(x_NxD, row_scale)
 
 
 ROUTINGS = ("random", "balanced", "skewed")

@@ -40,12 +40,13 @@ def reference(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
     return y_TxD.astype(x_TxD.dtype)
 
 
-def scale_rows(h_xF, scale_x1):
-    """h's rows times their scales (fp32, [..., 1]; None: h as is), multiplied in fp32 and rounded once to h's
-    dtype: the gates applied to each row's SwiGLU product before the down projection (`dropless`)."""
-    if scale_x1 is None:
+def scale_rows(h_xF, scale_x):
+    """h's rows times their scales (fp32, one per row: h's shape without its last axis; None: h as is), multiplied
+    in fp32 and rounded once to h's dtype: the gates applied to each row's SwiGLU product before the down
+    projection (`dropless`)."""
+    if scale_x is None:
         return h_xF
-    return (h_xF.astype(jnp.float32) * scale_x1).astype(h_xF.dtype)
+    return (h_xF.astype(jnp.float32) * scale_x[..., None]).astype(h_xF.dtype)
 
 
 def grouped_swiglu_ragged(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, row_scale=None):
@@ -53,17 +54,13 @@ def grouped_swiglu_ragged(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down
     [N], or None) scales each row's product before the down projection (`scale_rows`)."""
     a_NxF = saved(jax.lax.ragged_dot(x_NxD, w_gate_ExDxF, group_sizes_E))
     h_NxF = jax.nn.silu(a_NxF) * saved(jax.lax.ragged_dot(x_NxD, w_up_ExDxF, group_sizes_E))
-    return jax.lax.ragged_dot(scale_rows(h_NxF, _col(row_scale)), w_down_ExFxD, group_sizes_E)
-
-
-def _col(scale_N):
-    return None if scale_N is None else scale_N[:, None]
+    return jax.lax.ragged_dot(scale_rows(h_NxF, row_scale), w_down_ExFxD, group_sizes_E)
 
 
 def swiglu_batched(x_BxSxD, w_gate_BxDxF, w_up_BxDxF, w_down_BxFxD, scale=None):
     """Batched SwiGLU (b: an expert's slab, a padded block with its expert's weights, ...): (y, and the gate and
     up pre-activations, which hand-written backward passes save instead of recomputing them). scale: the rows'
-    scales [B, S, 1] of their product before the down projection (`scale_rows`; None: 1)."""
+    scales [B, S] of their product before the down projection (`scale_rows`; None: 1)."""
     a_BxSxF = saved(jnp.einsum("bsd,bdf->bsf", x_BxSxD, w_gate_BxDxF))
     b_BxSxF = saved(jnp.einsum("bsd,bdf->bsf", x_BxSxD, w_up_BxDxF))
     h_BxSxF = scale_rows(jax.nn.silu(a_BxSxF) * b_BxSxF, scale)
@@ -107,7 +104,7 @@ def grouped_swiglu_blocked(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_dow
     x_BxSxD = jnp.zeros((n_blocks * block, D), x_NxD.dtype).at[dest_N].set(x_NxD).reshape(n_blocks, block, D)
     scale = None
     if row_scale is not None:
-        scale = jnp.zeros(n_blocks * block, jnp.float32).at[dest_N].set(row_scale).reshape(n_blocks, block, 1)
+        scale = jnp.zeros(n_blocks * block, jnp.float32).at[dest_N].set(row_scale).reshape(n_blocks, block)
     y_BxSxD = swiglu_batched(x_BxSxD, *(w[expert_B] for w in ws), scale=scale)[0]
     return jnp.where(used_N[:, None], y_BxSxD.reshape(n_blocks * block, D)[dest_N], 0)
 

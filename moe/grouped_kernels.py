@@ -74,4 +74,4 @@ def grouped_swiglu_tokamax(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_dow
                                            implementation=implementation))
     gu_Nx2F = experts.saved(dot(x_NxD, jnp.concatenate([w_gate_ExDxF, w_up_ExDxF], axis=-1)))
     h_NxF = jax.nn.silu(gu_Nx2F[:, :F]) * gu_Nx2F[:, F:]
-    return dot(experts.scale_rows(h_NxF, None if row_scale is None else row_scale[:, None]), w_down_ExFxD)
+    return dot(experts.scale_rows(h_NxF, row_scale), w_down_ExFxD)

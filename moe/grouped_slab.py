@@ -162,9 +162,8 @@ def _to_sorted_rows(maps: _Maps, slab, spill):
 
 
 def _scale_rows(scale_N, idx, shape):
-    """The rows' scales in the slots of idx (0 in empty slots), shaped [..., 1] to scale rows of width F; None
-    stays None (no scale)."""
-    return None if scale_N is None else _gather(scale_N[:, None], idx).reshape(*shape, 1)
+    """The rows' scales in the slots of idx (0 in empty slots), in `shape`; None stays None (no scale)."""
+    return None if scale_N is None else _gather(scale_N, idx).reshape(shape)
 
 
 def _layout_fwd(lay: Layout, x_NxD, group_sizes_E, scale_N, *ws):
@@ -191,18 +190,19 @@ def grouped_swiglu_layout(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down
     return _layout_fwd(layout, x_NxD, group_sizes_E, row_scale, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)[0]
 
 
-def _swiglu_bwd(dy_BxCxD, x_BxCxD, a_BxCxF, b_BxCxF, s_BxCx1, w_gate_BxDxF, w_up_BxDxF, w_down_BxFxD):
+def _swiglu_bwd(dy_BxCxD, x_BxCxD, a_BxCxF, b_BxCxF, s_BxC, w_gate_BxDxF, w_up_BxDxF, w_down_BxFxD):
     """experts.swiglu_batched's gradients (dx, dw_gate, dw_up, dw_down, and the rows' scales' ds [B, C, 1], None
-    without s) from its saved pre-activations: no forward matmul is recomputed."""
+    without s; a trailing axis of 1 makes them rows for `_to_sorted_rows`) from its saved pre-activations: no
+    forward matmul is recomputed."""
     sig_a = jax.nn.sigmoid(a_BxCxF)
     silu_a = a_BxCxF * sig_a
     h_BxCxF = silu_a * b_BxCxF
-    dw_down = jnp.einsum("ecf,ecd->efd", experts.scale_rows(h_BxCxF, s_BxCx1), dy_BxCxD)
+    dw_down = jnp.einsum("ecf,ecd->efd", experts.scale_rows(h_BxCxF, s_BxC), dy_BxCxD)
     dh_BxCxF = jnp.einsum("ecd,efd->ecf", dy_BxCxD, w_down_BxFxD)  # d(s h)
     ds_BxCx1 = None
-    if s_BxCx1 is not None:  # d s = <h, d(s h)>; d h = s d(s h)
+    if s_BxC is not None:  # d s = <h, d(s h)>; d h = s d(s h)
         ds_BxCx1 = jnp.sum(h_BxCxF.astype(jnp.float32) * dh_BxCxF.astype(jnp.float32), -1, keepdims=True)
-        dh_BxCxF = experts.scale_rows(dh_BxCxF, s_BxCx1)
+        dh_BxCxF = experts.scale_rows(dh_BxCxF, s_BxC)
     db_BxCxF = dh_BxCxF * silu_a
     da_BxCxF = dh_BxCxF * b_BxCxF * sig_a * (1 + a_BxCxF * (1 - sig_a))  # silu'(a) = s + a s (1 - s)
     dw_gate = jnp.einsum("ecd,ecf->edf", x_BxCxD, da_BxCxF)
@@ -289,11 +289,10 @@ def _reduce_like(g, primal):
 
 
 @functools.cache
-def grouped_swiglu_layouts(lays: tuple[Layout, ...], weight_sum: str = "scatter", scaled: bool = False):
-    """The exact grouped SwiGLU running the first of `lays` that fits (the last must fit any routing); the blocks'
-    weight gradients summed per expert by `weight_sum` (`sum_per_expert`). scaled: it takes each row's scale
-    (fp32 [N]) of its SwiGLU product before the down projection as its third argument, and returns its
-    gradient."""
+def grouped_swiglu_layouts(lays: tuple[Layout, ...], weight_sum: str = "scatter"):
+    """The exact grouped SwiGLU (x, group_sizes, scale, w_gate, w_up, w_down) running the first of `lays` that fits
+    (the last must fit any routing); scale: each row's scale (fp32 [N]) of its SwiGLU product before the down
+    projection, or None. The blocks' weight gradients are summed per expert by `weight_sum` (`sum_per_expert`)."""
     def index(group_sizes_E):  # the first (cheapest) layout that fits; the last fits any routing (sum <= N)
         return jnp.argmax(jnp.stack([fits(group_sizes_E, lay) for lay in lays[:-1]] + [jnp.array(True)]))
 
@@ -302,15 +301,11 @@ def grouped_swiglu_layouts(lays: tuple[Layout, ...], weight_sum: str = "scatter"
             return parts[0](*args)
         return jax.lax.switch(index(group_sizes_E), [_uniform(p) for p in parts], *args)
 
-    def split(args):  # (scale_N or None, weights)
-        return (args[0], args[1:]) if scaled else (None, args)
-
     @jax.custom_vjp
-    def slab(x_NxD, group_sizes_E, *args):
-        return fwd(x_NxD, group_sizes_E, *args)[0]
+    def slab(x_NxD, group_sizes_E, scale_N, *ws):
+        return fwd(x_NxD, group_sizes_E, scale_N, *ws)[0]
 
-    def fwd(x_NxD, group_sizes_E, *args):
-        scale_N, ws = split(args)
+    def fwd(x_NxD, group_sizes_E, scale_N, *ws):
         parts = [functools.partial(_layout_fwd, lay) for lay in lays]
         y_NxD, res = switch(parts, group_sizes_E, x_NxD, group_sizes_E, scale_N, *ws)
         # The gate / up pre-activations kept under remat_policy="save_moe" (x_NxD is a gather, cheaply rerun).
@@ -321,9 +316,7 @@ def grouped_swiglu_layouts(lays: tuple[Layout, ...], weight_sum: str = "scatter"
         parts = [functools.partial(_layout_bwd, lay, weight_sum) for lay in lays]
         dx, dwg, dwu, dwd, ds = switch(parts, group_sizes_E, dy_NxD, res, x_NxD, group_sizes_E, scale_N, *ws)
         grads = [_reduce_like(g, p) for g, p in zip((dx, dwg, dwu, dwd), (x_NxD, *ws))]
-        if scaled:
-            return grads[0], None, _reduce_like(ds, scale_N), *grads[1:]
-        return grads[0], None, *grads[1:]
+        return grads[0], None, None if ds is None else _reduce_like(ds, scale_N), *grads[1:]
 
     slab.defvjp(fwd, bwd)
     return slab
@@ -346,7 +339,5 @@ def grouped_swiglu_slab(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_E
     weight_sum = weight_sum or weight_sum_for(backend)
     if weight_sum not in WEIGHT_SUMS:
         raise ValueError(f"weight_sum {weight_sum!r}: one of {', '.join(WEIGHT_SUMS)}")
-    ws = (w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
-    if row_scale is None:
-        return grouped_swiglu_layouts(lays, weight_sum)(x_NxD, group_sizes_E, *ws)
-    return grouped_swiglu_layouts(lays, weight_sum, True)(x_NxD, group_sizes_E, row_scale, *ws)
+    return grouped_swiglu_layouts(lays, weight_sum)(x_NxD, group_sizes_E, row_scale, w_gate_ExDxF, w_up_ExDxF,
+                                                    w_down_ExFxD)

@@ -94,7 +94,8 @@ def test_slab_each_layout_equals_ragged_dot(lay, weight_sum):
     """Each layout (slab only, slab + spill, blocks only) through the hand-written VJP: run where it fits the
     routing, the fallback where it does not; every layout fits at least one case. The blocks' weight gradients
     summed per expert by a scatter-add (CPU) or a one-hot matmul (elsewhere)."""
-    fn = grouped_slab.grouped_swiglu_layouts((lay, LAYOUTS[-1]), weight_sum)
+    layouts_fn = grouped_slab.grouped_swiglu_layouts((lay, LAYOUTS[-1]), weight_sum)
+    fn = lambda x, gs, *ws: layouts_fn(x, gs, None, *ws)  # no row scales
     fit = [bool(grouped_slab.fits(jnp.asarray(s), lay)) for s in SIZES.values()]
     assert any(fit)
     assert {lay.spill_blocks > 0 for lay in LAYOUTS} == {True, False} and LAYOUTS[-1].capacity == 0
@@ -170,7 +171,7 @@ def _scaled(fn):
 
 
 def _slab_branch(lay):  # one slab layout (its fallback where it does not fit), with row scales, by its own VJP
-    fn = grouped_slab.grouped_swiglu_layouts((lay, LAYOUTS[-1]), grouped_slab.weight_sum_for("cpu"), True)
+    fn = grouped_slab.grouped_swiglu_layouts((lay, LAYOUTS[-1]), grouped_slab.weight_sum_for("cpu"))
     return lambda x, gs, *args: fn(x, gs, args[3], *args[:3])
 
 
@@ -196,7 +197,8 @@ def test_row_scales_scale_each_rows_output(name):
         np.testing.assert_allclose(got_y, want_y, rtol=1e-5, atol=1e-5)
         assert float(jnp.abs(got_y[sum(sizes):]).max(initial=0.0)) == 0.0
         np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5, atol=1e-5)
-        for a, b in zip(got_g, want_g):  # d/dx, d/dw_gate, d/dw_up, d/dw_down, d/ds
+        assert len(got_g) == 5
+        for a, b in zip(got_g, want_g, strict=True):  # d/dx, d/dw_gate, d/dw_up, d/dw_down, d/ds
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
