@@ -147,7 +147,7 @@ def write_report(path: str, sections: list[tuple[str, str]], elapsed_s: float) -
     return text
 
 
-def main(argv=None) -> str:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="gpu_report.md")
     ap.add_argument("--tiny", action="store_true", help="toy shapes (preset tiny): checks the script, not speed")
@@ -159,6 +159,11 @@ def main(argv=None) -> str:
                          "the first also runs the train step right after the tests)")
     add_scan_layers_flag(ap, "the train and profile sections' train step:")
     add_remat_flag(ap, "the train section's")
+    return ap
+
+
+def main(argv=None) -> str:
+    ap = parser()
     a = ap.parse_args(argv)
     remats = tuple(remat_settings(ap, a.remat))
     wanted = set(a.sections.split(","))

@@ -47,9 +47,11 @@ def test_one_process_writes_replicated_arrays_whole_and_they_restore(tmp_path, c
     # The control: orbax's default handler splits the same kind of array among the replicas, one compiled slice.
     default = ocp.type_handlers.ArrayHandler()
     previous = ocp.type_handlers.get_type_handler(jax.Array)
-    ocp.type_handlers.register_type_handler(jax.Array, default, override=True)
+    with checkpoints.quiet_orbax():  # orbax warns of every override
+        ocp.type_handlers.register_type_handler(jax.Array, default, override=True)
     try:
         _save_replicated(tmp_path / "orbax_default", (8 * 9, 3))
     finally:
-        ocp.type_handlers.register_type_handler(jax.Array, previous, override=True)
+        with checkpoints.quiet_orbax():
+            ocp.type_handlers.register_type_handler(jax.Array, previous, override=True)
     assert compiles, "orbax's replica-parallel save compiled nothing: the test no longer sees what it guards"

@@ -1,7 +1,9 @@
 """benchmarks/gpu_report.py runs end to end at toy shapes on CPU and writes every section of its report."""
 
 import os
+import shlex
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -55,3 +57,24 @@ def test_a_hung_target_config_process_does_not_end_the_report(monkeypatch, tmp_p
     monkeypatch.setattr(subprocess, "run", hung)
     assert "not saved" in gpu_report.save_target_config(str(tmp_path / "report.md"))
     assert not list(tmp_path.iterdir())
+
+
+SESSION = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_session.sh"
+
+
+def test_gpu_session_steps_are_valid_gpu_report_flags():
+    steps = [shlex.split(line)[3:] for line in SESSION.read_text().splitlines() if line.startswith("step ")]
+    assert len(steps) == 3
+    sections = []
+    for args in steps:
+        a = gpu_report.parser().parse_args(args)
+        sections += a.sections.split(",")
+    assert set(sections) <= set(gpu_report.SECTIONS) and "train" in sections and "tests" in sections
+
+
+def test_gpu_session_skips_the_steps_its_budget_cannot_hold(tmp_path):
+    env = dict(os.environ, OUT=str(tmp_path), BUDGET_S="30")
+    done = subprocess.run(["bash", str(SESSION)], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    console = (tmp_path / "console.txt").read_text()
+    assert console.count(": skipped,") == 3 and "== done" in console

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# A GPU lease's measurements in one call, most telling first (docs/performance.md, "Next GPU session"). A lease is
+# 15 minutes of device time, a call at most 10 and a machine's start 1-2, so this runs one ~9-minute call. Each step
+# has its own time limit, taken from what is left, so a slow step cannot take the later ones' time; each writes its
+# own report as its rows finish, so a step cut off still returns what it measured.
+#
+#     bash benchmarks/gpu_wheels.sh --maxtext              # here, once: the wheels the device lacks, into .whl/
+#     run(command="bash benchmarks/gpu_session.sh", carry=[".whl"], timeout_s=600)    # the device tool
+#
+# Steps: (1) the train step of configs/gpu_1b.py at 8 and 64 experts, remat save_moe then off (MFU, the 8 -> 64
+# ratio, planned and peak memory; off fits: 36-40 GiB planned temporaries at batch 16); (2) the GPU-only tests and
+# the MoE layer against dense; (3) slab's fallback under skewed routings and the step's profile. Reports and the
+# console go to $OUT (the device tool's folder), else to ./gpu_session_out. BUDGET_S (default 540) is the whole
+# call's limit; `TINY=1` runs the same steps at toy shapes on any backend (a check of the script, not of speed).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-gpu_session_out}"
+mkdir -p "$out"
+budget="${BUDGET_S:-540}"
+tiny=()
+[[ "${TINY:-0}" == 1 ]] && tiny=(--tiny --attention_impl xla)
+# The device's image lacks ml_collections and tokamax: install the carried wheels there (not where they import).
+if ! python3 -c "import ml_collections, tokamax" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "error: installing .whl/ failed" >&2; exit 2; }
+  export PYTHONPATH="/tmp/site:$PWD/.whl/stub:$PWD"
+fi
+export PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR="$PWD/.jax_cache"
+command -v nvidia-smi >/dev/null && nvidia-smi > "$out/nvidia-smi.txt" 2>&1
+
+step() {  # step NAME MAX_SECONDS ARGS...: gpu_report under min(MAX_SECONDS, what is left of the budget)
+  local name="$1" max="$2"
+  shift 2
+  local left=$((budget - SECONDS - 10))
+  local limit=$((max < left ? max : left))
+  if ((limit < 60)); then
+    echo "== $name: skipped, ${left}s left" | tee -a "$out/console.txt"
+    return
+  fi
+  echo "== $name: up to ${limit}s (at ${SECONDS}s)" | tee -a "$out/console.txt"
+  timeout --kill-after=10 "$limit" python3 -m benchmarks.gpu_report "${tiny[@]}" --out "$out/$name.md" "$@" 2>&1 \
+    | grep -v "Autotuning cache" | tee -a "$out/console.txt"
+  echo "== $name: exit ${PIPESTATUS[0]} after $((SECONDS))s" | tee -a "$out/console.txt"
+}
+
+step train 300 --sections train --grouped_matmul slab --scan_layers on --remat save_moe,off
+step tests_layer 220 --sections tests,layer --grouped_matmul slab
+step fallback_profile 200 --sections fallback,profile --scan_layers on
+echo "== done in ${SECONDS}s; reports in $out" | tee -a "$out/console.txt"
