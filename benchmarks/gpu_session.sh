@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # A GPU lease's measurements in one call, most telling first (docs/performance.md, "Next GPU session"). A lease is
 # 15 minutes of device time, a call at most 10 and a machine's start 1-2, so this runs one ~9-minute call. Each step
-# has its own time limit, taken from what is left, so a slow step cannot take the later ones' time; each writes its
-# own report as its rows finish, so a step cut off still returns what it measured.
+# has its own time limit, taken from what is left, so a slow step cannot take the later ones' time. Rows go to
+# console.txt as they finish and each step's report is written section by section, so a step cut off still returns
+# what it measured.
 #
 #     bash benchmarks/gpu_wheels.sh --maxtext              # here, once: the wheels the device lacks, into .whl/
 #     run(command="bash benchmarks/gpu_session.sh", carry=[".whl"], timeout_s=600)    # the device tool

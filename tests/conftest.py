@@ -6,9 +6,8 @@ import shutil
 import tempfile
 
 # The suite is dominated by compiling tiny programs: LLVM at -O0 compiles them faster and runs them a little
-# slower (tests compare programs built with the same flags; subprocesses inherit them). The multi-process and
-# SIGTERM tests set their own XLA_FLAGS, so the default optimization level is still trained end to end; the
-# multi-process test checks it against an in-process (-O0) run with rtol 1e-5.
+# slower (tests compare programs built with the same flags; subprocesses inherit them). The SIGTERM test
+# (tests/test_train_loop.py) sets its own XLA_FLAGS, so the default optimization level is still trained end to end.
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 ).strip()
