@@ -11,7 +11,7 @@ from rundir import checkpoints
 
 
 @pytest.fixture
-def compiles(monkeypatch):
+def compiles():
     """Counts XLA compilations (the persistent cache is off, so a compiled program cannot be loaded instead)."""
     events = []
     listener = lambda event, secs, **kw: events.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
@@ -44,8 +44,9 @@ def test_one_process_writes_replicated_arrays_whole_and_they_restore(tmp_path, c
     restored = mngr.restore(1, args=ocp.args.StandardRestore(abstract))["w"]
     np.testing.assert_array_equal(np.asarray(restored), value)
 
-    # The control: orbax's default handler splits the same kind of array among the replicas, one compiled slice.
-    default = ocp.type_handlers.ArrayHandler()
+    # The control: orbax's replica-parallel handler (its default off GPUs) splits the same kind of array among the
+    # replicas: a compiled slice.
+    default = ocp.type_handlers.ArrayHandler(use_replica_parallel=True)
     previous = ocp.type_handlers.get_type_handler(jax.Array)
     with checkpoints.quiet_orbax():  # orbax warns of every override
         ocp.type_handlers.register_type_handler(jax.Array, default, override=True)
