@@ -12,15 +12,17 @@ from rundir import checkpoints
 
 @pytest.fixture
 def compiles():
-    """Counts XLA compilations (the persistent cache is off, so a compiled program cannot be loaded instead)."""
+    """Every program the process obtains: an XLA compilation or a hit in the suite's persistent cache (whose use
+    JAX settles once per process, so it cannot be switched off here)."""
     events = []
-    listener = lambda event, secs, **kw: events.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    before = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
+    on_duration = lambda event, secs, **kw: (
+        events.append(event) if event == "/jax/core/compile/backend_compile_duration" else None)
+    on_event = lambda event, **kw: events.append(event) if event == "/jax/compilation_cache/cache_hits" else None
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    jax.monitoring.register_event_listener(on_event)
     yield events
-    jax.config.update("jax_enable_compilation_cache", before)
-    jax.monitoring.unregister_event_duration_listener(listener)
+    jax.monitoring.unregister_event_duration_listener(on_duration)
+    jax.monitoring.unregister_event_listener(on_event)
 
 
 def _save_replicated(directory, shape):
