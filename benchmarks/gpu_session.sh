@@ -20,8 +20,10 @@ mkdir -p "$out"
 budget="${BUDGET_S:-540}"
 tiny=()
 [[ "${TINY:-0}" == 1 ]] && tiny=(--tiny --attention_impl xla)
-# The device's image lacks ml_collections and tokamax: install the carried wheels there (not where they import).
-if ! python3 -c "import ml_collections, tokamax" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+# The device's image lacks ml_collections and tokamax: install the carried wheels there (on a GPU machine where
+# they do not import; never elsewhere).
+if command -v nvidia-smi >/dev/null && ! python3 -c "import ml_collections, tokamax" 2>/dev/null \
+    && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "error: installing .whl/ failed" >&2; exit 2; }
   export PYTHONPATH="/tmp/site:$PWD/.whl/stub:$PWD"
