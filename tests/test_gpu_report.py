@@ -64,7 +64,7 @@ SESSION = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_session.sh"
 
 def test_gpu_session_steps_are_valid_gpu_report_flags():
     steps = [shlex.split(line)[3:] for line in SESSION.read_text().splitlines() if line.startswith("step ")]
-    assert len(steps) == 3
+    assert len(steps) == 4
     sections = []
     for args in steps:
         a = gpu_report.parser().parse_args(args)
@@ -77,4 +77,4 @@ def test_gpu_session_skips_the_steps_its_budget_cannot_hold(tmp_path):
     done = subprocess.run(["bash", str(SESSION)], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     console = (tmp_path / "console.txt").read_text()
-    assert console.count(": skipped,") == 3 and "== done" in console
+    assert console.count(": skipped,") == 4 and "== done" in console
