@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
@@ -78,13 +79,23 @@ def run_gpu_tests(tiny: bool) -> str:
     # One process (-n 0), allocating as it goes: this process already holds most of the GPU's memory.
     env = dict(os.environ, JAX_PLATFORMS="cuda" if jax.default_backend() == "gpu" else "cpu",
                XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rfs", "--tb=line", "-p", "no:cacheprovider", "-o", "addopts=",
-           *GPU_TESTS]
+    # -v: a line per test, printed as it ends, so a run cut off by a time limit (benchmarks/gpu_session.sh) still
+    # leaves each finished test's result in the console.
+    cmd = [sys.executable, "-m", "pytest", "-q" if tiny else "-v", "-rfs", "--tb=line", "-p", "no:cacheprovider",
+           "-o", "addopts=", *GPU_TESTS]
     if tiny:
         cmd += ["-k", "gpu", "--co"]  # collect only: the GPU tests are found and importable
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    tail = "\n".join(line[:300] for line in p.stdout.strip().splitlines()[-40:])
-    return f"`{' '.join(cmd[2:])}` (JAX_PLATFORMS={env['JAX_PLATFORMS']}): exit {p.returncode}\n\n```\n{tail}\n```"
+    lines = []
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
+        watchdog = threading.Timer(600, p.kill)  # a hung GPU test must not hang the report
+        watchdog.start()
+        for line in p.stdout:
+            print(line, end="", flush=True)
+            lines.append(line.rstrip("\n"))
+        returncode = p.wait()
+        watchdog.cancel()
+    tail = "\n".join(line[:300] for line in lines[-40:])
+    return f"`{' '.join(cmd[2:])}` (JAX_PLATFORMS={env['JAX_PLATFORMS']}): exit {returncode}\n\n```\n{tail}\n```"
 
 
 def layer_section(preset: str, experts: list[int], grouped: list[str]) -> str:
@@ -159,6 +170,8 @@ def parser() -> argparse.ArgumentParser:
                          "the first also runs the train step right after the tests)")
     add_scan_layers_flag(ap, "the train and profile sections' train step:")
     add_remat_flag(ap, "the train section's")
+    ap.add_argument("--no_target_config", action="store_true",
+                    help="skip saving XLA's target config (a JAX process of up to 60 s; once per GPU is enough)")
     return ap
 
 
@@ -177,7 +190,8 @@ def main(argv=None) -> str:
     peak = measure_peak_flops(256 if a.tiny else None)
     sections = [("Device", f"{describe()}\n\nMeasured matmul peak: {peak / 1e12:.4g} TFLOP/s "
                            f"({'bf16 8192^2' if jax.default_backend() != 'cpu' else 'fp32, CPU'})\n\n"
-                           + save_target_config(a.out))]
+                           + ("XLA target config: not saved (--no_target_config)" if a.no_target_config
+                              else save_target_config(a.out)))]
     # Most telling first (a lease may end mid-run): the correctness tests, the train step on the first grouped
     # matmul (MFU), the layer ratios, then the train step on the others.
     train = lambda g: (f"Train step ({g}), preset {preset}, attention {a.attention_impl}",

@@ -11,7 +11,7 @@
 # Steps: (1) the train step of configs/gpu_1b.py at 8 and 64 experts, remat save_moe then off (MFU, the 8 -> 64
 # ratio, planned and peak memory; off fits: 36-40 GiB planned temporaries at batch 16); (2) the GPU-only tests
 # (~190 s in run 6); (3) the MoE layer against dense and the step's profile; (4) slab's fallback under skewed
-# routings. The budget rarely reaches the last ones; a step it cannot hold is skipped. Reports and the
+# routings. The budget may not reach the last two; a step it cannot hold is skipped. Reports and the
 # console go to $OUT (the device tool's folder), else to ./gpu_session_out. BUDGET_S (default 540) is the whole
 # call's limit; `TINY=1` runs the same steps at toy shapes on any backend (a check of the script, not of speed).
 set -uo pipefail
@@ -43,12 +43,12 @@ step() {  # step NAME MAX_SECONDS ARGS...: gpu_report under min(MAX_SECONDS, wha
   fi
   echo "== $name: up to ${limit}s (at ${SECONDS}s)" | tee -a "$out/console.txt"
   timeout --kill-after=10 "$limit" python3 -m benchmarks.gpu_report "${tiny[@]}" --out "$out/$name.md" "$@" 2>&1 \
-    | grep -v "Autotuning cache" | tee -a "$out/console.txt"
+    | grep --line-buffered -v "Autotuning cache" | tee -a "$out/console.txt"
   echo "== $name: exit ${PIPESTATUS[0]} after $((SECONDS))s" | tee -a "$out/console.txt"
 }
 
 step train 300 --sections train --grouped_matmul slab --scan_layers on --remat save_moe,off
-step tests 240 --sections tests
-step layer_profile 200 --sections layer,profile --grouped_matmul slab --scan_layers on
-step fallback 120 --sections fallback
+step tests 240 --sections tests --no_target_config
+step layer_profile 200 --sections layer,profile --grouped_matmul slab --scan_layers on --no_target_config
+step fallback 120 --sections fallback --no_target_config
 echo "== done in ${SECONDS}s; reports in $out" | tee -a "$out/console.txt"

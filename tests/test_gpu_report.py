@@ -78,3 +78,21 @@ def test_gpu_session_skips_the_steps_its_budget_cannot_hold(tmp_path):
     assert done.returncode == 0, done.stderr
     console = (tmp_path / "console.txt").read_text()
     assert console.count(": skipped,") == 4 and "== done" in console
+
+
+def test_gpu_session_runs_each_step_under_its_limit_and_reports_its_exit(tmp_path):
+    """A stand-in python3 that prints its arguments and fails: every step runs gpu_report with its flags under
+    `timeout`, and the console records each step's exit status."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text('#!/bin/sh\necho "FAKE $*"\nexit 3\n')
+    (bin_dir / "python3").chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), PATH=f"{bin_dir}:{os.environ['PATH']}")
+    done = subprocess.run(["bash", str(SESSION)], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    console = (out / "console.txt").read_text()
+    for name in ("train", "tests", "layer_profile", "fallback"):
+        assert f"FAKE -m benchmarks.gpu_report --out {out}/{name}.md --sections" in console, console
+        assert f"== {name}: exit 3 after" in console, console
+    assert "--remat save_moe,off" in console and console.count("--no_target_config") == 3
