@@ -89,11 +89,13 @@ def run_gpu_tests(tiny: bool) -> str:
     with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as p:
         watchdog = threading.Timer(600, p.kill)  # a hung GPU test must not hang the report
         watchdog.start()
-        for line in p.stdout:
-            print(line, end="", flush=True)
-            lines.append(line.rstrip("\n"))
-        returncode = p.wait()
-        watchdog.cancel()
+        try:
+            for line in p.stdout:
+                print(line, end="", flush=True)
+                lines.append(line.rstrip("\n"))
+            returncode = p.wait()
+        finally:
+            watchdog.cancel()
     tail = "\n".join(line[:300] for line in lines[-40:])
     return f"`{' '.join(cmd[2:])}` (JAX_PLATFORMS={env['JAX_PLATFORMS']}): exit {returncode}\n\n```\n{tail}\n```"
 

@@ -161,7 +161,7 @@ def _to_sorted_rows(maps: _Maps, slab, spill):
     return out
 
 
-def _scale_rows(scale_N, idx, shape):
+def _slot_scales(scale_N, idx, shape):
     """The rows' scales in the slots of idx (0 in empty slots), in `shape`; None stays None (no scale)."""
     return None if scale_N is None else _gather(scale_N, idx).reshape(shape)
 
@@ -175,11 +175,11 @@ def _layout_fwd(lay: Layout, x_NxD, group_sizes_E, scale_N, *ws):
     slab = spill = (None, None, None)
     if C:
         slab = experts.swiglu_batched(_gather(x_NxD, maps.src_ExC), *ws,
-                                      scale=_scale_rows(scale_N, maps.src_ExC, (E, C)))
+                                      scale=_slot_scales(scale_N, maps.src_ExC, (E, C)))
     if S:
         x_SxbxD = _gather(x_NxD, maps.src_J).reshape(S, b, -1)
         spill = experts.swiglu_batched(x_SxbxD, *(w[maps.expert_S] for w in ws),
-                                       scale=_scale_rows(scale_N, maps.src_J, (S, b)))
+                                       scale=_slot_scales(scale_N, maps.src_J, (S, b)))
     y_NxD, a_NxF, b_NxF = (_to_sorted_rows(maps, r, p) for r, p in zip(slab, spill))
     return y_NxD, (a_NxF, b_NxF)
 
@@ -249,10 +249,10 @@ def _layout_bwd(lay: Layout, weight_sum: str, dy_NxD, res, x_NxD, group_sizes_E,
     dws = [0, 0, 0]
     if C:
         dx_slab, *dws, ds_slab = _swiglu_bwd(*(_gather(r, maps.src_ExC) for r in rows),
-                                             _scale_rows(scale_N, maps.src_ExC, (E, C)), *ws)
+                                             _slot_scales(scale_N, maps.src_ExC, (E, C)), *ws)
     if S:
         spilled = (_gather(r, maps.src_J).reshape(S, b, -1) for r in rows)
-        dx_spill, *dws_S, ds_spill = _swiglu_bwd(*spilled, _scale_rows(scale_N, maps.src_J, (S, b)),
+        dx_spill, *dws_S, ds_spill = _swiglu_bwd(*spilled, _slot_scales(scale_N, maps.src_J, (S, b)),
                                                  *(w[maps.expert_S] for w in ws))
         dws = [dw + sum_per_expert(dw_S, maps.expert_S, E, weight_sum) for dw, dw_S in zip(dws, dws_S)]
     ds_N = None if scale_N is None else _to_sorted_rows(maps, ds_slab, ds_spill)[:, 0]

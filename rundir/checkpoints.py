@@ -11,6 +11,7 @@ reported in one line and skipped. Only the trainer, which holds the run's lock, 
 
 import contextlib
 import dataclasses
+import functools
 import logging
 from pathlib import Path
 
@@ -25,8 +26,6 @@ from moe.config import LEGACY_EXECUTION_FIELDS
 from train.errors import UserError
 from train.state import abstract_model, merge_model, split_model
 
-_ONE_PROCESS_HANDLER = None  # registered once per process
-
 
 def _array_metadata_store():
     """The metadata store orbax's default handler has: a private module, so none where an orbax lacks it."""
@@ -37,20 +36,20 @@ def _array_metadata_store():
     return Store()
 
 
+@functools.cache  # once per process
 def _write_replicas_whole_in_one_process() -> None:
     """orbax splits each replicated array among its replicas so that several hosts write it together
-    ("replica-parallel"; its default unless JAX_PLATFORMS names cuda or gpu). In one process the same host writes every slice, so the split
-    only adds a compiled slice per array shape and a transfer per slice: on 8 CPU devices the first save of 77
-    small arrays took 1.63 s with it and 0.16 s without, later saves 0.38 and 0.19 s (docs/training.md). Several
-    processes keep orbax's default. The files are the same arrays either way (only tensorstore's chunking differs),
-    so checkpoints restore across the setting."""
-    global _ONE_PROCESS_HANDLER
-    if jax.process_count() == 1 and _ONE_PROCESS_HANDLER is None:
-        # orbax's own default handler (orbax 0.12's type_handler_registry), with that one option changed; orbax warns
-        # of any override, this one meant
-        _ONE_PROCESS_HANDLER = ArrayHandler(use_replica_parallel=False, array_metadata_store=_array_metadata_store())
+    ("replica-parallel"; its default unless JAX_PLATFORMS names cuda or gpu). In one process the same host writes
+    every slice, so the split only adds a compiled slice per array shape and a transfer per slice: on 8 CPU devices
+    the first save of 77 small arrays took 1.63 s with it and 0.16 s without, later saves 0.38 and 0.19 s
+    (docs/training.md). Several processes keep orbax's default. The files are the same arrays either way (only
+    tensorstore's chunking differs), so checkpoints restore across the setting."""
+    if jax.process_count() == 1:
+        # orbax's own default handler (orbax 0.12's type_handler_registry) with that one option changed; orbax
+        # warns of any override, this one meant
+        handler = ArrayHandler(use_replica_parallel=False, array_metadata_store=_array_metadata_store())
         with quiet_orbax():
-            ocp.type_handlers.register_type_handler(jax.Array, _ONE_PROCESS_HANDLER, override=True)
+            ocp.type_handlers.register_type_handler(jax.Array, handler, override=True)
 
 
 def manager(ckpt_dir, keep: int = 3, async_save: bool = True, read_only: bool = False) -> ocp.CheckpointManager:
