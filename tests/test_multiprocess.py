@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import tiny_config
+from tests.conftest import FAST_COMPILE_XLA_FLAGS, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 OVERRIDES = {"train.steps": 4, "log.every": 1, "eval.every": 100, "checkpoint.every": 2,
@@ -64,7 +64,7 @@ def _start_two_processes(workdir, cache_dir, *extra):
     port = _free_port()
     procs = []
     for i in range(2):
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0",
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count=4 {FAST_COMPILE_XLA_FLAGS}",
                "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(i),
                "PYTHONPATH": str(ROOT),
                # The second 2-process run reuses the first one's compiled programs.
