@@ -72,6 +72,7 @@ def fingerprint(config) -> str:
         del d["eval"]["output_only"]
     if not d["train"].get("equal_targets", True):  # likewise
         del d["train"]["equal_targets"]
+    d["train"].pop("compile_cache_dir", None)  # where compiled programs are cached, not what they compute
     if d["model"].get("attention_impl") == "blockwise":  # the default since 2026-11-26: einsum's function, by
         d["model"]["attention_impl"] = "einsum"          # query blocks (tests/test_attention_impl.py)
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]

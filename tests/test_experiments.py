@@ -35,6 +35,7 @@ def test_fingerprint_ignores_what_does_not_change_a_run():
     assert fingerprint(c) == fingerprint(tiny_config(**{"execution.loss_chunks": 1}))
     assert fingerprint(c) == fingerprint(tiny_config(**{"execution.scan_layers": True}))
     assert fingerprint(c) == fingerprint(tiny_config(**{"execution.permute_grad": "gather"}))
+    assert fingerprint(c) == fingerprint(tiny_config(**{"train.compile_cache_dir": ""}))
     assert fingerprint(c) != fingerprint(tiny_config(**{"execution.dtype": "bfloat16"}))
 
 

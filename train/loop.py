@@ -18,7 +18,7 @@ from rundir import checkpoints as checkpoint
 from rundir import layout
 from rundir import metrics as metrics_file
 from rundir.lock import RunLock
-from train import host_memory, inputs, optim, signals
+from train import compile_cache, host_memory, inputs, optim, signals
 from train import mesh as mesh_lib
 from train.config import causality_warning, check, check_memory, check_mesh, execution, to_json
 from train.data.packing import iterate
@@ -65,6 +65,7 @@ def run(config, workdir, log=print) -> dict:
     "stopped_by" set when SIGTERM / SIGINT stopped it early (after saving a checkpoint)."""
     mcfg = check(config)
     host_memory.keep_freed_memory()  # before JAX computes anything: made later, it changes little
+    compile_cache.enable(config.train.get("compile_cache_dir", ""), log)  # before the first compile
     maybe_init_distributed()
     t = config.train
     mesh = mesh_lib.make_mesh(config.mesh)
