@@ -85,6 +85,9 @@ def check_imports_from(tree: Path) -> None:
 def _env(tree: Path) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(tree)] + [p for p in [env.get("PYTHONPATH")] if p])
+    # Every run compiles: revisions with train.compile_cache_dir would otherwise load their programs from the
+    # first round's cache and report a shorter wall time than those without.
+    env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
     return env
 
 

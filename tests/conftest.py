@@ -12,13 +12,17 @@ import tempfile
 # Below jaxlib 0.11, XLA:CPU's older fusion emitters compile the suite's programs in about half the time at -O0
 # (the tiny train step: 3.3 -> 1.8 s; at the default -O level they take twice as long, so only here); jaxlib 0.11
 # removed the flag, and XLA aborts on an unknown flag.
-_JAXLIB = tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2])
+try:
+    _JAXLIB = tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2])
+except (importlib.metadata.PackageNotFoundError, ValueError):
+    _JAXLIB = (1, 0)  # unknown: no version-dependent flag
 FAST_COMPILE_XLA_FLAGS = " ".join(["--xla_backend_optimization_level=0"]
                                   + ["--xla_cpu_use_fusion_emitters=false"] * (_JAXLIB < (0, 11)))
-_flags = os.environ.get("XLA_FLAGS", "")
-for _flag in ("--xla_force_host_platform_device_count=8", *FAST_COMPILE_XLA_FLAGS.split()):
-    if _flag.split("=")[0] not in _flags:  # xdist workers inherit the controller's flags
-        _flags += " " + _flag
+# The suite's flags replace any of the same name in the environment (the tests need 8 devices); xdist workers
+# inherit the controller's flags and end up with the same string.
+_OURS = ["--xla_force_host_platform_device_count=8", *FAST_COMPILE_XLA_FLAGS.split()]
+_flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                  if f.split("=")[0] not in {o.split("=")[0] for o in _OURS}) + " " + " ".join(_OURS)
 os.environ["XLA_FLAGS"] = _flags.strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # glibc's malloc defaults in the test processes and their children: train.loop.run and the benchmarks' mains, run

@@ -65,7 +65,6 @@ def run(config, workdir, log=print) -> dict:
     "stopped_by" set when SIGTERM / SIGINT stopped it early (after saving a checkpoint)."""
     mcfg = check(config)
     host_memory.keep_freed_memory()  # before JAX computes anything: made later, it changes little
-    compile_cache.enable(config.train.get("compile_cache_dir", ""), log)  # before the first compile
     maybe_init_distributed()
     t = config.train
     mesh = mesh_lib.make_mesh(config.mesh)
@@ -84,6 +83,7 @@ def run(config, workdir, log=print) -> dict:
     data = inputs.sampler(config), inputs.eval_batches(config, pi, pc)
     # Only process 0 writes into the run directory; the others would race with its creation.
     run_dir = layout.check_workdir(workdir) if jax.process_index() == 0 else layout.RunDir(Path(workdir))
+    compile_cache.enable(config.train.get("compile_cache_dir", ""), log)  # after the input checks
     own_signals = not signals.installed() and threading.current_thread() is threading.main_thread()
     if own_signals:
         signals.install()
