@@ -3,8 +3,8 @@
 A program compiled once is loaded from disk the next time the same program is built: on resume, for another seed,
 for the evaluation step of a run with the same model and batch. What is traced into a program as a constant (the
 learning rate and its schedule's lengths, the model, the batch) makes another program. The default `python -m
-train`'s first step ended 15.1 s into training with an empty cache and 3.7 s with a filled one (docs/performance.md,
-eleventh session). MaxText turns the same cache on by default.
+train` took 188-190 s with the cache off and 158 s with a warm one (docs/performance.md, eleventh session).
+MaxText turns the same cache on by default.
 
 The cache is JAX's own (`jax_compilation_cache_dir`): an entry's key covers the program, the devices, the compile
 options and XLA flags, and the jaxlib version, so a stale entry is never used. Only process 0 writes; the other
