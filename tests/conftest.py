@@ -21,9 +21,9 @@ FAST_COMPILE_XLA_FLAGS = " ".join(["--xla_backend_optimization_level=0"]
 # The suite's flags replace any of the same name in the environment (the tests need 8 devices); xdist workers
 # inherit the controller's flags and end up with the same string.
 _OURS = ["--xla_force_host_platform_device_count=8", *FAST_COMPILE_XLA_FLAGS.split()]
-_flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                  if f.split("=")[0] not in {o.split("=")[0] for o in _OURS}) + " " + " ".join(_OURS)
-os.environ["XLA_FLAGS"] = _flags.strip()
+_OUR_NAMES = {f.split("=")[0] for f in _OURS}
+os.environ["XLA_FLAGS"] = " ".join(
+    [f for f in os.environ.get("XLA_FLAGS", "").split() if f.split("=")[0] not in _OUR_NAMES] + _OURS)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # glibc's malloc defaults in the test processes and their children: train.loop.run and the benchmarks' mains, run
 # in-process here, would change them after the first computation (train/host_memory.py; tests/test_host_memory.py

@@ -31,13 +31,20 @@ print(json.dumps({"path": path, "notes": notes, "hits": len(hits)}))
 """
 
 
-def _fresh_process(tmp_path) -> dict:
+def _run_without_the_suites_cache(script: str, tmp_path, **env_vars) -> str:
+    """stdout of `script` (argv[1]: tmp_path) in a fresh process whose HOME is tmp_path and that inherits none of
+    the suite's cache settings (tests/conftest.py)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
-    env.update(HOME=str(tmp_path), PYTHONPATH=str(ROOT), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-    out = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], env=env, cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
+    env.update(HOME=str(tmp_path), PYTHONPATH=str(ROOT), **env_vars)
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return out.stdout
+
+
+def _fresh_process(tmp_path) -> dict:
+    out = _run_without_the_suites_cache(SCRIPT, tmp_path, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def test_enable_writes_the_cache_and_a_second_process_loads_from_it(tmp_path):
@@ -77,11 +84,6 @@ def test_a_second_run_loads_its_train_step_from_the_configs_cache(tmp_path):
     in a process without the suite's cache: a second run of the same config in the same process (a new program
     object, traced again) loads its train step from disk, under JAX's default 1 s compile-time threshold. A host
     callback in the step, or a run-specific constant, would make it compile again."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))}
-    env.update(HOME=str(tmp_path), PYTHONPATH=str(ROOT))
-    out = subprocess.run([sys.executable, "-c", RERUN, str(tmp_path)], env=env, cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    second = out.stdout.split("SECOND", 1)[1]
+    second = _run_without_the_suites_cache(RERUN, tmp_path).split("SECOND", 1)[1]
     assert "hit for 'jit_sharded_step'" in second and "MISS for 'jit_sharded_step'" not in second, second[:2000]
     assert list((tmp_path / ".cache" / "moe-lm" / "jax").glob("jit_sharded_step-*"))
