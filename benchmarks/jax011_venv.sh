@@ -6,6 +6,9 @@
 #   bash benchmarks/jax011_venv.sh [VENV_DIR]        # default /tmp/venv-jax011; PYTHON=python3.12 to pick it
 #   /tmp/venv-jax011/bin/python -m pytest -q         # torch is left out: the HF-parity tests skip
 #
+# JAX_VERSION=0.12.0.1 builds the same venv with the newest jax that pyproject.toml admits (what a fresh Python
+# 3.12 install resolves to), to run the suite under it too.
+#
 # Refuses to touch an existing directory; builds beside it and renames at the end (console scripts keep the
 # .partial path in their shebangs: call `$VENV/bin/python -m ...`). tokamax is pinned to the version
 # benchmarks/gpu_wheels.sh carries to the device.
@@ -24,7 +27,8 @@ py="$VENV.partial/bin/python"
 "$py" -m pip install -q --upgrade pip
 pins="$(mktemp)"
 trap 'rm -f "$pins"' EXIT
-printf 'jax==0.11.2\njaxlib==0.11.2\nflax==0.12.10\ntokamax==0.0.17\n' > "$pins"
+JAX_VERSION="${JAX_VERSION:-0.11.2}"
+printf 'jax==%s\njaxlib==%s\nflax==0.12.10\ntokamax==0.0.17\n' "$JAX_VERSION" "$JAX_VERSION" > "$pins"
 "$py" -m pip install -q -c "$pins" -e ".[kernels]" "pytest>=8,<10" "pytest-xdist>=3.5,<4" "papermill>=2.6,<3" \
   "nbclient>=0.10,<1" "ipykernel>=6.29,<8"
 "$py" -c "import jax, flax; print('jax', jax.__version__, 'flax', flax.__version__)"

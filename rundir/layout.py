@@ -69,7 +69,7 @@ class RunDir:
 
     def write_marker(self, **fields) -> None:
         doc = self.read_marker() or {"format": FORMAT, "version": VERSION,
-                                     "created": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+                                     "created": datetime.datetime.now(datetime.UTC).isoformat()}
         doc.update(fields)
         atomic.write_text(self.marker, json.dumps(doc, indent=1, sort_keys=True) + "\n")
 

@@ -15,8 +15,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Minor page faults of one call of a jitted function on a 16 MB operand, after warm-up: the median of 9 calls;
 # prints "<applied> <faults>". Its own process: the settings are process-wide and must come before the first
-# computation. Seen here: glibc's defaults 169,000-265,000 faults per call (0.7-1 GiB: the matmul's worker threads
-# allocate scratch too), kept 0-1.
+# computation. Seen here under jaxlib 0.10: glibc's defaults 157,000-265,000 faults per call (0.6-1 GiB: the
+# matmul's worker threads allocate scratch too), kept 0-1. jaxlib 0.12 allocates far less per call: 768-10,026
+# faults with the defaults and 0-6,761 kept (the suite's -O0 flags, 8 devices), so there is little to remove and
+# the ratio is noise; the test then skips (below 50,000, 200 MB per call).
 PROBE = """
 import resource
 import jax, jax.numpy as jnp
@@ -56,7 +58,7 @@ def test_kept_memory_stops_the_per_call_page_faults():
     applied, faults = _probe("1")
     default, default_faults = _probe("0")
     assert (applied, default) == ("True", "False")
-    if default_faults < 10_000:  # this kernel or jaxlib does not fault them in each call: nothing to remove
+    if default_faults < 50_000:  # this kernel or jaxlib does not fault them in each call: nothing to remove
         pytest.skip(f"glibc's defaults fault only {default_faults:.0f} pages per call here")
     assert faults < default_faults / 5
 
