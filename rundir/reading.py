@@ -9,6 +9,7 @@ import tokenizers
 
 from rundir import checkpoints, metrics
 from rundir.layout import RunDir
+from train import compile_cache
 from train.cli import migrate
 from train.errors import UserError
 
@@ -46,4 +47,8 @@ def open_run(workdir, step: int | None = None, log=print) -> Run:
         what = "is a file, not a run directory" if root.exists() else "does not exist"
         raise UserError(f"--workdir {root} {what}; pass a run directory written by `python -m train`")
     model, meta = checkpoints.restore_model(RunDir(root).checkpoints, step, log)
-    return Run(root, int(meta["step"]), model, ml_collections.ConfigDict(migrate(meta["config"])), meta)
+    config = ml_collections.ConfigDict(migrate(meta["config"]))
+    # The run's compiled-program cache serves its readers too: a second analysis, export or generation of a run
+    # loads its programs (before this process's first compile, which fixes JAX's cache for the process).
+    compile_cache.enable(config.train.get("compile_cache_dir", ""), log)
+    return Run(root, int(meta["step"]), model, config, meta)

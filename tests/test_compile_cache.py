@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # A fresh process without the suite's own cache (JAX opens its cache once per process): every way to call enable(),
@@ -79,11 +81,47 @@ print("SECOND", " ".join(m for m in records if "cache hit" in m or "CACHE MISS" 
 """
 
 
-def test_a_second_run_loads_its_train_step_from_the_configs_cache(tmp_path):
-    """The loop turns the cache on from train.compile_cache_dir (default ~/.cache/moe-lm/jax; HOME is tmp_path here)
-    in a process without the suite's cache: a second run of the same config in the same process (a new program
-    object, traced again) loads its train step from disk, under JAX's default 1 s compile-time threshold. A host
-    callback in the step, or a run-specific constant, would make it compile again."""
-    second = _run_without_the_suites_cache(RERUN, tmp_path).split("SECOND", 1)[1]
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """(HOME, the second run's compiler log): RERUN in a process without the suite's cache, HOME a fresh directory
+    (so the config's default ~/.cache/moe-lm/jax is inside it); the runs are HOME/first and HOME/second."""
+    home = tmp_path_factory.mktemp("home")
+    return home, _run_without_the_suites_cache(RERUN, home).split("SECOND", 1)[1]
+
+
+def test_a_second_run_loads_its_train_step_from_the_configs_cache(two_runs):
+    """The loop turns the cache on from train.compile_cache_dir (default ~/.cache/moe-lm/jax) in a process without
+    the suite's cache: a second run of the same config in the same process (a new program object, traced again)
+    loads its train step from disk, under JAX's default 1 s compile-time threshold. A host callback in the step, or
+    a run-specific constant, would make it compile again."""
+    home, second = two_runs
     assert "hit for 'jit_sharded_step'" in second and "MISS for 'jit_sharded_step'" not in second, second[:2000]
-    assert list((tmp_path / ".cache" / "moe-lm" / "jax").glob("jit_sharded_step-*"))
+    assert list((home / ".cache" / "moe-lm" / "jax").glob("jit_sharded_step-*"))
+
+
+# A reader of a run (analysis, export, generation) in a fresh process: open_run, then one jitted forward pass.
+READ = """
+import json, sys
+import jax, jax.numpy as jnp
+from flax import nnx
+from rundir import open_run
+hits = []
+jax.monitoring.register_event_listener(
+    lambda event, **kw: hits.append(event) if event == "/jax/compilation_cache/cache_hits" else None)
+run = open_run(sys.argv[1] + "/first", log=lambda *a: None)
+graphdef, state = nnx.split(run.model)
+jax.block_until_ready(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, jnp.zeros((1, 8), jnp.int32)))
+print(json.dumps({"dir": jax.config.jax_compilation_cache_dir, "hits": len(hits)}))
+"""
+
+
+def test_a_second_reader_of_a_run_loads_its_programs_from_the_runs_cache(two_runs):
+    """open_run turns on the cache the run's config names, before the reader's first compile: a second process
+    reading the run loads its forward pass from disk. (A compile inside open_run before the cache is on would fix
+    JAX's cache off for the process, and the second reader would load nothing.)"""
+    home, _ = two_runs
+    read = lambda: json.loads(_run_without_the_suites_cache(
+        READ, home, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0").strip().splitlines()[-1])
+    first, second = read(), read()
+    assert first["dir"] == str(home / ".cache" / "moe-lm" / "jax")
+    assert second["hits"] >= 1 and second["hits"] > first["hits"], (first, second)

@@ -1,7 +1,8 @@
 """JAX's persistent compilation cache, on for every training run (`train.compile_cache_dir`).
 
 A program compiled once is loaded from disk the next time the same program is built: on resume, for another seed,
-for the evaluation step of a run with the same model and batch. What is traced into a program as a constant (the
+for the evaluation step of a run with the same model and batch. `rundir.open_run` turns on the cache its run's
+config names, so the run's readers (analysis, export, generation) load their programs on a second reading too. What is traced into a program as a constant (the
 learning rate and its schedule's lengths, the model, the batch) makes another program. The default `python -m
 train` took 188-190 s with the cache off and 158 s with a warm one (docs/performance.md, eleventh session).
 MaxText turns the same cache on by default.
