@@ -13,6 +13,10 @@ from train import compile_cache
 from train.cli import migrate
 from train.errors import UserError
 
+# What a reader's user can do about an unwritable cache directory (the reading commands take no config flags).
+READER_FIX = ("set JAX_COMPILATION_CACHE_DIR to a writable directory, or JAX_ENABLE_COMPILATION_CACHE=false to read "
+              "without the cache and this note")
+
 
 @dataclasses.dataclass
 class Run:
@@ -48,7 +52,7 @@ def open_run(workdir, step: int | None = None, log=print) -> Run:
         raise UserError(f"--workdir {root} {what}; pass a run directory written by `python -m train`")
     model, meta = checkpoints.restore_model(RunDir(root).checkpoints, step, log)
     config = ml_collections.ConfigDict(migrate(meta["config"]))
-    # The run's compiled-program cache serves its readers too: a second analysis, export or generation of a run
-    # loads its programs (before this process's first compile, which fixes JAX's cache for the process).
-    compile_cache.enable(config.train.get("compile_cache_dir", ""), log)
+    # The run's compiled-program cache serves its readers too: a second analysis, export or generation of the run
+    # loads its programs. A run saved before the setting existed is read with the cache off.
+    compile_cache.enable(config.train.get("compile_cache_dir", ""), log, READER_FIX)
     return Run(root, int(meta["step"]), model, config, meta)

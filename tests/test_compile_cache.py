@@ -20,7 +20,11 @@ tmp, notes = sys.argv[1], []
 blocked = os.path.join(tmp, "a_file")
 open(blocked, "w").close()
 assert compile_cache.enable("", notes.append) is None
-assert compile_cache.enable(os.path.join(blocked, "cache"), notes.append) is None
+jax.config.update("jax_enable_compilation_cache", False)  # JAX_ENABLE_COMPILATION_CACHE=false
+assert compile_cache.enable("~/cache", notes.append) is None
+jax.config.update("jax_enable_compilation_cache", True)
+for _ in range(2):  # reported once
+    assert compile_cache.enable(os.path.join(blocked, "cache"), notes.append, "FIX") is None
 assert not jax.config.jax_compilation_cache_dir
 path = compile_cache.enable("~/cache", notes.append)
 assert compile_cache.enable(os.path.join(tmp, "other"), notes.append) == path  # the first directory set wins
@@ -53,7 +57,7 @@ def test_enable_writes_the_cache_and_a_second_process_loads_from_it(tmp_path):
     first = _fresh_process(tmp_path)
     assert first["path"] == str(tmp_path / "cache")  # ~ expanded
     assert len(first["notes"]) == 1 and "a_file/cache" in first["notes"][0]  # unwritable: off, with one line
-    assert "compile_cache_dir" in first["notes"][0] and "\n" not in first["notes"][0]
+    assert first["notes"][0].endswith("; FIX") and "\n" not in first["notes"][0]
     assert first["hits"] == 0 and list((tmp_path / "cache").glob("*-cache"))
     assert not (tmp_path / "other").exists()
     second = _fresh_process(tmp_path)
@@ -99,29 +103,38 @@ def test_a_second_run_loads_its_train_step_from_the_configs_cache(two_runs):
     assert list((home / ".cache" / "moe-lm" / "jax").glob("jit_sharded_step-*"))
 
 
-# A reader of a run (analysis, export, generation) in a fresh process: open_run, then one jitted forward pass.
+# A reader of a run (analysis, export, generation) in a fresh process: open_run, then one jitted forward pass;
+# prints the cache directory in use and the compiler's cache hits and misses for the forward pass.
 READ = """
-import json, sys
+import json, logging, sys
 import jax, jax.numpy as jnp
 from flax import nnx
 from rundir import open_run
-hits = []
-jax.monitoring.register_event_listener(
-    lambda event, **kw: hits.append(event) if event == "/jax/compilation_cache/cache_hits" else None)
+records = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append(record.getMessage())
+logger = logging.getLogger("jax._src.compiler")
+logger.setLevel(logging.DEBUG)
+logger.addHandler(Keep())
 run = open_run(sys.argv[1] + "/first", log=lambda *a: None)
 graphdef, state = nnx.split(run.model)
-jax.block_until_ready(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, jnp.zeros((1, 8), jnp.int32)))
-print(json.dumps({"dir": jax.config.jax_compilation_cache_dir, "hits": len(hits)}))
+def forward(state, tokens):
+    return nnx.merge(graphdef, state)(tokens)
+jax.block_until_ready(jax.jit(forward)(state, jnp.zeros((1, 8), jnp.int32)))
+print(json.dumps({"dir": jax.config.jax_compilation_cache_dir,
+                  "log": [m for m in records if "'jit_forward'" in m and ("cache hit" in m or "MISS" in m)]}))
 """
 
 
-def test_a_second_reader_of_a_run_loads_its_programs_from_the_runs_cache(two_runs):
-    """open_run turns on the cache the run's config names, before the reader's first compile: a second process
-    reading the run loads its forward pass from disk. (A compile inside open_run before the cache is on would fix
-    JAX's cache off for the process, and the second reader would load nothing.)"""
+def test_a_second_reader_of_a_run_loads_its_forward_pass_from_the_runs_cache(two_runs):
+    """open_run turns on the cache the run's config names (its default ~/.cache/moe-lm/jax, in HOME): a second
+    process reading the run loads its forward pass from disk."""
     home, _ = two_runs
     read = lambda: json.loads(_run_without_the_suites_cache(
         READ, home, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0").strip().splitlines()[-1])
     first, second = read(), read()
     assert first["dir"] == str(home / ".cache" / "moe-lm" / "jax")
-    assert second["hits"] >= 1 and second["hits"] > first["hits"], (first, second)
+    assert any("MISS for 'jit_forward'" in m for m in first["log"]), first
+    assert any("hit for 'jit_forward'" in m for m in second["log"]), second
+    assert not any("MISS for 'jit_forward'" in m for m in second["log"]), second

@@ -15,10 +15,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Minor page faults of one call of a jitted function on a 16 MB operand, after warm-up: the median of 9 calls;
 # prints "<applied> <faults>". Its own process: the settings are process-wide and must come before the first
-# computation. Seen here under jaxlib 0.10: glibc's defaults 157,000-265,000 faults per call (0.6-1 GiB: the
-# matmul's worker threads allocate scratch too), kept 0-1. jaxlib 0.12 allocates far less per call: 768-10,026
-# faults with the defaults and 0-6,761 kept (the suite's -O0 flags, 8 devices), so there is little to remove and
-# the ratio is noise; the test then skips (below 50,000, 200 MB per call).
+# computation. Seen here under jaxlib 0.10: glibc's defaults 169,000-265,000 faults per call (0.7-1 GiB: the
+# matmul's worker threads allocate scratch too), kept 0-1. jaxlib 0.12 allocates far less per call: 640-11,011
+# faults with the defaults, 0-128 kept, once 6,761 kept in the suite beside another worker
+# (docs/cpu/2026-11-28-twelfth/host_memory_probe.txt). Little to remove, and the ratio is noise: the test skips
+# below 50,000 (200 MB per call).
 PROBE = """
 import resource
 import jax, jax.numpy as jnp

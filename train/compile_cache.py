@@ -2,10 +2,11 @@
 
 A program compiled once is loaded from disk the next time the same program is built: on resume, for another seed,
 for the evaluation step of a run with the same model and batch. `rundir.open_run` turns on the cache its run's
-config names, so the run's readers (analysis, export, generation) load their programs on a second reading too. What is traced into a program as a constant (the
-learning rate and its schedule's lengths, the model, the batch) makes another program. The default `python -m
-train` took 188-190 s with the cache off and 158 s with a warm one (docs/performance.md, eleventh session).
-MaxText turns the same cache on by default.
+config names, so the run's readers (analysis, export, generation) load their programs on a second reading too.
+What is traced into a program as a constant (the learning rate and its schedule's lengths, the model, the batch)
+makes another program. The default `python -m train` took 188-190 s with the cache off and 158 s with a warm one
+(docs/performance.md, eleventh session). MaxText turns the same cache on by default. JAX_ENABLE_COMPILATION_CACHE=false
+keeps it off.
 
 The cache is JAX's own (`jax_compilation_cache_dir`): an entry's key covers the program, the devices, the compile
 options and XLA flags, and the jaxlib version, so a stale entry is never used. Only process 0 writes; the other
@@ -21,16 +22,21 @@ import tempfile
 
 import jax
 
+TRAIN_FIX = ("set --config.train.compile_cache_dir to a writable directory, or to '' to turn the cache off without "
+             "this note")
+_said = set()  # the unwritable directories already reported in this process: one line each
 
-def enable(cache_dir: str, say=print) -> str | None:
+
+def enable(cache_dir: str, say=print, fix: str = TRAIN_FIX) -> str | None:
     """Turn the cache on in `cache_dir` (`~` expanded; "" leaves it off) and return the directory in use, or None.
     A directory already set wins: a non-empty JAX_COMPILATION_CACHE_DIR in the environment (the tests set their
     own), or an earlier call in this process (JAX opens its cache once, so a later run in the same process keeps
-    the first directory, even a run whose config says "")."""
+    the first directory, even a run whose config says ""). An unwritable directory is reported once per process,
+    with `fix` (what the caller's user can do about it)."""
     current = jax.config.jax_compilation_cache_dir
     if current:
         return current
-    if not cache_dir:
+    if not cache_dir or not jax.config.jax_enable_compilation_cache:  # off here, or by JAX_ENABLE_COMPILATION_CACHE
         return None
     path = os.path.abspath(os.path.expanduser(cache_dir))
     try:
@@ -38,8 +44,9 @@ def enable(cache_dir: str, say=print) -> str | None:
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as e:
-        say(f"compile cache off: cannot write {path} ({e.strerror or e}); set --config.train.compile_cache_dir to a "
-            "writable directory, or to '' to turn the cache off without this note")
+        if path not in _said:
+            _said.add(path)
+            say(f"compile cache off: cannot write {path} ({e.strerror or e}); {fix}")
         return None
     jax.config.update("jax_compilation_cache_dir", path)
     return path
