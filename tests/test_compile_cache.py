@@ -64,13 +64,9 @@ def test_enable_writes_the_cache_and_a_second_process_loads_from_it(tmp_path):
     assert second["hits"] >= 1
 
 
-RERUN = """
-import logging, sys
-from configs.tiny import get_config  # not tests.conftest: importing it would set the suite's cache directory
-from train import loop
-config = get_config()
-config.train.steps = 2
-config.log.update(progress=False, peak_flops=1e12, tensorboard=False)
+# Prepended to a script: the JAX compiler's log messages (its cache hits and misses name the program) in `records`.
+COMPILER_LOG = """
+import logging
 records = []
 class Keep(logging.Handler):
     def emit(self, record):
@@ -78,6 +74,15 @@ class Keep(logging.Handler):
 logger = logging.getLogger("jax._src.compiler")
 logger.setLevel(logging.DEBUG)
 logger.addHandler(Keep())
+"""
+
+RERUN = COMPILER_LOG + """
+import sys
+from configs.tiny import get_config  # not tests.conftest: importing it would set the suite's cache directory
+from train import loop
+config = get_config()
+config.train.steps = 2
+config.log.update(progress=False, peak_flops=1e12, tensorboard=False)
 for name in ("first", "second"):
     records.clear()
     loop.run(config, sys.argv[1] + "/" + name, log=lambda *a: None)
@@ -105,18 +110,11 @@ def test_a_second_run_loads_its_train_step_from_the_configs_cache(two_runs):
 
 # A reader of a run (analysis, export, generation) in a fresh process: open_run, then one jitted forward pass;
 # prints the cache directory in use and the compiler's cache hits and misses for the forward pass.
-READ = """
-import json, logging, sys
+READ = COMPILER_LOG + """
+import json, sys
 import jax, jax.numpy as jnp
 from flax import nnx
 from rundir import open_run
-records = []
-class Keep(logging.Handler):
-    def emit(self, record):
-        records.append(record.getMessage())
-logger = logging.getLogger("jax._src.compiler")
-logger.setLevel(logging.DEBUG)
-logger.addHandler(Keep())
 run = open_run(sys.argv[1] + "/first", log=lambda *a: None)
 graphdef, state = nnx.split(run.model)
 def forward(state, tokens):
