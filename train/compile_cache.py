@@ -5,8 +5,8 @@ for the evaluation step of a run with the same model and batch. `rundir.open_run
 config names, so the run's readers (analysis, export, generation) load their programs on a second reading too.
 What is traced into a program as a constant (the learning rate and its schedule's lengths, the model, the batch)
 makes another program. The default `python -m train` took 188-190 s with the cache off and 158 s with a warm one
-(docs/performance.md, eleventh session). MaxText turns the same cache on by default. JAX_ENABLE_COMPILATION_CACHE=false
-keeps it off.
+(docs/performance.md, eleventh session). MaxText turns the same cache on by default.
+JAX_ENABLE_COMPILATION_CACHE=false keeps it off.
 
 The cache is JAX's own (`jax_compilation_cache_dir`): an entry's key covers the program, the devices, the compile
 options and XLA flags, and the jaxlib version, so a stale entry is never used. Only process 0 writes; the other
