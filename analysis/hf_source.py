@@ -91,6 +91,8 @@ def text_cache(paths, tokenizer, eos_id: int, pad_id: int) -> packing.TokenCache
     tokenizer.encode_special_tokens = True  # text that spells "<|endoftext|>" stays text, as in training caches
     docs = []
     for p in paths:
+        if Path(p).exists() and not Path(p).is_file():  # a directory, a device (/dev/zero) or a pipe
+            raise UserError(f"--text {p}: not a regular file; pass a UTF-8 text file")
         try:
             text = Path(p).read_text(encoding="utf-8")
         except FileNotFoundError:

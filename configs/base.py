@@ -59,6 +59,7 @@ def base_config() -> ml_collections.ConfigDict:
         balance_loss_weight=1e-4,  # alpha of the sequence-wise balance loss; 0 turns it off
         # JAX's persistent compilation cache (train/compile_cache.py): a run that builds the same programs (a
         # resume, another seed) loads them from here; "" turns it off. JAX_COMPILATION_CACHE_DIR, when set, wins.
+        # The run's readers cache in the default directory (or nowhere when this is "").
         compile_cache_dir="~/.cache/moe-lm/jax",
     ))
 

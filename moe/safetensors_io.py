@@ -21,6 +21,7 @@ from safetensors.numpy import save_file
 
 from moe.config import LEGACY_EXECUTION_FIELDS, ModelConfig
 from moe.model import Transformer
+from moe.paths import file_inside
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "moe_config.json"
@@ -52,7 +53,7 @@ def load_config(path_dir: str) -> ModelConfig:
     path = os.path.join(path_dir, CONFIG_FILE)
     if not os.path.isfile(path):
         raise ValueError(f"{path}: missing; expected a directory written by moe.safetensors_io.save_safetensors")
-    with open(path) as f:
+    with open(file_inside(path_dir, CONFIG_FILE, "file")) as f:
         fields = json.load(f)
     known = {f.name for f in dataclasses.fields(ModelConfig)} | set(LEGACY_EXECUTION_FIELDS)
     unknown = sorted(set(fields) - known)
@@ -72,7 +73,7 @@ def _weights_path(path_dir: str) -> str:
     path = os.path.join(path_dir, WEIGHTS_FILE)
     if not os.path.isfile(path):
         raise ValueError(f"{path}: missing; expected a directory written by moe.safetensors_io.save_safetensors")
-    return path
+    return str(file_inside(path_dir, WEIGHTS_FILE, "file"))
 
 
 def load_safetensors(path_dir: str) -> Transformer:

@@ -10,6 +10,8 @@ import os
 import numpy as np
 from safetensors import safe_open
 
+from moe.paths import OutsideDirectoryError, file_inside
+
 
 class HFImportError(ValueError):
     """A HuggingFace directory our model cannot reproduce exactly; the one-line message names the field or file."""
@@ -34,12 +36,33 @@ def n_experts(c: dict) -> int:
     return field(c, "num_experts", "num_local_experts", "n_routed_experts", default=0)
 
 
+def inside(path_dir: str, name: str, what: str) -> str:
+    """DIR/name, refused (HFImportError naming the entry) unless it resolves inside DIR (moe.paths)."""
+    try:
+        return str(file_inside(path_dir, name, what))
+    except OutsideDirectoryError as e:
+        raise HFImportError(f"{path_dir}: {e}") from None
+
+
+def read_json(path_dir: str, name: str) -> dict:
+    """DIR/name as a JSON object (HFImportError naming the file when it is not one)."""
+    path = inside(path_dir, name, "file")
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise HFImportError(f"{os.path.join(path_dir, name)}: not valid JSON ({str(e)[:80]}); re-download or "
+                            "re-save the checkpoint") from None
+    if not isinstance(doc, dict):
+        raise HFImportError(f"{os.path.join(path_dir, name)}: expected a JSON object, got {type(doc).__name__}")
+    return doc
+
+
 def read_config(path_dir: str) -> tuple[dict, str]:
     path = os.path.join(path_dir, "config.json")
     if not os.path.isfile(path):
         raise HFImportError(f"{path}: missing; expected a HuggingFace model directory (config.json + safetensors)")
-    with open(path) as f:
-        return json.load(f), path
+    return read_json(path_dir, "config.json"), path
 
 
 def rope_settings(c: dict, where: str, default_partial: float = 1.0) -> tuple[float, float]:
@@ -75,13 +98,18 @@ def dense_layer_text(layers) -> str:
     return ",".join(str(int(i)) for i in sorted(set(layers or [])))
 
 
-def read_tensors(path_dir: str) -> dict[str, np.ndarray]:
-    """All tensors of model.safetensors or of the shards in model.safetensors.index.json, as fp32 NumPy."""
+FLOAT_DTYPES = ("F32", "F16", "BF16")  # safetensors' names of the dtypes fp32 holds exactly
 
-    index = os.path.join(path_dir, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+
+def read_tensors(path_dir: str) -> dict[str, np.ndarray]:
+    """All tensors of model.safetensors or of the shards in model.safetensors.index.json, as fp32 NumPy. Every
+    file opened resolves inside DIR (moe.paths); nothing is unpickled."""
+    index = "model.safetensors.index.json"
+    if os.path.isfile(os.path.join(path_dir, index)):
+        weight_map = read_json(path_dir, index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise HFImportError(f"{os.path.join(path_dir, index)}: no weight_map; re-download the checkpoint")
+        files = sorted({str(v) for v in weight_map.values()})
     elif os.path.isfile(os.path.join(path_dir, "model.safetensors")):
         files = ["model.safetensors"]
     else:
@@ -90,7 +118,12 @@ def read_tensors(path_dir: str) -> dict[str, np.ndarray]:
     out = {}
     for name in files:
         # framework="flax": NumPy has no bfloat16, jax arrays do; everything becomes fp32 host arrays here.
-        with safe_open(os.path.join(path_dir, name), framework="flax") as f:
+        with safe_open(inside(path_dir, name, f"{index} weight_map entry"), framework="flax") as f:
             for k in f.keys():
+                dtype = f.get_slice(k).get_dtype()
+                if dtype not in FLOAT_DTYPES:
+                    raise HFImportError(f"{os.path.join(path_dir, name)}: tensor {k!r} is {dtype}; only "
+                                        f"{', '.join(FLOAT_DTYPES)} weights are read exactly (convert "
+                                        "quantized, integer or float64 weights to bf16/fp32 first)")
                 out[k] = np.asarray(f.get_tensor(k).astype("float32"))
     return out

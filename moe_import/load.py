@@ -12,7 +12,7 @@ from moe.config import ConfigError
 from moe.model import Transformer
 from moe.safetensors_io import model_from_flat
 from moe_import import glm4_moe, mixtral, olmoe, qwen_moe
-from moe_import.common import HFImportError, read_config, read_tensors
+from moe_import.common import HFImportError, inside, read_config, read_tensors
 from moe_import.weights import our_tensors
 
 FAMILIES = {t: m for m in (glm4_moe, qwen_moe, olmoe, mixtral) for t in m.MODEL_TYPES}
@@ -53,6 +53,7 @@ def load_tokenizer(path_dir: str):
     if not os.path.isfile(path):
         return None
 
+    path = inside(path_dir, "tokenizer.json", "file")
     try:
         return tokenizers.Tokenizer.from_file(path)
     except Exception as e:  # tokenizers raises a bare Exception on a malformed file

@@ -52,7 +52,7 @@ def open_run(workdir, step: int | None = None, log=print) -> Run:
         raise UserError(f"--workdir {root} {what}; pass a run directory written by `python -m train`")
     model, meta = checkpoints.restore_model(RunDir(root).checkpoints, step, log)
     config = ml_collections.ConfigDict(migrate(meta["config"]))
-    # The run's compiled-program cache serves its readers too: a second analysis, export or generation of the run
-    # loads its programs. A run saved before the setting existed is read with the cache off.
-    compile_cache.enable(config.train.get("compile_cache_dir", ""), log, READER_FIX)
+    # A second analysis, export or generation of the run loads its programs from the reader's cache; a run that
+    # turned its cache off, or was saved before the setting existed, is read with it off.
+    compile_cache.enable(compile_cache.reader_dir(config.train.get("compile_cache_dir", "")), log, READER_FIX)
     return Run(root, int(meta["step"]), model, config, meta)

@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from configs.base import base_config
+from train import compile_cache
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # A fresh process without the suite's own cache (JAX opens its cache once per process): every way to call enable(),
@@ -126,8 +129,8 @@ print(json.dumps({"dir": jax.config.jax_compilation_cache_dir,
 
 
 def test_a_second_reader_of_a_run_loads_its_forward_pass_from_the_runs_cache(two_runs):
-    """open_run turns on the cache the run's config names (its default ~/.cache/moe-lm/jax, in HOME): a second
-    process reading the run loads its forward pass from disk."""
+    """open_run turns on the reader's default cache (~/.cache/moe-lm/jax, in HOME): a second process reading the
+    run loads its forward pass from disk."""
     home, _ = two_runs
     read = lambda: json.loads(_run_without_the_suites_cache(
         READ, home, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0").strip().splitlines()[-1])
@@ -136,3 +139,10 @@ def test_a_second_reader_of_a_run_loads_its_forward_pass_from_the_runs_cache(two
     assert any("MISS for 'jit_forward'" in m for m in first["log"]), first
     assert any("hit for 'jit_forward'" in m for m in second["log"]), second
     assert not any("MISS for 'jit_forward'" in m for m in second["log"]), second
+
+
+def test_a_reader_never_caches_where_the_runs_config_says():
+    """A run's config comes from wherever the run was written: its cache path is not the reader's to write."""
+    assert compile_cache.reader_dir("/elsewhere/cache") == compile_cache.DEFAULT_DIR
+    assert base_config().train.compile_cache_dir == compile_cache.DEFAULT_DIR
+    assert compile_cache.reader_dir("") == ""  # a run with the cache off is read with it off

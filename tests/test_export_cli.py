@@ -16,6 +16,7 @@ import moe
 from rundir import open_run
 from train import export as export_cli
 from train import generate as generate_cli
+from train.errors import UserError
 
 PROMPTS = ["The quick brown fox", "Once upon a time, there"]
 
@@ -231,3 +232,17 @@ def test_cli_subprocess_one_line_exit_2(tmp_path):
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
     assert os.listdir(out) == ["keep.txt"]
 
+
+
+@pytest.mark.parametrize("target", ["run", "inside_run", "parent_of_run"])
+def test_an_out_symlinked_at_a_run_is_refused(tiny_run, tmp_path, target):
+    """--out is resolved after symlinks before anything is checked: a link to a run, into one, or to a directory
+    holding the run being exported is refused and nothing under the run changes."""
+    where = {"run": tiny_run, "inside_run": tiny_run / "analysis_export", "parent_of_run": tiny_run.parent}[target]
+    tree = lambda: sorted((str(p), p.stat().st_size) for p in tiny_run.rglob("*") if p.is_file())
+    before = tree()
+    link = tmp_path / "link"
+    os.symlink(where, link)
+    with pytest.raises(UserError, match="run"):
+        export_cli.export(str(tiny_run), str(link))
+    assert tree() == before and not list(tiny_run.parent.glob(".link*")) and not list(tmp_path.glob(".link*"))

@@ -1,8 +1,8 @@
 """JAX's persistent compilation cache, on for every training run (`train.compile_cache_dir`).
 
 A program compiled once is loaded from disk the next time the same program is built: on resume, for another seed,
-for the evaluation step of a run with the same model and batch. `rundir.open_run` turns on the cache its run's
-config names, so the run's readers (analysis, export, generation) load their programs on a second reading too.
+for the evaluation step of a run with the same model and batch. `rundir.open_run` turns it on for the run's readers
+(analysis, export, generation) in the default directory, so they load their programs on a second reading too.
 What is traced into a program as a constant (the learning rate and its schedule's lengths, the model, the batch)
 makes another program. The default `python -m train` took 188-190 s with the cache off and 158 s with a warm one
 (docs/performance.md, eleventh session). MaxText turns the same cache on by default.
@@ -22,9 +22,17 @@ import tempfile
 
 import jax
 
+DEFAULT_DIR = "~/.cache/moe-lm/jax"  # train.compile_cache_dir's default, and every reader's directory
 TRAIN_FIX = ("set --config.train.compile_cache_dir to a writable directory, or to '' to turn the cache off without "
              "this note")
 _said = set()  # the unwritable directories already reported in this process: one line each
+
+
+def reader_dir(run_setting: str) -> str:
+    """The directory a reader of a run (analysis, export, generation) caches in: the reader's own default, or
+    off when the run turned its cache off. A run's files never choose where a reader writes: the run may come from
+    another machine or another user, and its config's path means nothing (or something else) here."""
+    return DEFAULT_DIR if run_setting else ""
 
 
 def enable(cache_dir: str, say=print, fix: str = TRAIN_FIX) -> str | None:

@@ -17,6 +17,7 @@ import numpy as np
 
 from moe import Execution
 from moe.decode import generate
+from moe.paths import OutsideDirectoryError, file_inside
 from moe.safetensors_io import load_safetensors
 from rundir import open_run
 from train.cli import ArgParser
@@ -80,6 +81,11 @@ def load_export(path):
     if (path / "moe-run.json").is_file() or (path / "checkpoints").is_dir():
         raise UserError(f"--export {path} is a training run, not an export; pass it as --workdir {path}")
     fmt = export_format(path)
+    try:  # the weights of an HF or safetensors export are checked by their loaders
+        for name in ["tokenizer.json"] + ([ORBAX_DIR] if fmt == "orbax" else []):
+            file_inside(path, name, "file")
+    except OutsideDirectoryError as e:
+        raise UserError(f"--export {path}: {e}") from None
     try:
         if fmt == "hf":
             model = load_hf_checkpoint(str(path))

@@ -1,0 +1,38 @@
+"""Opening a file that a model directory names, without ever leaving that directory.
+
+A checkpoint directory is input from elsewhere (downloaded, shared): the names it holds (a sharded index's
+`weight_map`, its config and tokenizer files) are resolved after symlinks and must land inside the directory.
+The one exception is the HuggingFace Hub cache, whose snapshot files are symlinks into the same repository's
+blob store: `models--ORG--NAME/snapshots/REV/x -> ../../blobs/HASH`; those may land in `models--ORG--NAME/blobs/`.
+"""
+
+import os
+from pathlib import Path
+
+
+class OutsideDirectoryError(ValueError):
+    """A name inside a model directory that points out of it; the one-line message names the entry."""
+
+
+def file_inside(directory, name: str, what: str) -> Path:
+    """DIR/name resolved after symlinks, refused (OutsideDirectoryError naming `what`) when `name` is absolute,
+    climbs out with '..', or resolves anywhere but inside DIR (or the Hub cache's blob store of DIR's repo).
+    The file need not exist: callers check that after, with their own message."""
+    root = Path(directory).resolve()
+    if not isinstance(name, str) or not name or os.path.isabs(name) or ".." in Path(name).parts:
+        raise OutsideDirectoryError(f"{what} {name!r} is not a plain relative file name; a checkpoint's files "
+                                    f"must lie inside its directory {root}")
+    target = (root / name).resolve()
+    if not any(target.is_relative_to(allowed) for allowed in _allowed_roots(root)):
+        raise OutsideDirectoryError(f"{what} {name!r} resolves to {target}, outside the model directory {root}; "
+                                    "a checkpoint's files must lie inside its directory (copy them in)")
+    return target
+
+
+def _allowed_roots(root: Path) -> list[Path]:
+    """DIR itself, plus `models--X/blobs` when DIR is a Hub cache snapshot `models--X/snapshots/REV`."""
+    roots = [root]
+    repo = root.parent.parent
+    if root.parent.name == "snapshots" and repo.name.startswith("models--"):
+        roots.append(repo / "blobs")
+    return roots
