@@ -17,8 +17,8 @@ and prints the commands without training.
 
 import sys
 
+from moe.errors import UserError, exit_with
 from train.cli import ArgParser
-from train.errors import UserError, exit_with
 
 STUDY_GPU = "configs/study_masks_gpu.py"
 MLM_GPU = "configs/study_mlm_gpu.py"

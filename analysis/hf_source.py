@@ -3,7 +3,7 @@
     python -m analysis.routing --hf path/to/Qwen1.5-MoE-A2.7B --text a.txt --text b.txt --out /tmp/routing
     python -m analysis.routing --hf path/to/OLMoE-1B-7B --out /tmp/routing      # the bundled corpus, re-tokenized
 
-The model comes from moe_import.load_hf_moe (exact: same logits and experts as transformers), the tokenizer from
+The model comes from moe.hf.load_hf_moe (exact: same logits and experts as transformers), the tokenizer from
 the directory's tokenizer.json. Rows: each --text file is one domain named after the file (its whole text one
 document), or, without --text, every domain of the bundled corpus's --split tokenized with the model's tokenizer
 (cached like training's token caches, keyed by the tokenizer file's hash). Packed LM rows of --seq_len tokens.
@@ -15,10 +15,10 @@ from pathlib import Path
 import ml_collections
 import numpy as np
 
-from moe_import import load_hf_moe
-from moe_import.common import read_config
+from moe.errors import UserError
+from moe.hf import load_hf_moe
+from moe.hf.common import read_config
 from train.data import packing, tfds_corpus
-from train.errors import UserError
 
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|im_end|>", "<eos>", "<|end_of_text|>")
 

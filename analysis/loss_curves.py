@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from analysis.figures import plt, save, smooth
+from moe.errors import UserError, exit_with, os_error
 from rundir import RunDir
 from rundir.metrics import read_rows
 from train.cli import ArgParser
-from train.errors import UserError, exit_with, os_error
 
 VAL_PREFIX = "val/loss/"
 

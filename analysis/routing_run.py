@@ -21,9 +21,9 @@ from flax import nnx
 from tqdm import tqdm  # text bar: tqdm.auto warns in a notebook without ipywidgets
 
 from analysis.routing_stats import RoutingAccumulator, SaturationAccumulator
+from moe.errors import UserError
 from rundir import Run
 from train import inputs
-from train.errors import UserError
 
 # Punctuation, function words and the newline, frequent in the bundled corpus (routing.json n over its whole
 # validation split: "\n" 6,620, "," 6,109, " the" 5,333, "." 5,205, " of" 3,354, ":" 923; "what" was 3), so a

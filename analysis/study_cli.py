@@ -6,8 +6,8 @@ from pathlib import Path
 
 import jax
 
+from moe.errors import UserError, exit_with, os_error
 from train.cli import ArgParser
-from train.errors import UserError, exit_with, os_error
 
 
 class Interrupted(Exception):

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import PRESETS, comma_subset, describe, preset, table, time_fns
-from moe import experts
+from moe import kernels
 from train import host_memory
 
 LIBRARIES = {
@@ -62,9 +62,9 @@ def cases(name: str, n_experts: int) -> list[tuple[str, object, tuple, float, st
          (x_ExCxD, w_ExDxF), 2 * E * C * D * F, flat),
         (flat, lambda x, w: x.reshape(-1, D) @ w[0], (x_ExCxD, w_ExDxF), 2 * E * C * D * F, None),
         (f"experts' SwiGLU fwd + bwd, {E} x {C} rows",
-         jax.grad(lambda x, *w: experts.swiglu_batched(x, *w)[0].sum(), argnums=(0, 1, 2, 3)), (x_ExCxD, *ws),
+         jax.grad(lambda x, *w: kernels.swiglu_batched(x, *w)[0].sum(), argnums=(0, 1, 2, 3)), (x_ExCxD, *ws),
          6 * E * C * 3 * D * F, dense_ffn),
-        (dense_ffn, jax.grad(lambda x, *w: experts.swiglu(x, *w).sum(), argnums=(0, 1, 2, 3)),
+        (dense_ffn, jax.grad(lambda x, *w: kernels.swiglu(x, *w).sum(), argnums=(0, 1, 2, 3)),
          (rand(7, (T, D)), *dense), 6 * T * 3 * D * K * F, None),
     ]
 

@@ -37,7 +37,7 @@ import jax
 
 from benchmarks import kernel_accuracy, moe_layer, profile_step, train_step
 from benchmarks.common import add_remat_flag, add_scan_layers_flag, describe, remat_settings, table
-from moe import grouped_kernels
+from moe.kernels import tokamax_swiglu
 from train.flops import measure_peak_flops
 
 SECTIONS = ("tests", "accuracy", "train", "layer", "fallback", "profile")
@@ -48,7 +48,7 @@ def _grouped_choices() -> list[str]:
     """The grouped matmuls worth timing, `auto`'s GPU choice first: `slab` (batched matmuls on slabs, exact; the
     fastest train step on an H200), tokamax's kernels when installed, XLA's ragged_dot last (slowest there, and
     minutes per row at 64 experts)."""
-    return ["slab"] + (["tokamax"] if grouped_kernels.available() else []) + ["ragged_dot"]
+    return ["slab"] + (["tokamax"] if tokamax_swiglu.available() else []) + ["ragged_dot"]
 
 
 def save_target_config(out: str) -> str:

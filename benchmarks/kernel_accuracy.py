@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import describe, table
-from moe import experts, grouped_kernels
+from moe import kernels
+from moe.kernels import tokamax_swiglu
 
 OUTPUTS = ("y", "d/dx", "d/dw_gate", "d/dw_up", "d/dw_down")
 # Mosaic-GPU copies rows with TMA, whose strides must be multiples of 16 bytes: 128-wide rows.
@@ -60,7 +61,7 @@ def relative_errors(fn, sizes, x, ws) -> np.ndarray:
     """Per output (OUTPUTS), max |fn - truth| / max |truth|; truth: the fp32 ragged_dot on the same inputs (bf16
     values are exact in fp32) at full precision. NaN where fn's output is not finite."""
     (_, got_grads), got_y = value_and_grads(fn, sizes, x, ws)
-    (_, true_grads), true_y = value_and_grads(experts.grouped_swiglu_ragged, sizes, x.astype(jnp.float32),
+    (_, true_grads), true_y = value_and_grads(kernels.grouped_swiglu_ragged, sizes, x.astype(jnp.float32),
                                               tuple(w.astype(jnp.float32) for w in ws))
     f32 = lambda a: np.asarray(a, np.float32)
     return np.array([np.abs(f32(a) - f32(b)).max() / np.abs(f32(b)).max()
@@ -70,8 +71,8 @@ def relative_errors(fn, sizes, x, ws) -> np.ndarray:
 def grouped_swiglu(name: str):
     """A grouped matmul by `execution.grouped_matmul` name, or `tokamax:<implementation>` for one of tokamax's."""
     if name.startswith("tokamax:"):
-        return functools.partial(grouped_kernels.grouped_swiglu_tokamax, implementation=name.split(":", 1)[1])
-    return experts.grouped_swiglu_for(name)
+        return functools.partial(tokamax_swiglu.grouped_swiglu_tokamax, implementation=name.split(":", 1)[1])
+    return kernels.grouped_swiglu_for(name)
 
 
 def rows(names: list[str], dtype=jnp.bfloat16) -> list[dict]:
@@ -87,7 +88,7 @@ def rows(names: list[str], dtype=jnp.bfloat16) -> list[dict]:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    default = "slab,tokamax:xla" if grouped_kernels.available() else "slab"
+    default = "slab,tokamax:xla" if tokamax_swiglu.available() else "slab"
     ap.add_argument("--grouped", default=default,
                     help=f"grouped matmuls to compare with ragged_dot (default {default}; tokamax:mosaic, "
                          "tokamax:triton for its GPU kernels)")

@@ -5,7 +5,7 @@ active FLOPs (width top_k * moe_d_ff), at n_routed_experts = 8 and 64 (fixed top
     python -m benchmarks.moe_layer --preset gpu --grouped_matmul ragged_dot,blocked
     # against an older experts.py (e.g. `git show REV:moe/experts.py > /tmp/experts_before.py`), same process:
     python -m benchmarks.moe_layer --preset cpu --baseline_experts /tmp/experts_before.py --steps 15
-    # other pure-slab sizes than grouped_slab.SLAB_FACTORS (multiples of the mean rows per expert), no spill layouts:
+    # other pure-slab sizes than slab.SLAB_FACTORS (multiples of the mean rows per expert), no spill layouts:
     python -m benchmarks.moe_layer --preset cpu --dispatch dropless --grouped_matmul slab,slab:1.25/1.5/2
     # on a GPU, slab's spill layouts (the CPU default) against its pure slabs (the GPU default):
     python -m benchmarks.moe_layer --preset gpu --dispatch dropless --grouped_matmul slab,slab:spill
@@ -43,13 +43,14 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import arg_parser, describe, dispatch_list, preset, table, time_fns, variants
-from moe import expert_parallel, experts, grouped_slab, router
+from moe import expert_parallel, experts, kernels, router
+from moe.kernels import slab
 from train import host_memory
 
 
 def _expert_matmuls(*args):
     """The experts' batched SwiGLU on given slabs, no dispatch: its output only."""
-    return experts.swiglu_batched(*args)[0]
+    return kernels.swiglu_batched(*args)[0]
 
 
 def _grouped(name: str):
@@ -63,17 +64,17 @@ def _grouped(name: str):
     name, _, fallback = name.partition("@")
     fallback_block = int(fallback) if fallback else None
     if name == "slab:spill512":  # GPU-sized spill blocks beside the GPU's pure slabs: the next GPU A/B
-        return functools.partial(grouped_slab.grouped_swiglu_slab, fractions=GPU_SPILL_FRACTIONS,
-                                 factors=grouped_slab.NO_SPILL_SLAB_FACTORS, block=512, fallback_block=fallback_block)
+        return functools.partial(slab.grouped_swiglu_slab, fractions=GPU_SPILL_FRACTIONS,
+                                 factors=slab.NO_SPILL_SLAB_FACTORS, block=512, fallback_block=fallback_block)
     if name == "slab:spill":
-        return functools.partial(grouped_slab.grouped_swiglu_slab, fractions=grouped_slab.SPILL_FRACTIONS,
-                                 factors=grouped_slab.SLAB_FACTORS, fallback_block=fallback_block)
+        return functools.partial(slab.grouped_swiglu_slab, fractions=slab.SPILL_FRACTIONS,
+                                 factors=slab.SLAB_FACTORS, fallback_block=fallback_block)
     if name.startswith("slab:"):
         factors = tuple(float(f) for f in name[len("slab:"):].split("/"))
-        return functools.partial(grouped_slab.grouped_swiglu_slab, fractions=(), factors=factors,
-                                 block=grouped_slab.NO_SPILL_BLOCK, fallback_block=fallback_block)
+        return functools.partial(slab.grouped_swiglu_slab, fractions=(), factors=factors,
+                                 block=slab.NO_SPILL_BLOCK, fallback_block=fallback_block)
     if fallback_block:
-        return functools.partial(grouped_slab.grouped_swiglu_slab, fallback_block=fallback_block)
+        return functools.partial(slab.grouped_swiglu_slab, fallback_block=fallback_block)
     return name
 
 
@@ -108,7 +109,7 @@ def _permute(dispatch: str) -> str:
 def _identity_grouped(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, row_scale=None):
     """A stand-in grouped SwiGLU that does no matmul (its rows times their scales, the gates): with it `dropless`
     times its dispatch alone."""
-    return experts.scale_rows(x_NxD, row_scale)
+    return kernels.scale_rows(x_NxD, row_scale)
 
 
 ROUTINGS = ("random", "balanced", "skewed")
@@ -181,7 +182,7 @@ def bench(name: str, n_experts: int, dispatches, grouped_matmuls=("auto",), capa
         rows.append({"path": name, "grouped matmul": grouped, "routing": routing,
                      "MaxVio": "-" if maxvio is None else round(maxvio, 3), "experts": n_experts, "tokens": T})
 
-    lays = grouped_slab.layouts(T * K, n_experts, *grouped_slab.default_layout_sets(jax.default_backend()))
+    lays = slab.layouts(T * K, n_experts, *slab.default_layout_sets(jax.default_backend()))
     for routing in routings:
         bias = jnp.zeros(n_experts, jnp.float32)
         if routing == "balanced":  # fitted on other batches of the same distribution, timed on this one
@@ -202,7 +203,7 @@ def bench(name: str, n_experts: int, dispatches, grouped_matmuls=("auto",), capa
                 lambda x, wg, wu, wd, ids, gates, fn=fn: fn(x, ids, gates, wg, wu, wd),
                 x, *ws, ids, gates, routing=routing, maxvio=maxvio)
         # The slabs of the layout `slab` picks for this routing (its spill blocks left out): what imbalance adds.
-        C, S, b = next(lay for lay in lays if grouped_slab.fits(sizes, lay))
+        C, S, b = next(lay for lay in lays if slab.fits(sizes, lay))
         if C:
             xs = jax.random.normal(ks[0], (n_experts, C, D), dt)
             add(f"expert matmuls alone, {C} rows each (this routing's slabs; + {S} spill blocks of {b})", "-",
@@ -218,7 +219,7 @@ def bench(name: str, n_experts: int, dispatches, grouped_matmuls=("auto",), capa
         add(f"dropless ({baseline_experts})", "blocked",
             lambda x, wg, wu, wd, ids, gates: old.dropless(x, ids, gates, wg, wu, wd, grouped="blocked"), x, *ws,
             ids, gates, routing=routings[-1], maxvio=maxvio)
-    add("dense FFN (same active FLOPs)", "-", experts.swiglu, x, *dense)
+    add("dense FFN (same active FLOPs)", "-", kernels.swiglu, x, *dense)
     for r, s in zip(rows, time_fns(calls, steps or p["steps"])):
         r.update({"ms": s * 1e3, "TFLOP/s": flops / s / 1e12})
     base = rows[-1]["ms"]

@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import describe, table
+from moe.errors import UserError, exit_with
 from train import host_memory
 from train.cli import config_from_argv
-from train.errors import UserError, exit_with
 
 
 def expert_config(base, n_experts: int, steps: int):

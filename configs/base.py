@@ -57,7 +57,7 @@ def base_config() -> ml_collections.ConfigDict:
         # equal-targets control: loss on every token's *positions* but no more targets per step than output-only)
         equal_targets=False,
         balance_loss_weight=1e-4,  # alpha of the sequence-wise balance loss; 0 turns it off
-        # JAX's persistent compilation cache (train/compile_cache.py): a run that builds the same programs (a
+        # JAX's persistent compilation cache (rundir/compile_cache.py): a run that builds the same programs (a
         # resume, another seed) loads them from here; "" turns it off. JAX_COMPILATION_CACHE_DIR, when set, wins.
         # The run's readers cache in the default directory (or nowhere when this is "").
         compile_cache_dir="~/.cache/moe-lm/jax",

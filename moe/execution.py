@@ -59,8 +59,8 @@ class Execution:
     dispatch: str = "dropless"  # see the module docstring
     capacity_factor: float = 1.25  # capacity / expert_parallel: slots per expert (1.0 = a perfectly even load)
     # The grouped matmul of the dropless and expert-parallel modes: ragged_dot (jax.lax.ragged_dot), blocked (rows
-    # padded to 64-row blocks, batched matmuls), slab (per-expert slabs + spill blocks; moe/grouped_slab.py),
-    # tokamax (Pallas kernels, optional package; moe/grouped_kernels.py), auto (slab on CPU, where XLA lowers
+    # padded to 64-row blocks, batched matmuls), slab (per-expert slabs + spill blocks; moe/kernels/slab.py),
+    # tokamax (Pallas kernels, optional package; moe/kernels/tokamax_swiglu.py), auto (slab on CPU, where XLA lowers
     # ragged_dot densely; else ragged_dot). See docs/performance.md.
     grouped_matmul: str = "auto"
     permute_grad: str = "auto"  # dropless / expert_parallel dispatch: PERMUTE_GRADS above

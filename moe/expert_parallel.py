@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from moe import experts
+from moe import experts, kernels
 
 TOKEN_AXES = ("data", "fsdp", "expert")  # the token axis of x/ids/gates inside the shard_map
 
@@ -52,7 +52,7 @@ def local_dispatch(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_E
                    tensor_axis: str | None = None, permute: str = "auto"):
     """One device's part (inside shard_map; ids are global expert ids, weights the E_l local experts).
     Returns (y_TxD, keep_TxK). With axis_name None (one shard) there is no exchange. grouped_matmul: see
-    experts.grouped_swiglu_for; rows past sum(group sizes) are padding and come out zero in both.
+    kernels.grouped_swiglu_for; rows past sum(group sizes) are padding and come out zero in both.
     tensor_axis: the weights hold this device's slice of the expert width F (Megatron style), so the expert
     outputs are partial sums, added up over that axis. permute: how the backward pass moves the permuted rows
     (experts.permute_for: scatter-adds or gathers)."""
@@ -66,8 +66,8 @@ def local_dispatch(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_E
     # By destination shard, then by top-k rank, then by token: when a destination's C rows overflow, the copies
     # dropped are the latest choices (as in capacity dispatch), not whichever experts sort last.
     rank_N = jnp.arange(N) % K
-    order_N = experts.saved(jnp.argsort((flat_ids_N // El) * K + rank_N, stable=True))
-    inverse_N = experts.saved(jnp.argsort(order_N))
+    order_N = kernels.saved(jnp.argsort((flat_ids_N // El) * K + rank_N, stable=True))
+    inverse_N = kernels.saved(jnp.argsort(order_N))
     ids_N = flat_ids_N[order_N]
     dest_N = ids_N // El
     counts_P = (dest_N[:, None] == jnp.arange(Pn)).sum(0)
@@ -82,19 +82,19 @@ def local_dispatch(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_E
 
     # Kept under remat_policy="save_moe" (with the sorts and the returned rows): its backward pass exchanges no rows
     # that the forward pass already sent.
-    recv_PxCxD, recv_ids_PxC = experts.saved(exchange(send_PxCxD)), experts.saved(exchange(send_ids_PxC))
+    recv_PxCxD, recv_ids_PxC = kernels.saved(exchange(send_PxCxD)), kernels.saved(exchange(send_ids_PxC))
     M = Pn * C
     rids_M = recv_ids_PxC.reshape(M)
-    order_M = experts.saved(jnp.argsort(rids_M, stable=True))  # padding rows (id El) last, outside every group
-    inverse_M = experts.saved(jnp.argsort(order_M))
+    order_M = kernels.saved(jnp.argsort(rids_M, stable=True))  # padding rows (id El) last, outside every group
+    inverse_M = kernels.saved(jnp.argsort(order_M))
     gs_E = (rids_M[:, None] == jnp.arange(El)).sum(0).astype(jnp.int32)
-    grouped_fn = experts.grouped_swiglu_for(grouped_matmul)
+    grouped_fn = kernels.grouped_swiglu_for(grouped_matmul)
     y_sorted_MxD = grouped_fn(experts.take_rows(recv_PxCxD.reshape(M, D), order_M, inverse_M, permute), gs_E,
                               w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
     if tensor_axis is not None:
         y_sorted_MxD = jax.lax.psum(y_sorted_MxD, tensor_axis)
     y_PxCxD = experts.take_rows(y_sorted_MxD, inverse_M, order_M, permute).reshape(Pn, C, D)
-    back_PxCxD = experts.saved(exchange(y_PxCxD))
+    back_PxCxD = kernels.saved(exchange(y_PxCxD))
 
     y_NxD = back_PxCxD[dest_N, jnp.minimum(slot_N, C - 1)] * keep_N[:, None].astype(x_TxD.dtype)
     y_TxKxD = experts.take_rows(y_NxD, inverse_N, order_N, permute).reshape(T, K, D)

@@ -1,7 +1,6 @@
 """Routed-expert computation: sum_k g_{t,k} * SwiGLU_{e_{t,k}}(x_t).
 
-`dropless` is the fast path (sort token copies by expert, grouped matmul: per-expert slabs + batched matmuls on CPU
-and GPU, `jax.lax.ragged_dot` on TPU);
+`dropless` is the fast path (sort token copies by expert, then a grouped SwiGLU backend from moe/kernels/);
 `capacity` is GShard-style (one-hot dispatch/combine einsums around batched matmuls, at most C tokens per
 expert and group, the rest dropped); `reference` is the plain loop over experts both are tested against. All take
   x_TxD, ids_TxK (chosen experts), gates_TxK (fp32), and expert weights w_gate/w_up [E,D,F], w_down [E,F,D].
@@ -13,20 +12,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 
-# The name of the routed experts' residuals: what a block rematerialized with execution.remat_policy="save_moe"
-# keeps (moe/model.py). The rest of the block (attention, norms, router, shared experts) is recomputed.
-SAVED = "moe_experts"
-
-
-def saved(x):
-    """x named as a routed-expert residual (a no-op unless a remat policy saves the name)."""
-    return checkpoint_name(x, SAVED)
-
-
-def swiglu(x, w_gate, w_up, w_down):
-    return jnp.dot(jax.nn.silu(jnp.dot(x, w_gate)) * jnp.dot(x, w_up), w_down)
+from moe import platform
+from moe.kernels import grouped_swiglu_for, saved, swiglu
 
 
 def reference(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
@@ -38,124 +26,6 @@ def reference(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
         out_TxD = swiglu(x_TxD, w_gate_ExDxF[e], w_up_ExDxF[e], w_down_ExFxD[e])
         y_TxD = y_TxD + g_T[:, None] * out_TxD.astype(jnp.float32)
     return y_TxD.astype(x_TxD.dtype)
-
-
-def scale_rows(h_xF, scale_x):
-    """h's rows times their scales (fp32, one per row: h's shape without its last axis; None: h as is), multiplied
-    in fp32 and rounded once to h's dtype: the gates applied to each row's SwiGLU product before the down
-    projection (`dropless`)."""
-    if scale_x is None:
-        return h_xF
-    return (h_xF.astype(jnp.float32) * scale_x[..., None]).astype(h_xF.dtype)
-
-
-def grouped_swiglu_ragged(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, row_scale=None):
-    """SwiGLU of expert e on rows of group e (rows sorted by expert) with `jax.lax.ragged_dot`; row_scale (fp32
-    [N], or None) scales each row's product before the down projection (`scale_rows`)."""
-    a_NxF = saved(jax.lax.ragged_dot(x_NxD, w_gate_ExDxF, group_sizes_E))
-    h_NxF = jax.nn.silu(a_NxF) * saved(jax.lax.ragged_dot(x_NxD, w_up_ExDxF, group_sizes_E))
-    return jax.lax.ragged_dot(scale_rows(h_NxF, row_scale), w_down_ExFxD, group_sizes_E)
-
-
-def swiglu_batched(x_BxSxD, w_gate_BxDxF, w_up_BxDxF, w_down_BxFxD, scale=None):
-    """Batched SwiGLU (b: an expert's slab, a padded block with its expert's weights, ...): (y, and the gate and
-    up pre-activations, which hand-written backward passes save instead of recomputing them). scale: the rows'
-    scales [B, S] of their product before the down projection (`scale_rows`; None: 1)."""
-    a_BxSxF = saved(jnp.einsum("bsd,bdf->bsf", x_BxSxD, w_gate_BxDxF))
-    b_BxSxF = saved(jnp.einsum("bsd,bdf->bsf", x_BxSxD, w_up_BxDxF))
-    h_BxSxF = scale_rows(jax.nn.silu(a_BxSxF) * b_BxSxF, scale)
-    return jnp.einsum("bsf,bfd->bsd", h_BxSxF, w_down_BxFxD), a_BxSxF, b_BxSxF
-
-
-def positions_per_end(ends_G, n: int):
-    """For each position r in [0, n): how many of the ascending ends_G are <= r (== jnp.searchsorted(ends_G,
-    arange(n), side="right")), by a cumsum over n positions of E marks. searchsorted's default method is a
-    while loop of log2(E) steps, which the H200 profile of the train step listed among its largest XLA ops
-    (docs/performance.md, GPU run 6); on XLA:CPU this costs 0.7-0.8 ms at 196,608 rows, searchsorted 0.6-2.0."""
-    marks = jnp.zeros(n + 1, jnp.int32).at[jnp.clip(ends_G, 0, n)].add(1)
-    return jnp.cumsum(marks)[:n]
-
-
-def _group_of_rows(sizes_G, n_rows: int):
-    """(group_R, offset_R, start_G): group of each of n_rows consecutive rows laid out group after group (the
-    number of groups for rows past the last group) and its row within its group."""
-    end_G = jnp.cumsum(sizes_G)
-    start_G = end_G - sizes_G
-    group_R = positions_per_end(end_G, n_rows)
-    offset_R = jnp.arange(n_rows) - jnp.append(start_G, end_G[-1])[group_R]
-    return group_R, offset_R, start_G
-
-
-def grouped_swiglu_blocked(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, block: int = 64,
-                           row_scale=None):
-    """The same grouped SwiGLU with plain batched matmuls: each expert's rows are padded to whole blocks of
-    `block` rows and every block is multiplied by its expert's weights (gathered per block).
-
-    Exact, like ragged_dot, for any group sizes, at the cost of a static bound of N + E * (block - 1) rows
-    computed and one weight gather per block (a scatter-add in the backward pass). `slab` (moe/grouped_slab.py)
-    puts most rows in per-expert slabs with the weights in place and only the rest in such blocks. (A version
-    moving rows by gathers instead of the scatter below measured 1.3x slower at 64 experts on XLA:CPU under
-    autodiff, whose backward then scatter-adds: kept as is. `slab`'s hand-written VJP gathers both ways, and
-    there gathers are the faster: docs/performance.md, "sixth session".)
-    """
-    N, D = x_NxD.shape
-    ws = (w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
-    n_blocks, dest_N, used_N, expert_B = padded_blocks(group_sizes_E, N, block)
-    x_BxSxD = jnp.zeros((n_blocks * block, D), x_NxD.dtype).at[dest_N].set(x_NxD).reshape(n_blocks, block, D)
-    scale = None
-    if row_scale is not None:
-        scale = jnp.zeros(n_blocks * block, jnp.float32).at[dest_N].set(row_scale).reshape(n_blocks, block)
-    y_BxSxD = swiglu_batched(x_BxSxD, *(w[expert_B] for w in ws), scale=scale)[0]
-    return jnp.where(used_N[:, None], y_BxSxD.reshape(n_blocks * block, D)[dest_N], 0)
-
-
-def padded_blocks(group_sizes_E, N: int, block: int):
-    """The padded-block layout of N sorted rows: (n_blocks, dest_N, used_N, expert_B). Each expert's rows are
-    padded to whole blocks; dest_N is sorted row n's padded slot, used_N whether it is in a group (rows past
-    sum(group_sizes), which ragged_dot allows, form a last, unpadded group whose output the caller zeroes),
-    expert_B the expert of each block (trailing empty blocks: the last expert's; their rows stay zero)."""
-    E = group_sizes_E.shape[0]
-    n_blocks = -(-(N + E * (block - 1)) // block)  # static bound on sum_e ceil(size_e / block)
-    sizes_G = jnp.concatenate([group_sizes_E, (N - group_sizes_E.sum())[None]])
-    padded_G = (-(-sizes_G // block) * block).at[E].set(sizes_G[E])
-    start_G = jnp.cumsum(sizes_G) - sizes_G
-    padded_start_G = jnp.cumsum(padded_G) - padded_G
-    group_N = jnp.repeat(jnp.arange(E + 1), sizes_G, total_repeat_length=N)
-    dest_N = padded_start_G[group_N] + jnp.arange(N) - start_G[group_N]
-    # Block b belongs to the expert whose padded range holds its first row.
-    # (The padded ends are whole blocks: counting them per block index is searchsorted at the blocks' first rows.)
-    expert_B = jnp.minimum(positions_per_end(jnp.cumsum(padded_G[:E]) // block, n_blocks), E - 1)
-    return n_blocks, dest_N, group_N < E, expert_B
-
-
-def _slab(*args, **kw):
-    from moe.grouped_slab import grouped_swiglu_slab  # own file: the exact balanced-routing fast path
-
-    return grouped_swiglu_slab(*args, **kw)
-
-
-def _tokamax(*args, **kw):
-    from moe.grouped_kernels import grouped_swiglu_tokamax  # optional dependency, imported on use
-
-    return grouped_swiglu_tokamax(*args, **kw)
-
-
-GROUPED_SWIGLU = {"ragged_dot": grouped_swiglu_ragged, "blocked": grouped_swiglu_blocked,
-                  "slab": _slab, "tokamax": _tokamax}
-
-
-def grouped_swiglu_for(grouped_matmul: str = "auto"):
-    """The grouped SwiGLU by name (`execution.grouped_matmul`). auto, by measurement (docs/performance.md): `slab`
-    on CPU (XLA:CPU lowers ragged_dot -- and tokamax, whose only CPU implementation is ragged_dot -- densely over
-    all experts) and on GPU (H200, configs/gpu_1b.py at 8 experts: train step 265 ms against tokamax's 315 and
-    ragged_dot's 606); `ragged_dot` elsewhere (TPU: not measured). A callable is returned as is (a grouped SwiGLU
-    of the same signature: (x_NxD, group_sizes_E, w_gate, w_up, w_down, row_scale=None), row_scale scaling each
-    row's SwiGLU product before the down projection, as `dropless` passes its gates)."""
-    if callable(grouped_matmul):
-        return grouped_matmul
-    if grouped_matmul == "auto":
-        grouped_matmul = "slab" if jax.default_backend() in ("cpu", "gpu") else "ragged_dot"
-    return GROUPED_SWIGLU[grouped_matmul]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -216,11 +86,8 @@ PERMUTES = ("scatter", "gather")
 
 
 def permute_for(permute: str = "auto") -> str:
-    """`execution.permute_grad` by name; auto, by measurement (docs/performance.md): scatter on CPU (the
-    gathers made the layer 12-16% slower there), gather elsewhere (H200, gpu_1b's widths: the dispatch alone,
-    forward + backward, 0.55 ms against the scatter-adds' 4.05; TPU not measured)."""
-    if permute == "auto":
-        return "scatter" if jax.default_backend() == "cpu" else "gather"
+    """`execution.permute_grad` by name (`auto`: moe.platform's choice)."""
+    permute = platform.choice("permute_grad", permute)
     if permute not in PERMUTES:
         raise ValueError(f"permute {permute!r}: one of auto, {', '.join(PERMUTES)}")
     return permute

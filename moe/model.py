@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moe import experts, layer_scan
+from moe import kernels, layer_scan
 from moe.config import ModelConfig
 from moe.execution import Execution
 from moe.layers import MLP, Attention, RMSNorm, param
@@ -204,7 +204,7 @@ def set_routing_biases(model: Transformer, biases) -> None:
 
 
 # jax.checkpoint's policy per execution.remat_policy (None: save nothing, jax.checkpoint's default).
-REMAT_SAVES = {"full": None, "save_moe": jax.checkpoint_policies.save_only_these_names(experts.SAVED)}
+REMAT_SAVES = {"full": None, "save_moe": jax.checkpoint_policies.save_only_these_names(kernels.SAVED)}
 
 
 def _rematerialized(call, policy: str = "full"):

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moe import expert_parallel, experts, router
+from moe import expert_parallel, experts, kernels, router
 from moe.execution import Execution, check_tokens
 from moe.layers import MLP, param
 
@@ -72,7 +72,7 @@ class MoE(nnx.Module):
             normalize=cfg.norm_topk_prob, score=cfg.router_score)
         # Kept under remat_policy="save_moe" with the experts' rows they index: a router rerun in the backward pass
         # (its bf16 inputs recomputed, maybe fused otherwise) could flip a choice and misalign every saved row.
-        ids_TxK, gates_TxK = experts.saved(ids_TxK), experts.saved(gates_TxK)
+        ids_TxK, gates_TxK = kernels.saved(ids_TxK), kernels.saved(gates_TxK)
         dt = u_BxLxD.dtype
         w = [self.w_gate.value.astype(dt), self.w_up.value.astype(dt), self.w_down.value.astype(dt)]
         routed_TxD, keep_TxK = routed_experts(ex, u_TxD, ids_TxK, gates_TxK, *w, group_size=L)

@@ -23,7 +23,7 @@ from orbax.checkpoint.type_handlers import ArrayHandler
 
 from moe import ConfigError, ModelConfig
 from moe.config import LEGACY_EXECUTION_FIELDS
-from train.errors import UserError
+from moe.errors import UserError
 from train.state import abstract_model, merge_model, split_model
 
 

@@ -20,8 +20,8 @@ import datetime
 import json
 from pathlib import Path
 
+from moe.errors import UserError
 from rundir import atomic
-from train.errors import UserError
 
 MARKER = "moe-run.json"
 FORMAT = "moe-lm run"

@@ -10,7 +10,7 @@ import fcntl
 import os
 import socket
 
-from train.errors import UserError
+from moe.errors import UserError
 
 
 class RunLock:

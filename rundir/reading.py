@@ -7,11 +7,10 @@ from pathlib import Path
 import ml_collections
 import tokenizers
 
-from rundir import checkpoints, metrics
+from moe.errors import UserError
+from rundir import checkpoints, compile_cache, metrics
 from rundir.layout import RunDir
-from train import compile_cache
 from train.cli import migrate
-from train.errors import UserError
 
 # What a reader's user can do about an unwritable cache directory (the reading commands take no config flags).
 READER_FIX = ("set JAX_COMPILATION_CACHE_DIR to a writable directory, or JAX_ENABLE_COMPILATION_CACHE=false to read "

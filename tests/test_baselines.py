@@ -13,9 +13,9 @@ from scipy import stats
 
 from analysis import baselines, specialization
 from moe import RoutingBias
+from moe.errors import UserError
 from rundir import open_run
 from tests.conftest import tiny_config
-from train.errors import UserError
 
 
 def _record(ids_BxLxK, domains_BxL, n_experts):

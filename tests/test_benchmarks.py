@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks import common, moe_layer, train_step
-from moe import grouped_slab, router
+from moe import kernels, router
+from moe.kernels import slab
 
 
 def test_variants_cover_grouped_matmuls_only_where_they_apply():
@@ -108,22 +109,21 @@ def test_skewed_routing_loads_64_experts_past_every_gpu_slab():
 
 
 def test_slab_factor_variants_reach_the_grouped_matmul():
-    from moe import experts
 
     fn = moe_layer._grouped("slab:1.25/1.5/1.75/2")  # pure slabs only: no spill layouts
     assert fn.keywords == {"fractions": (), "factors": (1.25, 1.5, 1.75, 2.0), "block": 64, "fallback_block": None}
-    assert experts.grouped_swiglu_for(fn) is fn
+    assert kernels.grouped_swiglu_for(fn) is fn
     assert moe_layer._grouped("blocked") == "blocked"
     spill = moe_layer._grouped("slab:spill")  # the CPU layouts on any backend: the GPU A/B
-    assert spill.keywords == {"fractions": grouped_slab.SPILL_FRACTIONS, "factors": grouped_slab.SLAB_FACTORS,
+    assert spill.keywords == {"fractions": slab.SPILL_FRACTIONS, "factors": slab.SLAB_FACTORS,
                               "fallback_block": None}
     # @B: the fallback's block rows (the GPU's 512 against the 64 it had before)
     assert moe_layer._grouped("slab:1.25/1.5/2@64").keywords["fallback_block"] == 64
     assert moe_layer._grouped("slab@64").keywords == {"fallback_block": 64}
     spill512 = moe_layer._grouped("slab:spill512").keywords
-    assert spill512["block"] == 512 and spill512["factors"] == grouped_slab.NO_SPILL_SLAB_FACTORS
+    assert spill512["block"] == 512 and spill512["factors"] == slab.NO_SPILL_SLAB_FACTORS
     # its spill layouts sit after the 1.25x slab: a balanced routing's layout is the GPU default's
-    lays = grouped_slab.layouts(196608, 64, spill512["fractions"], spill512["factors"], 512, 512)
+    lays = slab.layouts(196608, 64, spill512["fractions"], spill512["factors"], 512, 512)
     assert lays == ((3840, 0, 512), (3072, 96, 512), (4608, 0, 512), (6144, 0, 512), (7680, 0, 512), (9216, 0, 512),
                     (0, 448, 512))
 

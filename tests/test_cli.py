@@ -4,10 +4,10 @@ chosen --config; overrides are parsed by the key's type."""
 import pytest
 
 from analysis import experiments, loss_curves, rank, routing
+from moe.errors import UserError
 from train import __main__ as train_cli
 from train import export, generate
 from train.cli import apply_override, load_config_file
-from train.errors import UserError
 
 CLIS = {"train": lambda a: train_cli.main(["train", *a]), "analysis.experiments": lambda a: experiments.main(["x", *a]),
         "analysis.routing": routing.main, "analysis.rank": rank.main, "analysis.loss_curves": loss_curves.main,

@@ -1,4 +1,4 @@
-"""train/compile_cache.py: JAX's persistent compilation cache, on for training runs; a re-run loads its programs."""
+"""rundir/compile_cache.py: JAX's persistent compilation cache, on for training runs; a re-run loads its programs."""
 
 import json
 import os
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from configs.base import base_config
-from train import compile_cache
+from rundir import compile_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = """
 import json, os, sys
 import jax, jax.numpy as jnp
-from train import compile_cache
+from rundir import compile_cache
 tmp, notes = sys.argv[1], []
 blocked = os.path.join(tmp, "a_file")
 open(blocked, "w").close()

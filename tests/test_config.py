@@ -6,12 +6,12 @@ import pytest
 
 from configs.base import base_config
 from moe import ConfigError, Execution, ModelConfig, sharding
+from moe.errors import UserError
 from moe.execution import DISPATCH_MODES, check_model, check_tokens, execution_fields
 from rundir.checkpoints import check_compatible
 from tests.conftest import tiny_config
 from train.cli import migrate, pre_split_layout, unknown_key_error
 from train.config import causality_warning, check
-from train.errors import UserError
 
 
 @pytest.mark.parametrize("changes,field", [

@@ -5,9 +5,9 @@ import itertools
 import numpy as np
 import pytest
 
+from moe.errors import UserError
 from train.data.packing import PackedSampler, TokenCache, eval_batches, iterate, prefix_rows, token_cache
 from train.data.tokenizer import EOS_ID, PAD_ID
-from train.errors import UserError
 
 L = 16
 

@@ -12,7 +12,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe import Execution, ModelConfig, expert_parallel, experts, grouped_slab, router, sharding
+from moe import Execution, ModelConfig, expert_parallel, experts, router, sharding
+from moe.kernels import slab
 from moe.moe_layer import MoE
 
 T, D, E, F, K = 64, 12, 8, 10, 3
@@ -47,11 +48,11 @@ def _assert_close(got, want):
 
 
 # What a GPU runs, on this CPU: slab's pure slabs and large fallback blocks with one-hot weight-gradient sums, and
-# rows moved backward by gathers (moe/grouped_slab.py default_layout_sets / weight_sum_for, experts.permute_for).
+# rows moved backward by gathers (moe/kernels/slab.py default_layout_sets / weight_sum_for, experts.permute_for).
 # These routings fit a pure slab (top-3 of 8 experts: at most 2.7x the mean rows), so the fallback alone (every row
 # in blocks; factors=()) is tested too.
-GPU_SLAB = functools.partial(grouped_slab.grouped_swiglu_slab, fractions=(), factors=grouped_slab.NO_SPILL_SLAB_FACTORS,
-                             block=grouped_slab.NO_SPILL_BLOCK, fallback_block=0, weight_sum="matmul")
+GPU_SLAB = functools.partial(slab.grouped_swiglu_slab, fractions=(), factors=slab.NO_SPILL_SLAB_FACTORS,
+                             block=slab.NO_SPILL_BLOCK, fallback_block=0, weight_sum="matmul")
 GPU_FALLBACK = functools.partial(GPU_SLAB, factors=())
 
 PATHS = {

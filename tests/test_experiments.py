@@ -8,8 +8,8 @@ import pytest
 
 from analysis.experiments import Interrupted, compare_masks, fingerprint, parse_flags, variant_name
 from analysis.experiments_report import bootstrap_ci
+from moe.errors import UserError
 from tests.conftest import pipeline_config, tiny_config
-from train.errors import UserError
 
 
 def test_bootstrap_ci():

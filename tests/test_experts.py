@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe import experts, router
+from moe import experts, kernels, router
 
 
 def _inputs(seed=0, T=40, D=12, E=8, F=10, K=3):
@@ -47,8 +47,8 @@ def test_dropless_with_empty_experts():
 def test_blocked_and_ragged_grouped_matmuls_agree_with_reference():
     """Both dropless grouped-matmul implementations (whichever the backend picks), values and gradients."""
     x, w_router, ws, K = _inputs(seed=2, T=70)
-    for grouped in (experts.grouped_swiglu_ragged,
-                    lambda *a, **kw: experts.grouped_swiglu_blocked(*a, block=8, **kw)):  # small blocks: many boundaries
+    for grouped in (kernels.grouped_swiglu_ragged,
+                    lambda *a, **kw: kernels.grouped_swiglu_blocked(*a, block=8, **kw)):  # small blocks: many boundaries
         fn = lambda *a, g=grouped: experts.dropless(*a, grouped=g)
         _, ids, gates = router.route(x, w_router, jnp.zeros(8), top_k=K)
         np.testing.assert_allclose(fn(x, ids, gates, *ws), experts.reference(x, ids, gates, *ws),
@@ -62,8 +62,8 @@ def test_blocked_and_ragged_grouped_matmuls_agree_with_reference():
 def test_blocked_grouped_matmul_zeroes_padding_rows_like_ragged_dot():
     x, _, ws, _ = _inputs(seed=3, T=30)
     sizes = jnp.asarray([5, 0, 7, 3, 0, 0, 6, 1], jnp.int32)  # 22 of 30 rows belong to a group
-    ragged = experts.grouped_swiglu_ragged(x, sizes, *ws)
-    blocked = experts.grouped_swiglu_blocked(x, sizes, *ws, block=4)
+    ragged = kernels.grouped_swiglu_ragged(x, sizes, *ws)
+    blocked = kernels.grouped_swiglu_blocked(x, sizes, *ws, block=4)
     np.testing.assert_allclose(blocked, ragged, rtol=1e-5, atol=1e-5)
     assert float(jnp.abs(blocked[22:]).max()) == 0.0
 
@@ -99,4 +99,4 @@ def test_positions_per_end_is_searchsorted():
         ends = np.sort(rng.integers(0, n + 5, E))
         ends[: E // 3] = 0
         want = np.searchsorted(ends, np.arange(n), side="right")
-        np.testing.assert_array_equal(experts.positions_per_end(jnp.asarray(ends), n), want)
+        np.testing.assert_array_equal(kernels.positions_per_end(jnp.asarray(ends), n), want)

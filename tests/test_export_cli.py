@@ -13,10 +13,10 @@ import pytest
 from flax import nnx
 
 import moe
+from moe.errors import UserError
 from rundir import open_run
 from train import export as export_cli
 from train import generate as generate_cli
-from train.errors import UserError
 
 PROMPTS = ["The quick brown fox", "Once upon a time, there"]
 

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from benchmarks import kernel_accuracy
-from moe import experts, grouped_kernels, grouped_slab
+from moe import experts, kernels
+from moe.kernels import slab, tokamax_swiglu
 
 N, D, E, F = 48, 12, 6, 10
 SIZES = {
@@ -35,7 +36,7 @@ _value_and_grads = kernel_accuracy.value_and_grads
 def _assert_matches_ragged_dot(fn, sizes, rtol=1e-5, atol=1e-5):
     x, ws = _inputs()
     (got_loss, got_grads), got_y = _value_and_grads(fn, sizes, x, ws)
-    (want_loss, want_grads), want_y = _value_and_grads(experts.grouped_swiglu_ragged, sizes, x, ws)
+    (want_loss, want_grads), want_y = _value_and_grads(kernels.grouped_swiglu_ragged, sizes, x, ws)
     np.testing.assert_allclose(got_y, want_y, rtol=rtol, atol=atol)
     assert float(jnp.abs(got_y[sum(sizes):]).max(initial=0.0)) == 0.0  # padding rows give exactly 0
     np.testing.assert_allclose(got_loss, want_loss, rtol=rtol, atol=atol)
@@ -44,7 +45,7 @@ def _assert_matches_ragged_dot(fn, sizes, rtol=1e-5, atol=1e-5):
 
 
 def test_slab_layouts_are_static_cheapest_first_ending_with_the_fallback():
-    lays = grouped_slab.layouts(8192, 64)  # the default train step's 2 x 4,096 rows over 64 experts
+    lays = slab.layouts(8192, 64)  # the default train step's 2 x 4,096 rows over 64 experts
     costs = [lay.cost(64) for lay in lays]
     assert costs == sorted(costs)
     assert {lay.block for lay in lays[:-1]} == {32}  # spill blocks: a quarter of the mean 128 rows per expert
@@ -53,50 +54,50 @@ def test_slab_layouts_are_static_cheapest_first_ending_with_the_fallback():
     assert (128, 16, 32) in lays and (160, 0, 32) in lays  # mean slabs + N / 16 spill; a 1.25x slab, no spill
     C, S, b = lays[-1]  # the padded-block fallback: every row in blocks, room for any routing
     assert C == 0 and S * b >= 8192 + 64 * (b - 1)
-    assert grouped_slab.layouts(10, 2, (), (4.0,), block=8)[0].capacity == 10  # never more than N
+    assert slab.layouts(10, 2, (), (4.0,), block=8)[0].capacity == 10  # never more than N
 
 
 def test_spill_layouts_are_the_default_on_cpu_only():
-    assert grouped_slab.default_layout_sets("cpu") == (grouped_slab.SPILL_FRACTIONS, grouped_slab.SLAB_FACTORS, 0,
-                                                       grouped_slab.FALLBACK_BLOCK)
+    assert slab.default_layout_sets("cpu") == (slab.SPILL_FRACTIONS, slab.SLAB_FACTORS, 0,
+                                                       slab.FALLBACK_BLOCK)
     # elsewhere pure slabs of 1.25 / 1.5 / 2 / 2.5 / 3 x the mean 128 rows, all kept, then fallback blocks of 64
     # rows at this size (a quarter of the mean: 32, raised to 64)
-    lays = grouped_slab.layouts(8192, 64, *grouped_slab.default_layout_sets("gpu"))
+    lays = slab.layouts(8192, 64, *slab.default_layout_sets("gpu"))
     assert lays == ((160, 0, 64), (192, 0, 64), (256, 0, 64), (320, 0, 64), (384, 0, 64), (0, 191, 64))
     # configs/gpu_1b.py's 16 x 2048 tokens, top-6: 512-row fallback blocks (compute-bound weight gathers), whose
     # padding stays under N / 4 at 64 experts
     N = 16 * 2048 * 6
     for E in (8, 64):
-        C, S, b = grouped_slab.layouts(N, E, *grouped_slab.default_layout_sets("gpu"))[-1]
+        C, S, b = slab.layouts(N, E, *slab.default_layout_sets("gpu"))[-1]
         assert (C, b) == (0, 512) and S == -(-(N + E * (b - 1)) // b) and E * (b - 1) < N / 4
-    assert grouped_slab.fallback_block_rows(N, 64) == 512 and grouped_slab.fallback_block_rows(6 * 8, 64) == 64
+    assert slab.fallback_block_rows(N, 64) == 512 and slab.fallback_block_rows(6 * 8, 64) == 64
 
 
 def test_a_layout_fits_when_its_spill_blocks_hold_the_rows_past_the_slabs():
     sizes = jnp.asarray([7, 8, 6, 9, 8, 10])  # rows past 8: 0 0 0 1 0 2 -> one 4-row block each for two experts
-    assert bool(grouped_slab.fits(sizes, grouped_slab.Layout(8, 2, 4)))
-    assert not bool(grouped_slab.fits(sizes, grouped_slab.Layout(8, 1, 4)))
-    assert not bool(grouped_slab.fits(sizes, grouped_slab.Layout(9, 0, 4)))
-    assert bool(grouped_slab.fits(sizes, grouped_slab.Layout(10, 0, 4)))
+    assert bool(slab.fits(sizes, slab.Layout(8, 2, 4)))
+    assert not bool(slab.fits(sizes, slab.Layout(8, 1, 4)))
+    assert not bool(slab.fits(sizes, slab.Layout(9, 0, 4)))
+    assert bool(slab.fits(sizes, slab.Layout(10, 0, 4)))
 
 
 @pytest.mark.parametrize("case", sorted(SIZES))
 def test_slab_equals_ragged_dot(case):
-    _assert_matches_ragged_dot(grouped_slab.grouped_swiglu_slab, SIZES[case])
+    _assert_matches_ragged_dot(slab.grouped_swiglu_slab, SIZES[case])
 
 
-LAYOUTS = grouped_slab.layouts(N, E, block=4, fallback_block=4)  # slabs of 8 rows + 1, 2, 3, 6 spill blocks; a 16-row slab; blocks
+LAYOUTS = slab.layouts(N, E, block=4, fallback_block=4)  # slabs of 8 rows + 1, 2, 3, 6 spill blocks; a 16-row slab; blocks
 
 
-@pytest.mark.parametrize("weight_sum", grouped_slab.WEIGHT_SUMS)
+@pytest.mark.parametrize("weight_sum", slab.WEIGHT_SUMS)
 @pytest.mark.parametrize("lay", LAYOUTS, ids=lambda lay: f"C{lay.capacity}-S{lay.spill_blocks}")
 def test_slab_each_layout_equals_ragged_dot(lay, weight_sum):
     """Each layout (slab only, slab + spill, blocks only) through the hand-written VJP: run where it fits the
     routing, the fallback where it does not; every layout fits at least one case. The blocks' weight gradients
     summed per expert by a scatter-add (CPU) or a one-hot matmul (elsewhere)."""
-    layouts_fn = grouped_slab.grouped_swiglu_layouts((lay, LAYOUTS[-1]), weight_sum)
+    layouts_fn = slab.grouped_swiglu_layouts((lay, LAYOUTS[-1]), weight_sum)
     fn = lambda x, gs, *ws: layouts_fn(x, gs, None, *ws)  # no row scales
-    fit = [bool(grouped_slab.fits(jnp.asarray(s), lay)) for s in SIZES.values()]
+    fit = [bool(slab.fits(jnp.asarray(s), lay)) for s in SIZES.values()]
     assert any(fit)
     assert {lay.spill_blocks > 0 for lay in LAYOUTS} == {True, False} and LAYOUTS[-1].capacity == 0
     for sizes in SIZES.values():
@@ -121,7 +122,7 @@ def test_slab_backward_sums_block_weight_gradients_with_an_unsorted_scatter_or_a
     sizes = jnp.asarray(SIZES["skewed"])
 
     def weight_scatters(how):
-        grad = jax.grad(lambda *a: grouped_slab.grouped_swiglu_slab(a[0], sizes, *a[1:], weight_sum=how).sum(),
+        grad = jax.grad(lambda *a: slab.grouped_swiglu_slab(a[0], sizes, *a[1:], weight_sum=how).sum(),
                         argnums=(0, 1, 2, 3))
         scatters = list(_scatters(jax.make_jaxpr(grad)(x, *ws).jaxpr))
         return [e for e in scatters if e.invars[2].aval.ndim == 3]  # [blocks, D, F] updates
@@ -129,9 +130,9 @@ def test_slab_backward_sums_block_weight_gradients_with_an_unsorted_scatter_or_a
     weight_sums = weight_scatters("scatter")
     assert weight_sums and not any(e.params["indices_are_sorted"] for e in weight_sums)
     assert weight_scatters("matmul") == []
-    assert grouped_slab.weight_sum_for("cpu") == "scatter" and grouped_slab.weight_sum_for("gpu") == "matmul"
+    assert slab.weight_sum_for("cpu") == "scatter" and slab.weight_sum_for("gpu") == "matmul"
     with pytest.raises(ValueError, match="weight_sum"):
-        grouped_slab.grouped_swiglu_slab(x, sizes, *ws, weight_sum="atomic")
+        slab.grouped_swiglu_slab(x, sizes, *ws, weight_sum="atomic")
 
 
 @pytest.mark.parametrize("backend", ["cpu", "gpu"])
@@ -141,28 +142,28 @@ def test_slab_in_bf16_is_as_close_to_the_fp32_truth_as_ragged_dot_in_bf16(backen
     error (+25%, +0.02 of the largest entry), and finite. Both errors are ~1% at these inputs, so the slack
     dominates: this catches a wrong row or a precision loss of several bf16 ulps, not an error twice ragged_dot's
     (to tighten once a GPU has rerun it: docs/performance.md, "GPU figures, run 4")."""
-    fractions, factors, block, fallback = grouped_slab.default_layout_sets(backend)
-    slab = functools.partial(grouped_slab.grouped_swiglu_slab, fractions=fractions, factors=factors, block=block,
-                             fallback_block=fallback, weight_sum=grouped_slab.weight_sum_for(backend))
+    fractions, factors, block, fallback = slab.default_layout_sets(backend)
+    slab_fn = functools.partial(slab.grouped_swiglu_slab, fractions=fractions, factors=factors, block=block,
+                                fallback_block=fallback, weight_sum=slab.weight_sum_for(backend))
     x, ws = kernel_accuracy.inputs(jnp.bfloat16)
     for sizes in SIZES.values():
-        got = kernel_accuracy.relative_errors(slab, sizes, x, ws)
-        ref = kernel_accuracy.relative_errors(experts.grouped_swiglu_ragged, sizes, x, ws)
+        got = kernel_accuracy.relative_errors(slab_fn, sizes, x, ws)
+        ref = kernel_accuracy.relative_errors(kernels.grouped_swiglu_ragged, sizes, x, ws)
         assert (got <= 1.25 * ref + 0.02).all(), f"y, dx, dw_gate, dw_up, dw_down: {got} vs ragged_dot {ref}"
 
 
 @pytest.mark.parametrize("lay", [(8, 2, 4), (8, 6, 4), (0, 24, 4), (16, 0, 4)], ids=str)
 def test_layout_autodiff_is_the_twin_of_the_hand_written_gradient(lay):
     """One layout under plain autodiff (its forward maps alone) == ragged_dot where it fits."""
-    lay = grouped_slab.Layout(*lay)
+    lay = slab.Layout(*lay)
     for sizes in SIZES.values():
-        if bool(grouped_slab.fits(jnp.asarray(sizes), lay)):
-            _assert_matches_ragged_dot(functools.partial(grouped_slab.grouped_swiglu_layout, layout=lay), sizes)
+        if bool(slab.fits(jnp.asarray(sizes), lay)):
+            _assert_matches_ragged_dot(functools.partial(slab.grouped_swiglu_layout, layout=lay), sizes)
 
 
 @pytest.mark.parametrize("case", sorted(SIZES))
 def test_blocked_equals_ragged_dot(case):
-    _assert_matches_ragged_dot(functools.partial(experts.grouped_swiglu_blocked, block=4), SIZES[case])
+    _assert_matches_ragged_dot(functools.partial(kernels.grouped_swiglu_blocked, block=4), SIZES[case])
 
 
 def _scaled(fn):
@@ -171,13 +172,13 @@ def _scaled(fn):
 
 
 def _slab_branch(lay):  # one slab layout (its fallback where it does not fit), with row scales, by its own VJP
-    fn = grouped_slab.grouped_swiglu_layouts((lay, LAYOUTS[-1]), grouped_slab.weight_sum_for("cpu"))
+    fn = slab.grouped_swiglu_layouts((lay, LAYOUTS[-1]), slab.weight_sum_for("cpu"))
     return lambda x, gs, *args: fn(x, gs, args[3], *args[:3])
 
 
-SCALED = {"ragged_dot": _scaled(experts.grouped_swiglu_ragged), "slab": _scaled(grouped_slab.grouped_swiglu_slab),
-          "blocked": _scaled(functools.partial(experts.grouped_swiglu_blocked, block=4)),
-          "tokamax": _scaled(grouped_kernels.grouped_swiglu_tokamax),
+SCALED = {"ragged_dot": _scaled(kernels.grouped_swiglu_ragged), "slab": _scaled(slab.grouped_swiglu_slab),
+          "blocked": _scaled(functools.partial(kernels.grouped_swiglu_blocked, block=4)),
+          "tokamax": _scaled(tokamax_swiglu.grouped_swiglu_tokamax),
           **{f"slab_C{lay.capacity}-S{lay.spill_blocks}": _slab_branch(lay) for lay in LAYOUTS}}
 
 
@@ -186,11 +187,11 @@ def test_row_scales_scale_each_rows_output(name):
     """With row_scale (dropless's gates, applied to each row's SwiGLU product before the down projection), every
     grouped SwiGLU is s_n x its unscaled output (the down projection is linear), in values and in the gradients
     of x, the weights and the scales themselves; padding rows still give 0."""
-    if name == "tokamax" and not grouped_kernels.available():
-        pytest.skip(grouped_kernels.INSTALL_HINT)
+    if name == "tokamax" and not tokamax_swiglu.available():
+        pytest.skip(tokamax_swiglu.INSTALL_HINT)
     x, ws = _inputs()
     s = jax.random.uniform(jax.random.key(7), (N,), jnp.float32, 0.1, 2.0)
-    want_fn = lambda x, gs, *args: args[3][:, None] * experts.grouped_swiglu_ragged(x, gs, *args[:3])
+    want_fn = lambda x, gs, *args: args[3][:, None] * kernels.grouped_swiglu_ragged(x, gs, *args[:3])
     for sizes in SIZES.values():
         (got_loss, got_g), got_y = _value_and_grads(SCALED[name], sizes, x, (*ws, s))
         (want_loss, want_g), want_y = _value_and_grads(want_fn, sizes, x, (*ws, s))
@@ -218,12 +219,17 @@ def test_dropless_gates_gradient_equals_the_loop_reference(grouped, permute):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_auto_is_slab_on_cpu_and_gpu():
-    want = "slab" if jax.default_backend() in ("cpu", "gpu") else "ragged_dot"
-    assert experts.grouped_swiglu_for("auto") is experts.GROUPED_SWIGLU[want]
+@pytest.mark.parametrize("platform_name", ["cpu", "cuda", "tpu"])
+def test_auto_is_slab_on_cpu_and_gpu_with_that_platforms_layouts(platform_name):
+    fn = kernels.grouped_swiglu_for("auto", platform_name)
+    if platform_name == "tpu":
+        assert fn is kernels.grouped_swiglu_ragged
+    else:
+        assert fn.func is slab.grouped_swiglu_slab and fn.keywords == {"platform_name": platform_name}
+    assert kernels.grouped_swiglu_for("blocked", platform_name) is kernels.grouped_swiglu_blocked
 
 
-needs_tokamax = pytest.mark.skipif(not grouped_kernels.available(), reason=grouped_kernels.INSTALL_HINT)
+needs_tokamax = pytest.mark.skipif(not tokamax_swiglu.available(), reason=tokamax_swiglu.INSTALL_HINT)
 
 
 @needs_tokamax
@@ -231,7 +237,7 @@ needs_tokamax = pytest.mark.skipif(not grouped_kernels.available(), reason=group
 def test_tokamax_equals_ragged_dot(case):
     """tokamax's best implementation for this backend (`xla` on CPU) with its own VJP (the weight gradient is its
     ragged-contracting dot), values and gradients."""
-    _assert_matches_ragged_dot(grouped_kernels.grouped_swiglu_tokamax, SIZES[case])
+    _assert_matches_ragged_dot(tokamax_swiglu.grouped_swiglu_tokamax, SIZES[case])
 
 
 @needs_tokamax
@@ -266,7 +272,7 @@ def test_tokamax_missing_is_a_one_line_error(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_tokamax)
     x, ws = _inputs()
     with pytest.raises(ImportError, match=r"pip install") as e:
-        experts.grouped_swiglu_for("tokamax")(x, jnp.asarray(SIZES["balanced"], jnp.int32), *ws)
+        kernels.grouped_swiglu_for("tokamax")(x, jnp.asarray(SIZES["balanced"], jnp.int32), *ws)
     assert "\n" not in str(e.value)
 
 
@@ -284,7 +290,7 @@ GPU_SIZES = kernel_accuracy.CASES
 
 
 def _tokamax_has(implementation: str) -> bool:
-    grouped_kernels.available()  # imports tokamax the way the model does
+    tokamax_swiglu.available()  # imports tokamax the way the model does
     from tokamax._src.ops.ragged_dot import api  # private, but the only list of what registered
 
     return {"mosaic": "mosaic_gpu"}.get(implementation, implementation) in api.IMPLEMENTATIONS
@@ -305,11 +311,11 @@ def test_tokamax_kernel_bf16_error_is_ragged_dots(implementation, case):
         pytest.skip("tokamax's Mosaic-GPU kernel needs sm90 (Hopper) or later")
     if not _tokamax_has(implementation):  # tokamax registers its Triton kernel only with jax-triton installed
         pytest.skip(f"tokamax has no {implementation} ragged_dot here (Triton: needs jax-triton, triton>=3.7)")
-    fn = functools.partial(grouped_kernels.grouped_swiglu_tokamax, implementation=implementation)
+    fn = functools.partial(tokamax_swiglu.grouped_swiglu_tokamax, implementation=implementation)
     x, ws = kernel_accuracy.inputs(jnp.bfloat16)
     with jax.default_device(jax.devices("gpu" if on_gpu else "cpu")[0]):
         got = kernel_accuracy.relative_errors(fn, GPU_SIZES[case], x, ws)
-        xla_bf16 = kernel_accuracy.relative_errors(experts.grouped_swiglu_ragged, GPU_SIZES[case], x, ws)
+        xla_bf16 = kernel_accuracy.relative_errors(kernels.grouped_swiglu_ragged, GPU_SIZES[case], x, ws)
     assert np.isfinite(got).all(), f"non-finite output or gradient: relative errors {got}"
     assert (got <= 1.25 * xla_bf16 + 0.02).all(), f"y, dx, dw_gate, dw_up, dw_down: {got} vs ragged_dot {xla_bf16}"
 
@@ -338,13 +344,13 @@ def _ragged_dot_with_garbage_padding(a_NxK, w_ExKxM, group_sizes_E, **_):
 @pytest.mark.parametrize("case", sorted(SIZES))
 def test_tokamax_wrapper_masks_a_kernels_garbage_padding_rows(case, monkeypatch):
     """Exact values and gradients through a kernel that writes nothing to padding rows (no tokamax needed)."""
-    monkeypatch.setattr(grouped_kernels, "_tokamax",
+    monkeypatch.setattr(tokamax_swiglu, "_tokamax",
                         lambda: types.SimpleNamespace(ragged_dot=_ragged_dot_with_garbage_padding))
-    _assert_matches_ragged_dot(grouped_kernels.grouped_swiglu_tokamax, SIZES[case])
+    _assert_matches_ragged_dot(tokamax_swiglu.grouped_swiglu_tokamax, SIZES[case])
 
 
 def test_tma_alignment_rule():
     """The widths tokamax's Mosaic-GPU kernel takes (16-byte row strides) and the ones it refuses."""
-    assert grouped_kernels.tma_aligned(jnp.bfloat16, 1024, 320)  # configs/gpu_1b.py
-    assert not grouped_kernels.tma_aligned(jnp.bfloat16, D, F)  # 24- and 20-byte rows
-    assert grouped_kernels.tma_aligned(jnp.float32, 12, 8) and not grouped_kernels.tma_aligned(jnp.float32, 10)
+    assert tokamax_swiglu.tma_aligned(jnp.bfloat16, 1024, 320)  # configs/gpu_1b.py
+    assert not tokamax_swiglu.tma_aligned(jnp.bfloat16, D, F)  # 24- and 20-byte rows
+    assert tokamax_swiglu.tma_aligned(jnp.float32, 12, 8) and not tokamax_swiglu.tma_aligned(jnp.float32, 10)

@@ -9,9 +9,9 @@ import pytest
 from analysis import head_sweep, study
 from analysis.experiments import fingerprint
 from moe.accounting import param_counts
+from moe.errors import UserError
 from tests.test_study import REFS, fake_result
 from train.config import model_config
-from train.errors import UserError
 
 
 def study_base():

@@ -12,7 +12,7 @@ from flax import nnx
 
 import moe
 from moe.decode import generate
-from train.hf_export import (
+from moe.hf.export import (
     ExportError,
     hf_config,
     hf_state_dict,

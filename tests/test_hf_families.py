@@ -16,8 +16,8 @@ transformers = pytest.importorskip("transformers", reason="transformers builds t
 transformers.utils.logging.disable_progress_bar()  # save_pretrained's bar on stderr
 
 from moe import param_counts  # noqa: E402
-from moe_import import HFImportError, load_hf_moe, model_config  # noqa: E402
-from moe_import.weights import our_tensors  # noqa: E402
+from moe.hf import HFImportError, load_hf_moe, model_config  # noqa: E402
+from moe.hf.weights import our_tensors  # noqa: E402
 
 V = 320  # >= the test tokenizer's vocabulary
 STACK = dict(vocab_size=V, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
@@ -179,9 +179,9 @@ def _fused(sd, gate, up, down):
 
 
 def test_fused_expert_layout_reads_the_same(family):
-    from moe.safetensors_io import flat_variables
-    from moe_import.common import read_config, read_tensors
-    from moe_import.load import FAMILIES as LAYOUTS
+    from moe.hf.common import read_config, read_tensors
+    from moe.hf.load import FAMILIES as LAYOUTS
+    from moe.hf.safetensors_io import flat_variables
 
     name, path, _, _ = family
     c, where = read_config(path)
@@ -197,8 +197,8 @@ def test_fused_expert_layout_reads_the_same(family):
 
 
 def test_glm_mtp_layers_are_skipped(built):
-    from moe_import.common import read_config, read_tensors
-    from moe_import.load import FAMILIES as LAYOUTS
+    from moe.hf.common import read_config, read_tensors
+    from moe.hf.load import FAMILIES as LAYOUTS
 
     _, path, _, _ = built("glm4_moe")
     sd = read_tensors(path)
@@ -213,7 +213,7 @@ def test_glm_mtp_layers_are_skipped(built):
 def test_missing_tensor_is_one_line(built, tmp_path):
     from safetensors.numpy import save_file
 
-    from moe_import.common import read_tensors
+    from moe.hf.common import read_tensors
 
     _, path, _, _ = built("olmoe")
     sd = read_tensors(path)

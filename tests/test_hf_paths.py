@@ -12,17 +12,17 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from moe import ModelConfig
-from moe.paths import OutsideDirectoryError, file_inside
-from moe.safetensors_io import flat_variables, load_safetensors, save_safetensors
-from moe_import import HFImportError, load_hf_moe
 from analysis.hf_source import text_cache
-from moe_import.common import read_tensors
+from moe import ModelConfig
+from moe.errors import UserError
+from moe.hf import HFImportError, load_hf_moe
+from moe.hf.common import read_tensors
+from moe.hf.export import write_hf_checkpoint
+from moe.hf.paths import OutsideDirectoryError, file_inside
+from moe.hf.safetensors_io import flat_variables, load_safetensors, save_safetensors
 from tests.model_fixtures import tiny_model
 from train import generate
 from train.data.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
-from train.errors import UserError
-from train.hf_export import write_hf_checkpoint
 
 INDEX = "model.safetensors.index.json"
 

@@ -10,7 +10,7 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 import moe
-from moe.safetensors_io import flat_variables, load_safetensors, read_extra_meta, save_safetensors
+from moe.hf.safetensors_io import flat_variables, load_safetensors, read_extra_meta, save_safetensors
 
 BASE = dict(vocab_size=64, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8, d_ff=32,
             n_routed_experts=4, moe_d_ff=8, top_k=2, init_std=0.2)

@@ -187,8 +187,8 @@ def test_equal_targets_keep_as_many_targets_as_the_output_part_spread_over_the_w
 
 def test_equal_targets_needs_prefix_loss():
     from configs.study_masks import get_config
+    from moe.errors import UserError
     from train.config import check
-    from train.errors import UserError
 
     c = get_config()
     c.train.equal_targets = True

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from moe.errors import UserError
 from rundir import open_run
 from tests.conftest import tiny_config
 from train.__main__ import main
-from train.errors import UserError
 from train.loop import run
 
 ROOT = Path(__file__).resolve().parent.parent

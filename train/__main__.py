@@ -15,8 +15,7 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from moe import ConfigError  # noqa: E402
-from train.cli import ArgParser, config_from_argv, print_help  # noqa: E402
-from train.errors import (  # noqa: E402
+from moe.errors import (  # noqa: E402
     OOM_HINT,
     UserError,
     disk_full,
@@ -25,6 +24,7 @@ from train.errors import (  # noqa: E402
     os_error,
     out_of_memory,
 )
+from train.cli import ArgParser, config_from_argv, print_help  # noqa: E402
 from train.loop import run  # noqa: E402
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "default.py")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import ml_collections
 
-from train.errors import UserError, exit_with, os_error
+from moe.errors import UserError, exit_with, os_error
 
 _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 

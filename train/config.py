@@ -14,10 +14,10 @@ import ml_collections
 
 from configs.base import base_config
 from moe import ConfigError, Execution, ModelConfig, param_counts
+from moe.errors import UserError
 from moe.execution import DISPATCH_MODES, DROPPING_DISPATCH, check_model, check_tokens
 from moe.layers import causal_blocks, chunk_count
 from train.cli import all_keys, unknown_key_error
-from train.errors import UserError
 
 POSITIVE, NON_NEGATIVE = (">", 0), (">=", 0)
 

@@ -2,7 +2,7 @@
 [--dtype float32|bfloat16] [--format hf|safetensors|orbax] [--overwrite]`.
 
   hf           HuggingFace Glm4MoeForCausalLM (config.json, safetensors, tokenizer, model card): exact logits
-  safetensors  our lossless format (moe/safetensors_io.py) + tokenizer.json: any config (prefix mask, NoPE ...)
+  safetensors  our lossless format (moe/hf/safetensors_io.py) + tokenizer.json: any config (prefix mask, NoPE ...)
   orbax        params + routing biases (no optimizer state) + moe_config.json + tokenizer.json, for JAX users:
                `model = train.export.load_orbax_export(EXPORT_DIR)`
 
@@ -23,11 +23,11 @@ import jax
 import orbax.checkpoint as ocp
 
 from moe import ConfigError, ModelConfig
-from moe.safetensors_io import CONFIG_FILE, load_config, save_safetensors
+from moe.errors import UserError, disk_full, exit_with, hide_orbax_tracebacks, os_error
+from moe.hf.export import ExportError, check_exportable, write_hf_checkpoint
+from moe.hf.safetensors_io import CONFIG_FILE, load_config, save_safetensors
 from rundir import RunDir, is_run_dir, metrics, open_run
 from train.cli import ArgParser
-from train.errors import UserError, disk_full, exit_with, hide_orbax_tracebacks, os_error
-from train.hf_export import ExportError, check_exportable, write_hf_checkpoint
 from train.state import abstract_model, merge_model, split_model
 
 FORMATS = ("hf", "safetensors", "orbax")

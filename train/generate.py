@@ -17,15 +17,15 @@ import numpy as np
 
 from moe import Execution
 from moe.decode import generate
-from moe.paths import OutsideDirectoryError, file_inside
-from moe.safetensors_io import load_safetensors
+from moe.errors import UserError, exit_with, os_error, out_of_memory
+from moe.hf import load_model
+from moe.hf.paths import OutsideDirectoryError, file_inside
+from moe.hf.safetensors_io import load_safetensors
 from rundir import open_run
 from train.cli import ArgParser
 from train.config import device_memory_bytes
 from train.data.tokenizer import EOS_ID, load_tokenizer
-from train.errors import UserError, exit_with, os_error, out_of_memory
 from train.export import ORBAX_DIR, load_orbax_export
-from train.hf_import import load_hf_checkpoint
 
 # How generation runs, whatever the run trained with: fp32 and dropless (KV-cache decoding steps one token at a
 # time, and a dropping dispatch would make a row's continuation depend on the rest of the batch).
@@ -88,7 +88,7 @@ def load_export(path):
         raise UserError(f"--export {path}: {e}") from None
     try:
         if fmt == "hf":
-            model = load_hf_checkpoint(str(path))
+            model = load_model(str(path))
         elif fmt == "safetensors":
             model = load_safetensors(str(path))
         else:

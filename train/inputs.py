@@ -5,9 +5,9 @@ from pathlib import Path
 
 import numpy as np
 
+from moe.errors import UserError
 from train.data import packing, tfds_corpus
 from train.data.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
-from train.errors import UserError
 
 
 class PrefixSampler:

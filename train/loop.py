@@ -14,15 +14,15 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from moe import param_counts, router, train_flops_per_token
+from moe.errors import UserError
 from rundir import checkpoints as checkpoint
-from rundir import layout
+from rundir import compile_cache, layout
 from rundir import metrics as metrics_file
 from rundir.lock import RunLock
-from train import compile_cache, host_memory, inputs, optim, signals
+from train import host_memory, inputs, optim, signals
 from train import mesh as mesh_lib
 from train.config import causality_warning, check, check_memory, check_mesh, execution, to_json
 from train.data.packing import iterate
-from train.errors import UserError
 from train.flops import measure_peak_flops
 from train.metrics import MetricsWriter, flatten
 from train.progress import Progress, duration, eval_line

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moe import RoutingBias, Transformer
+from moe.errors import UserError
 from moe.sharding import state_shardings
-from train.errors import UserError
 
 
 def split_model(model: Transformer):

@@ -8,8 +8,8 @@ MTP layers (num_nextn_predict_layers) are not part of HF's forward either: their
 """
 
 from moe.config import ModelConfig
-from moe_import.common import field, n_experts, refuse, rope_settings, stack_fields
-from moe_import.weights import Layout
+from moe.hf.common import field, n_experts, refuse, rope_settings, stack_fields
+from moe.hf.weights import Layout
 
 MODEL_TYPES = ("glm4_moe",)
 

@@ -5,8 +5,8 @@ refused; router_jitter_noise only acts in training.
 """
 
 from moe.config import ModelConfig
-from moe_import.common import n_experts, refuse, rope_settings, stack_fields
-from moe_import.weights import Layout
+from moe.hf.common import n_experts, refuse, rope_settings, stack_fields
+from moe.hf.weights import Layout
 
 MODEL_TYPES = ("mixtral",)
 

@@ -9,11 +9,11 @@ import os
 import tokenizers
 
 from moe.config import ConfigError
+from moe.hf import glm4_moe, mixtral, olmoe, qwen_moe
+from moe.hf.common import HFImportError, inside, read_config, read_tensors
+from moe.hf.safetensors_io import model_from_flat
+from moe.hf.weights import our_tensors
 from moe.model import Transformer
-from moe.safetensors_io import model_from_flat
-from moe_import import glm4_moe, mixtral, olmoe, qwen_moe
-from moe_import.common import HFImportError, inside, read_config, read_tensors
-from moe_import.weights import our_tensors
 
 FAMILIES = {t: m for m in (glm4_moe, qwen_moe, olmoe, mixtral) for t in m.MODEL_TYPES}
 # Known MoE families we cannot reproduce exactly: model_type -> (field, why).

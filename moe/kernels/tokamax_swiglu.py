@@ -14,7 +14,7 @@ tokamax is optional (`pip install 'moe-lm[kernels]'`); everything else imports a
 import jax
 import jax.numpy as jnp
 
-from moe import experts
+from moe.kernels.common import saved, scale_rows
 
 INSTALL_HINT = "pip install 'tokamax>=0.0.12,<0.2' (or pip install -e '.[kernels]')"
 
@@ -72,6 +72,6 @@ def grouped_swiglu_tokamax(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_dow
     # Accumulate in fp32 inside the kernel, return the activation dtype (as jnp.dot does for bf16 inputs).
     dot = lambda a, w: clean(tk.ragged_dot(clean(a), w, group_sizes_E, preferred_element_type=a.dtype,
                                            implementation=implementation))
-    gu_Nx2F = experts.saved(dot(x_NxD, jnp.concatenate([w_gate_ExDxF, w_up_ExDxF], axis=-1)))
+    gu_Nx2F = saved(dot(x_NxD, jnp.concatenate([w_gate_ExDxF, w_up_ExDxF], axis=-1)))
     h_NxF = jax.nn.silu(gu_Nx2F[:, :F]) * gu_Nx2F[:, F:]
-    return dot(experts.scale_rows(h_NxF, row_scale), w_down_ExFxD)
+    return dot(scale_rows(h_NxF, row_scale), w_down_ExFxD)

@@ -30,7 +30,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moe import experts
+from moe import platform
+from moe.kernels.common import group_of_rows, positions_per_end, saved, scale_rows, swiglu_batched
 
 SPILL_FRACTIONS = (1 / 16, 1 / 8, 3 / 16, 1 / 4, 1 / 2)  # spill budgets tried beside mean-sized slabs, x N rows
 SLAB_FACTORS = (1.25,)  # pure slabs tried, as multiples of the mean rows per expert N / E
@@ -128,7 +129,7 @@ def _maps(group_sizes_E, N: int, lay: Layout) -> _Maps:
     """Where each sorted row goes in the layout, and back. Rows past sum(group_sizes) go nowhere (output 0)."""
     C, S, b = lay
     E = group_sizes_E.shape[0]
-    group_N, offset_N, start_E = experts._group_of_rows(group_sizes_E, N)  # group_N == E past the groups
+    group_N, offset_N, start_E = group_of_rows(group_sizes_E, N)  # group_N == E past the groups
     in_group_N = group_N < E
     slot_C = jnp.arange(C)
     src_ExC = jnp.where(slot_C < group_sizes_E[:, None], start_E[:, None] + slot_C, N)
@@ -140,7 +141,7 @@ def _maps(group_sizes_E, N: int, lay: Layout) -> _Maps:
     g_N = jnp.minimum(group_N, E - 1)
     spill_N = jnp.where(in_group_N & (offset_N >= C), spill_start_E[g_N] + offset_N - C, S * b)
     slot_J = jnp.arange(S * b)
-    expert_J = jnp.minimum(experts.positions_per_end(spill_end_E, S * b), E - 1)
+    expert_J = jnp.minimum(positions_per_end(spill_end_E, S * b), E - 1)
     offset_J = slot_J - spill_start_E[expert_J]
     # slots past the last spill fall to the last expert with offset_J >= its padded spill: empty
     src_J = jnp.where(offset_J < over_E[expert_J], start_E[expert_J] + C + offset_J, N)
@@ -174,11 +175,11 @@ def _layout_fwd(lay: Layout, x_NxD, group_sizes_E, scale_N, *ws):
     maps = _maps(group_sizes_E, x_NxD.shape[0], lay)
     slab = spill = (None, None, None)
     if C:
-        slab = experts.swiglu_batched(_gather(x_NxD, maps.src_ExC), *ws,
+        slab = swiglu_batched(_gather(x_NxD, maps.src_ExC), *ws,
                                       scale=_slot_scales(scale_N, maps.src_ExC, (E, C)))
     if S:
         x_SxbxD = _gather(x_NxD, maps.src_J).reshape(S, b, -1)
-        spill = experts.swiglu_batched(x_SxbxD, *(w[maps.expert_S] for w in ws),
+        spill = swiglu_batched(x_SxbxD, *(w[maps.expert_S] for w in ws),
                                        scale=_slot_scales(scale_N, maps.src_J, (S, b)))
     y_NxD, a_NxF, b_NxF = (_to_sorted_rows(maps, r, p) for r, p in zip(slab, spill))
     return y_NxD, (a_NxF, b_NxF)
@@ -191,18 +192,18 @@ def grouped_swiglu_layout(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down
 
 
 def _swiglu_bwd(dy_BxCxD, x_BxCxD, a_BxCxF, b_BxCxF, s_BxC, w_gate_BxDxF, w_up_BxDxF, w_down_BxFxD):
-    """experts.swiglu_batched's gradients (dx, dw_gate, dw_up, dw_down, and the rows' scales' ds [B, C, 1], None
+    """swiglu_batched's gradients (dx, dw_gate, dw_up, dw_down, and the rows' scales' ds [B, C, 1], None
     without s; a trailing axis of 1 makes them rows for `_to_sorted_rows`) from its saved pre-activations: no
     forward matmul is recomputed."""
     sig_a = jax.nn.sigmoid(a_BxCxF)
     silu_a = a_BxCxF * sig_a
     h_BxCxF = silu_a * b_BxCxF
-    dw_down = jnp.einsum("ecf,ecd->efd", experts.scale_rows(h_BxCxF, s_BxC), dy_BxCxD)
+    dw_down = jnp.einsum("ecf,ecd->efd", scale_rows(h_BxCxF, s_BxC), dy_BxCxD)
     dh_BxCxF = jnp.einsum("ecd,efd->ecf", dy_BxCxD, w_down_BxFxD)  # d(s h)
     ds_BxCx1 = None
     if s_BxC is not None:  # d s = <h, d(s h)>; d h = s d(s h)
         ds_BxCx1 = jnp.sum(h_BxCxF.astype(jnp.float32) * dh_BxCxF.astype(jnp.float32), -1, keepdims=True)
-        dh_BxCxF = experts.scale_rows(dh_BxCxF, s_BxC)
+        dh_BxCxF = scale_rows(dh_BxCxF, s_BxC)
     db_BxCxF = dh_BxCxF * silu_a
     da_BxCxF = dh_BxCxF * b_BxCxF * sig_a * (1 + a_BxCxF * (1 - sig_a))  # silu'(a) = s + a s (1 - s)
     dw_gate = jnp.einsum("ecd,ecf->edf", x_BxCxD, da_BxCxF)
@@ -309,7 +310,7 @@ def grouped_swiglu_layouts(lays: tuple[Layout, ...], weight_sum: str = "scatter"
         parts = [functools.partial(_layout_fwd, lay) for lay in lays]
         y_NxD, res = switch(parts, group_sizes_E, x_NxD, group_sizes_E, scale_N, *ws)
         # The gate / up pre-activations kept under remat_policy="save_moe" (x_NxD is a gather, cheaply rerun).
-        return y_NxD, (jax.tree.map(experts.saved, res), x_NxD, group_sizes_E, scale_N, ws)
+        return y_NxD, (jax.tree.map(saved, res), x_NxD, group_sizes_E, scale_N, ws)
 
     def bwd(saved, dy_NxD):
         res, x_NxD, group_sizes_E, scale_N, ws = saved
@@ -324,13 +325,13 @@ def grouped_swiglu_layouts(lays: tuple[Layout, ...], weight_sum: str = "scatter"
 
 def grouped_swiglu_slab(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, fractions=None, factors=None,
                         block: int = 0, fallback_block: int | None = None, weight_sum: str | None = None,
-                        row_scale=None):
+                        row_scale=None, platform_name: str | None = None):
     """Exact grouped SwiGLU (rows past sum(group_sizes) give 0): see the module docstring. fractions / factors /
     block: the spill budgets, pure slab sizes and spill block rows tried (None, 0: `default_layout_sets` of this
     backend); fallback_block: the fallback's block rows (None: this backend's; 0: `fallback_block_rows`);
     weight_sum: how blocks' weight gradients are summed per expert (None: `weight_sum_for` this backend);
-    row_scale: each row's scale of its SwiGLU product before the down projection (fp32 [N]; `experts.scale_rows`)."""
-    backend = jax.default_backend()
+    row_scale: each row's scale of its SwiGLU product before the down projection (fp32 [N]; `scale_rows`)."""
+    backend = platform_name or platform.current()
     default_fractions, default_factors, default_block, default_fallback = default_layout_sets(backend)
     fractions = default_fractions if fractions is None else fractions
     factors = default_factors if factors is None else factors

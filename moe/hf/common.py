@@ -10,7 +10,7 @@ import os
 import numpy as np
 from safetensors import safe_open
 
-from moe.paths import OutsideDirectoryError, file_inside
+from moe.hf.paths import OutsideDirectoryError, file_inside
 
 
 class HFImportError(ValueError):
@@ -37,7 +37,7 @@ def n_experts(c: dict) -> int:
 
 
 def inside(path_dir: str, name: str, what: str) -> str:
-    """DIR/name, refused (HFImportError naming the entry) unless it resolves inside DIR (moe.paths)."""
+    """DIR/name, refused (HFImportError naming the entry) unless it resolves inside DIR (moe.hf.paths)."""
     try:
         return str(file_inside(path_dir, name, what))
     except OutsideDirectoryError as e:
@@ -103,7 +103,7 @@ FLOAT_DTYPES = ("F32", "F16", "BF16")  # safetensors' names of the dtypes fp32 h
 
 def read_tensors(path_dir: str) -> dict[str, np.ndarray]:
     """All tensors of model.safetensors or of the shards in model.safetensors.index.json, as fp32 NumPy. Every
-    file opened resolves inside DIR (moe.paths); nothing is unpickled."""
+    file opened resolves inside DIR (moe.hf.paths); nothing is unpickled."""
     index = "model.safetensors.index.json"
     if os.path.isfile(os.path.join(path_dir, index)):
         weight_map = read_json(path_dir, index).get("weight_map")

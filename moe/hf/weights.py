@@ -1,4 +1,4 @@
-"""HF tensor names ([out, in] Linear layouts) -> our flat variable names (moe.safetensors_io layouts).
+"""HF tensor names ([out, in] Linear layouts) -> our flat variable names (moe.hf.safetensors_io layouts).
 
 Shared by every family; a `Layout` says where a family keeps its MoE pieces. Routed experts are read in either
 layout found in the wild: per expert (`experts.E.gate_proj.weight`, what the Hub stores and save_pretrained
@@ -11,7 +11,7 @@ import re
 import numpy as np
 
 from moe.config import ModelConfig
-from moe_import.common import HFImportError
+from moe.hf.common import HFImportError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,7 +42,7 @@ def unsupported_features(cfg: ModelConfig) -> list[str]:
         out.append("no position encoding (NoPE)")
     if cfg.n_moe_layers and cfg.n_routed_experts < 2:
         out.append("fewer than 2 routed experts (HF scores a group by its two best experts)")
-    # Options for imported families (moe_import/); the Glm4Moe config this export writes has none of them.
+    # Options for imported families (moe.hf/); the Glm4Moe config this export writes has none of them.
     defaults = ModelConfig()
     for field in ("moe_layer_step", "dense_layers", "rope_fraction", "qkv_bias", "attn_out_bias", "qk_norm",
                   "router_score", "shared_d_ff", "shared_expert_gate"):
@@ -55,7 +55,7 @@ def check_exportable(cfg: ModelConfig) -> None:
     bad = unsupported_features(cfg)
     if bad:
         raise ExportError(f"cannot export to HuggingFace Glm4MoeForCausalLM: {'; '.join(bad)} has no exact "
-                          "equivalent there; use moe.safetensors_io.save_safetensors for our own format instead")
+                          "equivalent there; use moe.hf.safetensors_io.save_safetensors for our own format instead")
 
 
 def hf_config(cfg: ModelConfig, *, eos_token_id: int, pad_token_id: int, bos_token_id: int | None = None,

@@ -5,7 +5,7 @@
   path_dir/moe_config.json     dataclasses.asdict(ModelConfig)
 
 `load_safetensors` rebuilds the exact model for any config (prefix mask, NoPE, tied embeddings ...): no
-HuggingFace mapping is involved (that is train/hf_export.py). Optional `extra_meta` (JSON-serializable) rides in
+HuggingFace mapping is involved (that is moe/hf/export.py). Optional `extra_meta` (JSON-serializable) rides in
 the safetensors header and comes back from `read_extra_meta`.
 """
 
@@ -20,8 +20,8 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from moe.config import LEGACY_EXECUTION_FIELDS, ModelConfig
+from moe.hf.paths import file_inside
 from moe.model import Transformer
-from moe.paths import file_inside
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "moe_config.json"
@@ -52,7 +52,7 @@ def save_safetensors(model: Transformer, path_dir: str, extra_meta: dict | None 
 def load_config(path_dir: str) -> ModelConfig:
     path = os.path.join(path_dir, CONFIG_FILE)
     if not os.path.isfile(path):
-        raise ValueError(f"{path}: missing; expected a directory written by moe.safetensors_io.save_safetensors")
+        raise ValueError(f"{path}: missing; expected a directory written by moe.hf.safetensors_io.save_safetensors")
     with open(file_inside(path_dir, CONFIG_FILE, "file")) as f:
         fields = json.load(f)
     known = {f.name for f in dataclasses.fields(ModelConfig)} | set(LEGACY_EXECUTION_FIELDS)
@@ -72,7 +72,7 @@ def read_extra_meta(path_dir: str) -> dict | None:
 def _weights_path(path_dir: str) -> str:
     path = os.path.join(path_dir, WEIGHTS_FILE)
     if not os.path.isfile(path):
-        raise ValueError(f"{path}: missing; expected a directory written by moe.safetensors_io.save_safetensors")
+        raise ValueError(f"{path}: missing; expected a directory written by moe.hf.safetensors_io.save_safetensors")
     return str(file_inside(path_dir, WEIGHTS_FILE, "file"))
 
 

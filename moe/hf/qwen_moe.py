@@ -8,8 +8,8 @@ q/k RMSNorm, no shared expert, attention_bias puts a bias on q/k/v AND o. Active
 """
 
 from moe.config import ModelConfig
-from moe_import.common import dense_layer_text, n_experts, refuse, rope_settings, stack_fields
-from moe_import.weights import Layout
+from moe.hf.common import dense_layer_text, n_experts, refuse, rope_settings, stack_fields
+from moe.hf.weights import Layout
 
 MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
 

@@ -5,8 +5,8 @@ clip_qkv (clamping q/k/v) is refused: the released OLMoE checkpoints do not use 
 """
 
 from moe.config import ModelConfig
-from moe_import.common import n_experts, refuse, rope_settings, stack_fields
-from moe_import.weights import Layout
+from moe.hf.common import n_experts, refuse, rope_settings, stack_fields
+from moe.hf.weights import Layout
 
 MODEL_TYPES = ("olmoe",)
 
