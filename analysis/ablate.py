@@ -18,9 +18,9 @@ import numpy as np
 
 from analysis import ablation, ablation_plots
 from analysis.routing_stats import plain_json
+from moe.cli import ArgParser, check_out_dir, run_cli
 from moe.errors import UserError
 from rundir import open_run
-from train.cli import ArgParser, check_out_dir, run_cli
 
 
 def parse_args(argv):

@@ -29,8 +29,8 @@ from flax import nnx
 from analysis import routing_run
 from analysis.routing_stats import RoutingAccumulator
 from moe import Execution, routing_biases, set_routing_biases
+from moe.model import split_model
 from train import inputs
-from train.state import split_model
 from train.step import make_eval_step
 
 MASK_BIAS = -1e9  # far below any score + bias (scores are in (0, 1), trained biases are O(1))

@@ -3,8 +3,9 @@
 
 import numpy as np
 
-from analysis.figures import grid, plt, save, smooth
+from analysis.figures import grid, plt, save
 from analysis.routing_scales import line_colors
+from train.loss_curves import smooth
 
 
 def _mark_step0(ax, steps):

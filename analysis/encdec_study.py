@@ -40,12 +40,13 @@ from analysis.study_cli import seeds_and_steps, study_parser, use_compilation_ca
 from analysis.study_probes import replace_inputs
 from analysis.study_stats import gate, holm, paired_t_interval, paired_t_p, sign_test
 from moe import ConfigError, Transformer
+from moe.cli import ArgParser
 from moe.encdec import EncoderDecoder, n_params
 from moe.errors import UserError, exit_with, os_error
 from moe.sharding import make_mesh
 from rundir.atomic import write_text
 from train import optim, step
-from train.cli import ArgParser, config_from_argv
+from train.cli import config_from_argv
 from train.config import check, execution, model_config
 from train.inputs import sampler as make_sampler
 from train.inputs import task_cache

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from moe.model import merge_model
 from train.data.tokenizer import PAD_ID
-from train.state import merge_model
 
 # Output-position buckets [e_i, e_i+1) (the last open): position 0 is the first output token, the one that
 # depends most on the end of the input.

@@ -28,11 +28,13 @@ from analysis.experiments_report import write_report
 from analysis.rank import analyse, select_rows
 from analysis.study_cli import Interrupted, run_cli, seeds_and_steps, study_parser, use_compilation_cache
 from moe import param_counts, train_flops_per_token
+from moe.cli import ArgParser
 from moe.errors import UserError
 from rundir import RunDir, open_run
 from rundir.checkpoints import steps_in
+from rundir.config_layout import pre_split_layout
 from rundir.metrics import read_rows
-from train.cli import ArgParser, config_from_argv, pre_split_layout
+from train.cli import config_from_argv
 from train.config import check, model_config
 from train.inputs import eval_rows
 from train.loop import run as train_run

@@ -17,8 +17,8 @@ and prints the commands without training.
 
 import sys
 
+from moe.cli import ArgParser
 from moe.errors import UserError, exit_with
-from train.cli import ArgParser
 
 STUDY_GPU = "configs/study_masks_gpu.py"
 MLM_GPU = "configs/study_mlm_gpu.py"

@@ -27,9 +27,10 @@ from analysis.study import DEFAULT_CONFIG, DEFAULT_PROBE_ROWS, probe_sizes, run_
 from analysis.study_cli import run_cli, seeds_and_steps, study_parser, use_compilation_cache
 from analysis.study_stats import holm, t_quantile
 from analysis.study_verdicts import ALPHA, contrasts, verdict
+from moe.cli import ArgParser
 from moe.errors import UserError
 from rundir.atomic import write_text
-from train.cli import ArgParser, config_from_argv
+from train.cli import config_from_argv
 
 ARMS = ("causal", "prefix")
 HEAD_DIMS = (64, 32, 16, 8)  # with the study's 128-token input block: n_in / d_head = 2, 4, 8, 16

@@ -25,11 +25,12 @@ from analysis import study_plots
 from analysis.experiments import Interrupted, fingerprint, read_metrics
 from analysis.study import all_rows, token_weighted
 from analysis.study_stats import equivalent, ngram_model, paired_t_interval, paired_t_p, sign_test
+from moe.cli import ArgParser
 from moe.errors import UserError, exit_with, os_error
 from rundir import RunDir
 from rundir.atomic import write_text
 from rundir.checkpoints import steps_in
-from train.cli import ArgParser, config_from_argv
+from train.cli import config_from_argv
 
 DEFAULT_CONFIG = "configs/study_mlm.py"
 ARMS = ("bidirectional", "mixed")

@@ -27,9 +27,9 @@ from flax import nnx
 
 from analysis import rank_metrics as rm
 from moe import Execution
+from moe.cli import ArgParser, check_out_dir
 from moe.errors import UserError, exit_with, os_error
 from rundir import open_run
-from train.cli import ArgParser, check_out_dir
 from train.inputs import eval_rows
 
 PATHS = ("full", "no_mlp", "no_skip", "pure_attn")

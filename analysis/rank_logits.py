@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from analysis import rank_metrics as rm
+from moe.cli import ArgParser
 from moe.errors import UserError, exit_with, os_error
-from train.cli import ArgParser
 
 MASKS = ("causal", "prefix")
 D_HEADS = (64, 32, 16, 8)  # with n = 128: n / d_head = 2, 4, 8, 16

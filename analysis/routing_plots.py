@@ -13,8 +13,9 @@ import math
 import numpy as np
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from analysis.figures import grid, plt, save, smooth
+from analysis.figures import grid, plt, save
 from analysis.routing_scales import CHANCE_CMAP, chance_norm, line_colors, shared_colorbar
+from train.loss_curves import smooth
 
 UNIFORM_STYLE = dict(color="crimson", linestyle="--", linewidth=1.2)
 

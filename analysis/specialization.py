@@ -20,9 +20,12 @@ from scipy import stats
 
 from analysis import baselines, specialization_plots
 from analysis.routing_stats import plain_json
+from moe.cli import ArgParser, check_out_dir, run_cli
 from moe.errors import UserError
 from rundir import open_run
-from train.cli import ArgParser, all_keys, check_out_dir, run_cli
+
+# Keys that may differ between runs of "one config": the seed, and where and how often the run wrote files.
+from train.cli import all_keys
 
 # Keys that may differ between runs of "one config": the seed, and where and how often the run wrote files.
 FREE_KEYS = ("train.seed", "checkpoint.", "log.")

@@ -29,11 +29,12 @@ import numpy as np
 
 from analysis.experiments import fingerprint, read_metrics
 from analysis.study_cli import Interrupted, run_cli, seeds_and_steps, study_parser, use_compilation_cache
+from moe.cli import ArgParser
 from moe.errors import UserError
 from rundir import RunDir, open_run
 from rundir.atomic import write_text
 from rundir.checkpoints import steps_in
-from train.cli import ArgParser, config_from_argv
+from train.cli import config_from_argv
 
 DEFAULT_CONFIG = "configs/study_masks.py"
 # arm: (model.mask, train.prefix_loss, model.rope, train.equal_targets); the NoPE arms (item 7) are opt-in and

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import jax
 
+from moe.cli import ArgParser
 from moe.errors import UserError, exit_with, os_error
-from train.cli import ArgParser
 
 
 class Interrupted(Exception):

@@ -25,9 +25,9 @@ from analysis.study_verdicts import (
     nope_interaction,
     study_gate,
 )
+from moe.cli import ArgParser
 from moe.errors import UserError, exit_with, os_error
 from rundir.atomic import write_text
-from train.cli import ArgParser
 
 ACCURACY_MARGIN = 0.05  # equivalence margin for continuation accuracy (pre-registered with the study)
 

@@ -15,7 +15,7 @@ from moe.execution import Execution
 from moe.layers import MLP, Attention, RMSNorm, param
 from moe.lm_loss import cross_entropy, logits, weighted_cross_entropy
 from moe.masks import attention_mask
-from moe.moe_layer import MoE
+from moe.moe_layer import MoE, RoutingBias
 
 DEFAULT_EXECUTION = Execution()
 
@@ -222,3 +222,18 @@ def _rematerialized(call, policy: str = "full"):
         return jax.checkpoint(pure, policy=REMAT_SAVES[policy])(state, x_BxLxD, layer_cache)
 
     return rematerialized
+
+
+def split_model(model: Transformer):
+    """(graphdef, params, routing biases): what the train state and checkpoints hold."""
+    graphdef, params, bias = nnx.split(model, nnx.Param, RoutingBias)
+    return graphdef, params, bias
+
+
+def merge_model(graphdef, params, bias) -> Transformer:
+    return nnx.merge(graphdef, params, bias)
+
+
+def abstract_model(mcfg, build=Transformer) -> Transformer:
+    """The model of `mcfg` as shapes and dtypes only (nothing allocated): what a checkpoint restores into."""
+    return nnx.eval_shape(lambda: build(mcfg, nnx.Rngs(0)))

@@ -24,7 +24,7 @@ from orbax.checkpoint.type_handlers import ArrayHandler
 from moe import ConfigError, ModelConfig
 from moe.config import LEGACY_EXECUTION_FIELDS
 from moe.errors import UserError
-from train.state import abstract_model, merge_model, split_model
+from moe.model import abstract_model, merge_model, split_model
 
 
 def _array_metadata_store():

@@ -9,8 +9,8 @@ import tokenizers
 
 from moe.errors import UserError
 from rundir import checkpoints, compile_cache, metrics
+from rundir.config_layout import migrate
 from rundir.layout import RunDir
-from train.cli import migrate
 
 # What a reader's user can do about an unwritable cache directory (the reading commands take no config flags).
 READER_FIX = ("set JAX_COMPILATION_CACHE_DIR to a writable directory, or JAX_ENABLE_COMPILATION_CACHE=false to read "

@@ -9,8 +9,9 @@ from moe import ConfigError, Execution, ModelConfig, sharding
 from moe.errors import UserError
 from moe.execution import DISPATCH_MODES, check_model, check_tokens, execution_fields
 from rundir.checkpoints import check_compatible
+from rundir.config_layout import migrate, pre_split_layout
 from tests.conftest import tiny_config
-from train.cli import migrate, pre_split_layout, unknown_key_error
+from train.cli import unknown_key_error
 from train.config import causality_warning, check
 
 

@@ -1,4 +1,4 @@
-"""analysis/loss_curves.py: reading metrics.jsonl (torn lines), the series (repeated steps, missing values),
+"""train/loss_curves.py and its command, analysis/loss_curves.py: reading metrics.jsonl (torn lines), the series (repeated steps, missing values),
 the figure (what each panel holds) and the CLI (one-line error, exit 2)."""
 
 import json
@@ -7,7 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from analysis import loss_curves
+from analysis import loss_curves as loss_curves_cli
+from rundir.metrics import read_rows
+from train import loss_curves
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -38,7 +40,7 @@ def test_read_rows_skips_blank_torn_and_non_object_lines(tmp_path):
     good = [{"step": 5, "loss": 9.0}, {"step": 10, "val/loss": 8.0}]
     path.write_bytes(b"\n".join([json.dumps(good[0]).encode(), b"", b"[1, 2]", b"\xff\xfe garbage",
                                  json.dumps(good[1]).encode(), b'{"step": 15, "lo']))  # torn last line
-    assert loss_curves.read_rows(path) == good
+    assert read_rows(path) == good
 
 
 def test_series_keeps_the_last_row_of_a_step_and_skips_missing_values():
@@ -75,16 +77,16 @@ def test_without_evaluations_the_domain_panel_says_so(tmp_path, figures):
 
 def test_cli_without_metrics_is_one_line_exit_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        loss_curves.main(["--workdir", str(tmp_path)])
+        loss_curves_cli.main(["--workdir", str(tmp_path)])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: no metrics.jsonl in") and err.count("\n") == 1
     with pytest.raises(SystemExit) as e:
-        loss_curves.main(["--bogus"])
+        loss_curves_cli.main(["--bogus"])
     assert e.value.code == 2 and capsys.readouterr().err.count("\n") == 1
 
 
 def test_cli_on_the_tiny_run_writes_the_png(tiny_run, tmp_path, capsys):
-    out = loss_curves.main(["--workdir", str(tiny_run), "--out", str(tmp_path / "sub" / "loss.png")])
+    out = loss_curves_cli.main(["--workdir", str(tiny_run), "--out", str(tmp_path / "sub" / "loss.png")])
     assert out.read_bytes()[:8] == PNG
     assert "2 evaluations" in capsys.readouterr().out  # tiny: 20 steps, eval.every 10

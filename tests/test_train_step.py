@@ -7,10 +7,11 @@ import pytest
 from flax import nnx
 
 from moe import Execution, ModelConfig, Transformer, router, routing_biases, set_routing_biases, sharding
+from moe.model import split_model
 from tests.conftest import tiny_config
 from train import optim
 from train.config import check
-from train.state import init_state, split_model
+from train.state import init_state
 from train.step import forward, make_train_step, train_forward
 
 

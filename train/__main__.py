@@ -15,6 +15,7 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from moe import ConfigError  # noqa: E402
+from moe.cli import ArgParser  # noqa: E402
 from moe.errors import (  # noqa: E402
     OOM_HINT,
     UserError,
@@ -24,7 +25,7 @@ from moe.errors import (  # noqa: E402
     os_error,
     out_of_memory,
 )
-from train.cli import ArgParser, config_from_argv, print_help  # noqa: E402
+from train.cli import config_from_argv, print_help  # noqa: E402
 from train.loop import run  # noqa: E402
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "default.py")

@@ -1,7 +1,6 @@
-"""The command-line plumbing every CLI shares: one-line errors, config files, `--config.a.b=value` overrides.
+"""Run configs on the command line: config files and `--config.a.b=value` overrides.
 
-    parser = ArgParser(prog="python -m train.export", description="...")   # argparse; errors are one line
-    config, rest = config_from_argv(argv, default_path)                     # --config FILE, --config.KEY=VALUE
+    config, path, rest = config_from_argv(argv, default_path)              # --config FILE, --config.KEY=VALUE
 
 Config files are plain Python with a `get_config()` returning an ml_collections.ConfigDict (big_vision style).
 An override is parsed by the type of the key's current value (bool: true/false/1/0/yes/no), so
@@ -17,16 +16,10 @@ from pathlib import Path
 
 import ml_collections
 
-from moe.errors import UserError, exit_with, os_error
+from moe.errors import UserError
+from rundir.config_layout import MOVED_KEYS
 
 _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-
-
-class ArgParser(argparse.ArgumentParser):
-    """argparse with its multi-line usage errors turned into one UserError line (the CLIs exit 2 on it)."""
-
-    def error(self, message):
-        raise UserError(f"{message} (see `{self.prog} --help`)")
 
 
 def load_config_file(path) -> ml_collections.ConfigDict:
@@ -65,54 +58,6 @@ def all_keys(config: ml_collections.ConfigDict, prefix: str = "") -> dict:
             out.update(all_keys(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
-    return out
-
-
-# Keys that moved when the model config was split into architecture (model.*) and how it runs (execution.*; the
-# balance-loss weight is part of the training loss). Run configs saved before the move are read through `migrate`.
-MOVED_KEYS = {
-    **{f"model.{k}": f"execution.{k}" for k in ("dispatch", "capacity_factor", "grouped_matmul", "attention_impl",
-                                                "dtype", "remat")},
-    "model.balance_loss_weight": "train.balance_loss_weight",
-}
-
-
-def migrate(config: dict) -> dict:
-    """A run config saved by an earlier version (a plain dict) in today's layout: moved keys moved, the rest as
-    it was. Only keys the earlier layout held move; nothing else is filled in."""
-    out = {section: dict(values) if isinstance(values, dict) else values for section, values in config.items()}
-    for old, new in MOVED_KEYS.items():
-        old_section, old_key = old.split(".")
-        new_section, new_key = new.split(".")
-        if isinstance(out.get(old_section), dict) and old_key in out[old_section]:
-            value = out[old_section].pop(old_key)
-            out.setdefault(new_section, {}).setdefault(new_key, value)
-    return out
-
-
-# Keys added after the model/execution split, with the default that reproduces the runs from before them.
-# (loss_chunks: the runs before it computed all logits at once, which the chunked default reproduces up to
-# floating-point rounding only; scan_layers and permute_grad likewise, permute_grad's `auto` gathering on GPUs where
-# earlier runs scatter-added; analysis.experiments.fingerprint leaves any value of the three out.)
-ADDED_KEYS = {"eval.dispatch": "", "execution.loss_chunks": 8, "execution.scan_layers": False,
-              "execution.remat_policy": "full", "execution.permute_grad": "auto"}
-
-
-def pre_split_layout(config: dict) -> dict:
-    """The inverse of `migrate`, for fingerprints that must not change with the layout: moved keys back where
-    they were, and keys added since at their defaults (ADDED_KEYS) left out."""
-    out = {section: dict(values) if isinstance(values, dict) else values for section, values in config.items()}
-    for old, new in MOVED_KEYS.items():
-        old_section, old_key = old.split(".")
-        new_section, new_key = new.split(".")
-        if isinstance(out.get(new_section), dict) and new_key in out[new_section]:
-            out.setdefault(old_section, {})[old_key] = out[new_section].pop(new_key)
-    for key, default in ADDED_KEYS.items():
-        section, name = key.split(".")
-        if isinstance(out.get(section), dict) and out[section].get(name, None) == default:
-            del out[section][name]
-    if out.get("execution") == {}:
-        del out["execution"]
     return out
 
 
@@ -204,22 +149,3 @@ def print_help(parser: argparse.ArgumentParser, config=None, file=None) -> None:
         print(format_keys(config), file=file)
 
 
-def check_out_dir(out, default, create: bool = True) -> Path:
-    """An analysis CLI's output directory (`default` when --out is not given); a file there is a UserError."""
-    path = Path(out) if out else Path(default)
-    if path.exists() and not path.is_dir():
-        raise UserError(f"--out {path} is a file, not a directory; choose another --out")
-    if create:
-        path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def run_cli(run, parse_args, argv=None):
-    """An analysis CLI's main: parse argv (default sys.argv[1:]) and run; bad input or an OS error is one line
-    on stderr and exit code 2. Returns what `run` returns."""
-    try:
-        return run(parse_args(sys.argv[1:] if argv is None else argv))
-    except UserError as e:
-        exit_with(e)
-    except OSError as e:
-        exit_with(os_error(e))

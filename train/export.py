@@ -23,12 +23,12 @@ import jax
 import orbax.checkpoint as ocp
 
 from moe import ConfigError, ModelConfig
+from moe.cli import ArgParser
 from moe.errors import UserError, disk_full, exit_with, hide_orbax_tracebacks, os_error
 from moe.hf.export import ExportError, check_exportable, write_hf_checkpoint
 from moe.hf.safetensors_io import CONFIG_FILE, load_config, save_safetensors
+from moe.model import abstract_model, merge_model, split_model
 from rundir import RunDir, is_run_dir, metrics, open_run
-from train.cli import ArgParser
-from train.state import abstract_model, merge_model, split_model
 
 FORMATS = ("hf", "safetensors", "orbax")
 DTYPES = ("float32", "bfloat16")

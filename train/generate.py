@@ -16,13 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe import Execution
+from moe.cli import ArgParser
 from moe.decode import generate
 from moe.errors import UserError, exit_with, os_error, out_of_memory
 from moe.hf import load_model
 from moe.hf.paths import OutsideDirectoryError, file_inside
 from moe.hf.safetensors_io import load_safetensors
 from rundir import open_run
-from train.cli import ArgParser
 from train.config import device_memory_bytes
 from train.data.tokenizer import EOS_ID, load_tokenizer
 from train.export import ORBAX_DIR, load_orbax_export

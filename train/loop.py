@@ -24,6 +24,7 @@ from train import mesh as mesh_lib
 from train.config import causality_warning, check, check_memory, check_mesh, execution, to_json
 from train.data.packing import iterate
 from train.flops import measure_peak_flops
+from train.loss_curves import plot_loss_curves
 from train.metrics import MetricsWriter, flatten
 from train.progress import Progress, duration, eval_line
 from train.state import abstract_state, init_state
@@ -291,8 +292,6 @@ def _train(config, mcfg, mesh, run_dir, data, log) -> dict:
 def draw_loss_curves(run_dir, say) -> None:
     """WORKDIR/loss_curves.png from metrics.jsonl, redrawn at every evaluation (written beside, then renamed);
     a plotting problem is a warning, never the end of a run."""
-    from analysis.loss_curves import plot_loss_curves  # matplotlib only once there is something to draw
-
     tmp = run_dir.loss_curves.with_name(f".{run_dir.loss_curves.stem}.tmp.png")
     try:
         plot_loss_curves(metrics_file.read_rows(run_dir.metrics), tmp, title=str(run_dir.root))

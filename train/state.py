@@ -8,22 +8,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moe import RoutingBias, Transformer
+from moe import Transformer
 from moe.errors import UserError
+from moe.model import abstract_model, split_model
 from moe.sharding import state_shardings
-
-
-def split_model(model: Transformer):
-    graphdef, params, bias = nnx.split(model, nnx.Param, RoutingBias)
-    return graphdef, params, bias
-
-
-def merge_model(graphdef, params, bias) -> Transformer:
-    return nnx.merge(graphdef, params, bias)
-
-
-def abstract_model(mcfg, build=Transformer) -> Transformer:
-    return nnx.eval_shape(lambda: build(mcfg, nnx.Rngs(0)))
 
 
 def state_shapes(mcfg, tx, mesh, build=Transformer):

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import optax
 
 from moe import Execution, router
-from train.state import merge_model
+from moe.model import merge_model
 
 
 def forward(graphdef, params, bias, batch, ex: Execution, fused_loss: bool = False):

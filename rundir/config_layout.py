@@ -1,0 +1,50 @@
+"""How a run's saved config (config.json, a checkpoint's metadata) changed layout over versions, and how an old
+one is read: every reader of a run sees today's layout (`migrate`)."""
+
+
+# Keys that moved when the model config was split into architecture (model.*) and how it runs (execution.*; the
+# balance-loss weight is part of the training loss). Run configs saved before the move are read through `migrate`.
+MOVED_KEYS = {
+    **{f"model.{k}": f"execution.{k}" for k in ("dispatch", "capacity_factor", "grouped_matmul", "attention_impl",
+                                                "dtype", "remat")},
+    "model.balance_loss_weight": "train.balance_loss_weight",
+}
+
+
+def migrate(config: dict) -> dict:
+    """A run config saved by an earlier version (a plain dict) in today's layout: moved keys moved, the rest as
+    it was. Only keys the earlier layout held move; nothing else is filled in."""
+    out = {section: dict(values) if isinstance(values, dict) else values for section, values in config.items()}
+    for old, new in MOVED_KEYS.items():
+        old_section, old_key = old.split(".")
+        new_section, new_key = new.split(".")
+        if isinstance(out.get(old_section), dict) and old_key in out[old_section]:
+            value = out[old_section].pop(old_key)
+            out.setdefault(new_section, {}).setdefault(new_key, value)
+    return out
+
+
+# Keys added after the model/execution split, with the default that reproduces the runs from before them.
+# (loss_chunks: the runs before it computed all logits at once, which the chunked default reproduces up to
+# floating-point rounding only; scan_layers and permute_grad likewise, permute_grad's `auto` gathering on GPUs where
+# earlier runs scatter-added; analysis.experiments.fingerprint leaves any value of the three out.)
+ADDED_KEYS = {"eval.dispatch": "", "execution.loss_chunks": 8, "execution.scan_layers": False,
+              "execution.remat_policy": "full", "execution.permute_grad": "auto"}
+
+
+def pre_split_layout(config: dict) -> dict:
+    """The inverse of `migrate`, for fingerprints that must not change with the layout: moved keys back where
+    they were, and keys added since at their defaults (ADDED_KEYS) left out."""
+    out = {section: dict(values) if isinstance(values, dict) else values for section, values in config.items()}
+    for old, new in MOVED_KEYS.items():
+        old_section, old_key = old.split(".")
+        new_section, new_key = new.split(".")
+        if isinstance(out.get(new_section), dict) and new_key in out[new_section]:
+            out.setdefault(old_section, {})[old_key] = out[new_section].pop(new_key)
+    for key, default in ADDED_KEYS.items():
+        section, name = key.split(".")
+        if isinstance(out.get(section), dict) and out[section].get(name, None) == default:
+            del out[section][name]
+    if out.get("execution") == {}:
+        del out["execution"]
+    return out
