@@ -27,6 +27,7 @@ import dataclasses
 import jax
 from jax.sharding import NamedSharding
 
+from moe import platform
 from moe.config import ConfigError
 from moe.expert_parallel import token_shards
 from moe.sharding import RULES, logical_to_spec
@@ -48,9 +49,8 @@ GROUPED_MATMULS = ("auto", "ragged_dot", "blocked", "slab", "tokamax")
 REMAT_POLICIES = ("full", "save_moe")
 # How the backward pass of the dropless and expert-parallel dispatches moves the permuted rows (the token copies into
 # expert order and back; moe/experts.py, `permute_for`): scatter (autodiff of the row gathers: scatter-adds), gather
-# (custom VJPs that gather by the inverse permutation), auto (scatter on CPU, where it was 12-16% faster in the layer;
-# gather elsewhere: on the H200 dropless's scatter-adds cost 3.5 ms per layer, forward + backward, the gathers 0.55;
-# docs/performance.md, GPU run 6). The same numbers up to the order of the top-k copies' sum.
+# (custom VJPs that gather by the inverse permutation), auto (moe/platform.py's choice for the platform). The same
+# numbers up to the order of the top-k copies' sum.
 PERMUTE_GRADS = ("auto", "scatter", "gather")
 
 
@@ -58,10 +58,8 @@ PERMUTE_GRADS = ("auto", "scatter", "gather")
 class Execution:
     dispatch: str = "dropless"  # see the module docstring
     capacity_factor: float = 1.25  # capacity / expert_parallel: slots per expert (1.0 = a perfectly even load)
-    # The grouped matmul of the dropless and expert-parallel modes: ragged_dot (jax.lax.ragged_dot), blocked (rows
-    # padded to 64-row blocks, batched matmuls), slab (per-expert slabs + spill blocks; moe/kernels/slab.py),
-    # tokamax (Pallas kernels, optional package; moe/kernels/tokamax_swiglu.py), auto (slab on CPU, where XLA lowers
-    # ragged_dot densely; else ragged_dot). See docs/performance.md.
+    # The grouped matmul of the dropless and expert-parallel modes (moe/kernels/): ragged_dot, blocked, slab,
+    # tokamax (optional package), or auto (moe/platform.py's choice for the platform).
     grouped_matmul: str = "auto"
     permute_grad: str = "auto"  # dropless / expert_parallel dispatch: PERMUTE_GRADS above
     # einsum: explicit einsums + fp32 softmax (the reference; always used with a KV cache or for attention maps).
@@ -85,12 +83,23 @@ class Execution:
     # Activations are constrained to this mesh by `rules` (logical axis -> mesh axis); None: no constraints.
     mesh: jax.sharding.Mesh | None = None
     rules: tuple = RULES
+    # The platform (moe/platform.py) the `auto` choices above were made for; "" until `resolved()` makes them.
+    platform: str = ""
 
     def __post_init__(self):
         validate(self)
 
     def replace(self, **changes) -> "Execution":
         return dataclasses.replace(self, **changes)
+
+    def resolved(self, platform_name: str | None = None) -> "Execution":
+        """Every `auto` choice made concrete for `platform_name` (default: the one already recorded, else the
+        current device's), cuDNN attention off NVIDIA GPUs run as `xla`, and the platform recorded. The model
+        resolves its execution on entry; the trainer logs the resolved choices into the run's config."""
+        p = platform_name or self.platform or platform.current()
+        return self.replace(platform=p, grouped_matmul=platform.choice("grouped_matmul", self.grouped_matmul, p),
+                            permute_grad=platform.choice("permute_grad", self.permute_grad, p),
+                            attention_impl=platform.attention_impl(self.attention_impl, p))
 
     def for_decoding(self) -> "Execution":
         """Dropless: one-token steps need not divide over the mesh, and generation must not depend on the rest
@@ -115,7 +124,7 @@ class Execution:
 
 def execution_fields() -> dict:
     """The user-settable fields and their defaults (configs/base.py builds its `execution` section from this)."""
-    return {f.name: f.default for f in dataclasses.fields(Execution) if f.name not in ("mesh", "rules")}
+    return {f.name: f.default for f in dataclasses.fields(Execution) if f.name not in ("mesh", "rules", "platform")}
 
 
 def validate(ex: Execution) -> None:

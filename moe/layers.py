@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moe import platform
 from moe.execution import Execution
 
 
@@ -56,18 +57,6 @@ def rope(x_BxLxHxDh, positions_BxL, theta: float, rot_dim: int | None = None):
     x1, x2, x_pass = x[..., :R // 2], x[..., R // 2:R], x[..., R:]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x_pass], -1)
     return out.astype(x_BxLxHxDh.dtype)
-
-
-def _on_cuda() -> bool:
-    if jax.default_backend() != "gpu":
-        return False
-    return "cuda" in jax.devices()[0].client.platform_version.lower()  # not ROCm
-
-
-def fused_attention_impl(name: str) -> str:
-    """`jax.nn.dot_product_attention`'s implementation for `execution.attention_impl`. cuDNN exists only on NVIDIA
-    GPUs; elsewhere (say, analysing a GPU run on a laptop) the same function runs with the XLA implementation."""
-    return "cudnn" if name == "cudnn" and _on_cuda() else "xla"
 
 
 def chunk_count(L: int, chunks: int) -> int:
@@ -188,7 +177,7 @@ class Attention(nnx.Module):
         if ex.attention_impl in ("xla", "cudnn") and cache is None and not return_probs:
             out_BxLxHxDh = jax.nn.dot_product_attention(
                 q_BxLxHxDh, k_BxSxNxDh, v_BxSxNxDh, mask=mask_BxHxLxS, is_causal=causal,
-                implementation=fused_attention_impl(ex.attention_impl))
+                implementation=platform.attention_impl(ex.attention_impl, ex.platform or None))
             out_BxLxD = matmul_rows(out_BxLxHxDh, self.wo.value.astype(dt), contract=2)
             return self._out_bias(out_BxLxD), None, None
 

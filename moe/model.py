@@ -103,7 +103,7 @@ class Transformer(nnx.Module):
         left out of the expert load and balance loss. prefix_len [B]: the prefix of each row, for prefix/mixed
         masks. With a cache, this call's tokens occupy slots [cache_index, cache_index + L).
         """
-        ex = execution
+        ex = execution.resolved()
         positions_BxL, mask, valid_BxL = self.attention_inputs(
             tokens_BxL, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL, prefix_len_B=prefix_len_B,
             cache=cache, cache_index=cache_index)

@@ -27,16 +27,17 @@ def routed_experts(ex: Execution, x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_dow
     if ex.dispatch == "capacity":
         return experts.capacity_with_stats(x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_down,
                                            capacity_factor=ex.capacity_factor, group_size=group_size)
+    grouped = kernels.grouped_swiglu_for(ex.grouped_matmul, ex.platform or None)
     if ex.dispatch in ("expert_parallel", "expert_parallel_dropless"):
         check_tokens(ex, x_TxD.shape[0])
         cf = ex.capacity_factor if ex.dispatch == "expert_parallel" else None
         y_TxD, keep_TxK = expert_parallel.dispatch(x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_down,
-                                                   mesh=ex.mesh, capacity_factor=cf,
-                                                   grouped_matmul=ex.grouped_matmul, permute=ex.permute_grad)
+                                                   mesh=ex.mesh, capacity_factor=cf, grouped_matmul=grouped,
+                                                   permute=ex.permute_grad)
         return y_TxD, keep_TxK if cf is not None else None
     if ex.dispatch == "reference":
         return experts.reference(x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_down), None
-    return experts.dropless(x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_down, grouped=ex.grouped_matmul,
+    return experts.dropless(x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_down, grouped=grouped,
                             constrain=ex.constrain, permute=ex.permute_grad), None
 
 

@@ -32,10 +32,17 @@ ADDED_KEYS = {"eval.dispatch": "", "execution.loss_chunks": 8, "execution.scan_l
               "execution.remat_policy": "full", "execution.permute_grad": "auto"}
 
 
+# Recorded beside the config in config.json at a run's creation: the platform and what each `auto` execution choice
+# became there (moe.Execution.resolved). Where a run ran is not part of what it is: fingerprints leave it out.
+RESOLVED_KEY = "resolved_execution"
+RESOLVED_FIELDS = ("platform", "grouped_matmul", "permute_grad", "attention_impl")
+
+
 def pre_split_layout(config: dict) -> dict:
     """The inverse of `migrate`, for fingerprints that must not change with the layout: moved keys back where
-    they were, and keys added since at their defaults (ADDED_KEYS) left out."""
-    out = {section: dict(values) if isinstance(values, dict) else values for section, values in config.items()}
+    they were, keys added since at their defaults (ADDED_KEYS) and the record of where the run ran left out."""
+    out = {section: dict(values) if isinstance(values, dict) else values for section, values in config.items()
+           if section != RESOLVED_KEY}
     for old, new in MOVED_KEYS.items():
         old_section, old_key = old.split(".")
         new_section, new_key = new.split(".")

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moe import Execution
-from moe.layers import causal_blocks, fused_attention_impl, rope, softmax_attention
+from moe import Execution, platform
+from moe.layers import causal_blocks, rope, softmax_attention
 from tests.model_fixtures import tiny_model
 
 L = 12
@@ -77,7 +77,7 @@ def _relative_error(a, b):
 def test_cudnn_config_runs_off_gpu_as_xla():
     """A bf16 run trained with attention_impl=cudnn loads and runs on a machine without cuDNN (analysis on a
     laptop): the call falls back to the XLA implementation, bit for bit."""
-    if fused_attention_impl("cudnn") == "cudnn":
+    if platform.attention_impl("cudnn") == "cudnn":
         pytest.skip("this machine has cuDNN: test_cudnn_equals_einsum_on_gpu covers it")
     (_, xla_logits), xla_grads = _loss_and_grads("xla", "causal", dtype="bfloat16")
     (_, cudnn_logits), cudnn_grads = _loss_and_grads("cudnn", "causal", dtype="bfloat16")
@@ -86,7 +86,7 @@ def test_cudnn_config_runs_off_gpu_as_xla():
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.skipif(fused_attention_impl("cudnn") != "cudnn", reason="needs an NVIDIA GPU with cuDNN")
+@pytest.mark.skipif(platform.attention_impl("cudnn") != "cudnn", reason="needs an NVIDIA GPU with cuDNN")
 @pytest.mark.parametrize("mask", ["causal", "prefix", "mixed"])
 def test_cudnn_equals_einsum_on_gpu(mask):
     """The cuDNN kernel itself (bf16), against the einsum reference in bf16: logits and gradients agree to bf16

@@ -17,6 +17,7 @@ from moe import ConfigError, Execution, ModelConfig, param_counts
 from moe.errors import UserError
 from moe.execution import DISPATCH_MODES, DROPPING_DISPATCH, check_model, check_tokens
 from moe.layers import causal_blocks, chunk_count
+from rundir.config_layout import RESOLVED_FIELDS, RESOLVED_KEY
 from train.cli import all_keys, unknown_key_error
 
 POSITIVE, NON_NEGATIVE = (">", 0), (">=", 0)
@@ -224,5 +225,17 @@ def check_memory(c: ml_collections.ConfigDict, mcfg: ModelConfig, mesh, device) 
                         "execution.remat=true")
 
 
-def to_json(c: ml_collections.ConfigDict) -> str:
-    return json.dumps(c.to_dict(), sort_keys=True, indent=1)
+def to_json(c: ml_collections.ConfigDict, resolved: Execution | None = None) -> str:
+    """The run config as config.json holds it; `resolved`: the execution's `auto` choices as made on this
+    platform (Execution.resolved), recorded beside the config as "resolved_execution"."""
+    doc = c.to_dict()
+    if resolved is not None:
+        doc[RESOLVED_KEY] = {k: getattr(resolved, k) for k in RESOLVED_FIELDS}
+    return json.dumps(doc, sort_keys=True, indent=1)
+
+
+def resolved_line(resolved: Execution, c: ml_collections.ConfigDict) -> str:
+    """One line: the platform and what each `auto` became there."""
+    parts = [f"{k}={getattr(resolved, k)}" + (" (auto)" if c.execution.get(k) == "auto" else "")
+             for k in RESOLVED_FIELDS[1:]]
+    return f"execution on {resolved.platform}: {', '.join(parts)}"

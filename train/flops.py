@@ -5,10 +5,12 @@ import time
 import jax
 import jax.numpy as jnp
 
+from moe import platform
+
 
 def measure_peak_flops(n: int | None = None, dtype=None, repeats: int = 5) -> float:
     """Best achieved FLOP/s of an n x n matmul on the default device (bf16 on accelerators, fp32 on CPU)."""
-    on_cpu = jax.default_backend() == "cpu"
+    on_cpu = platform.current() == "cpu"
     n = n or (1024 if on_cpu else 8192)
     dtype = dtype or (jnp.float32 if on_cpu else jnp.bfloat16)
     a = jnp.ones((n, n), dtype)
