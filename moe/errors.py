@@ -20,6 +20,8 @@ _HINTS = {
     errno.ENOSPC: "the disk is full; free space and re-run the same command (a run resumes from its last "
                   "checkpoint, which is intact)",
     errno.EDQUOT: "the disk quota is exceeded; free space and re-run the same command",
+    errno.EFBIG: "a file reached the file-size limit (`ulimit -f`, or the file system's largest file); raise the "
+                 "limit or choose another file system, and re-run the same command",
     errno.EACCES: "permission denied; check the permissions or choose another path",
     errno.EPERM: "permission denied; check the permissions or choose another path",
     errno.EROFS: "the file system is read-only; choose a writable path",
@@ -55,10 +57,22 @@ OOM_HINT = ("lower data.seq_len or train.batch_size, raise train.grad_accum, set
             "model")
 
 
-def disk_full(e: BaseException) -> bool:
-    """Whether an exception (orbax and tensorstore wrap OSErrors in their own types) is a full disk."""
-    return any((isinstance(x, OSError) and x.errno in (errno.ENOSPC, errno.EDQUOT))
-               or "No space left on device" in str(x) or "RESOURCE_EXHAUSTED: Quota" in str(x) for x in _chain(e))
+# What ran out while writing, and what to do, by errno; the messages orbax and tensorstore give them when they wrap
+# the OSError in their own types.
+_STORAGE = {errno.ENOSPC: ("the disk is full", "free space", "No space left on device"),
+            errno.EDQUOT: ("the disk quota is exceeded", "free space", "RESOURCE_EXHAUSTED: Quota"),
+            errno.EFBIG: ("a file reached the file-size limit", "raise the limit (`ulimit -f`) or choose a file "
+                          "system that allows larger files", "File too large")}
+
+
+def storage_full(e: BaseException) -> tuple[str, str] | None:
+    """(what ran out, what to do) when an exception is a full disk, an exceeded quota or a file-size limit hit
+    while writing; else None."""
+    for x in _chain(e):
+        for code, (what, fix, text) in _STORAGE.items():
+            if (isinstance(x, OSError) and x.errno == code) or text in str(x):
+                return what, fix
+    return None
 
 
 class _DropOrbaxErrors(logging.Filter):

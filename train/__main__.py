@@ -19,11 +19,11 @@ from moe.cli import ArgParser  # noqa: E402
 from moe.errors import (  # noqa: E402
     OOM_HINT,
     UserError,
-    disk_full,
     exit_with,
     hide_orbax_tracebacks,
     os_error,
     out_of_memory,
+    storage_full,
 )
 from train.cli import config_from_argv, print_help  # noqa: E402
 from train.loop import run  # noqa: E402
@@ -83,13 +83,13 @@ def main(argv=None):
                             "from the last checkpoint"), 130)
     except BrokenPipeError:
         raise SystemExit(1) from None  # the reader of our output went away (`| head`): nothing to report
-    except OSError as e:
-        exit_with(os_error(e))
     except Exception as e:
-        if disk_full(e):
-            exit_with(UserError(f"the disk is full while writing a checkpoint into {workdir}/checkpoints "
-                                f"({type(e).__name__}); free space and re-run the same command to resume from the "
-                                "last complete checkpoint"))
+        full = storage_full(e)
+        if full:
+            exit_with(UserError(f"{full[0]} while writing into {workdir} ({type(e).__name__}); {full[1]} and re-run "
+                                "the same command to resume from the last complete checkpoint"))
+        if isinstance(e, OSError):
+            exit_with(os_error(e))
         if out_of_memory(e):
             exit_with(UserError(f"out of memory ({type(e).__name__}); {OOM_HINT}"))
         raise

@@ -24,7 +24,7 @@ import orbax.checkpoint as ocp
 
 from moe import ConfigError, ModelConfig
 from moe.cli import ArgParser
-from moe.errors import UserError, disk_full, exit_with, hide_orbax_tracebacks, os_error
+from moe.errors import UserError, exit_with, hide_orbax_tracebacks, os_error, storage_full
 from moe.hf.export import ExportError, check_exportable, write_hf_checkpoint
 from moe.hf.safetensors_io import CONFIG_FILE, load_config, save_safetensors
 from moe.model import abstract_model, merge_model, split_model
@@ -238,9 +238,10 @@ def main(argv=None):
         except OSError as e:
             raise os_error(e) from None
         except Exception as e:
-            if disk_full(e):
-                raise UserError(f"the disk is full while writing the export to {args.out}; nothing was replaced, "
-                                "free space and run the export again") from None
+            full = storage_full(e)
+            if full:
+                raise UserError(f"{full[0]} while writing the export to {args.out}; nothing was replaced, "
+                                f"{full[1]} and run the export again") from None
             raise
     except UserError as e:
         exit_with(e)

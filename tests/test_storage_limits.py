@@ -1,0 +1,53 @@
+"""A checkpoint write that hits a file-size limit (EFBIG, `ulimit -f`) is treated like a full disk: one line on
+stderr, exit 2, no traceback, the last complete checkpoint kept, and the run resumes once the limit is raised."""
+
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moe.errors import os_error, storage_full
+from rundir.checkpoints import steps_in
+from rundir.layout import RunDir
+
+ROOT = Path(__file__).resolve().parent.parent
+LIMIT = 1 << 20  # bytes per file: a tiny checkpoint's largest data file is a few MB
+
+
+def _train(workdir, steps, limit=None):
+    cmd = [sys.executable, "-m", "train", f"--config={ROOT / 'configs' / 'tiny.py'}", f"--workdir={workdir}",
+           f"--config.train.steps={steps}", "--config.log.progress=False", "--config.log.peak_flops=1e12",
+           "--config.log.tensorboard=False", "--config.checkpoint.every=10"]
+    # Python ignores SIGXFSZ, so a write past the limit fails with EFBIG instead of killing the process.
+    preexec = (lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))) if limit else None
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, preexec_fn=preexec)
+
+
+def test_storage_errors_are_recognised_through_wrappers():
+    efbig = OSError(27, "File too large")
+    assert storage_full(RuntimeError("write failed")) is None
+    assert storage_full(efbig)[0] == "a file reached the file-size limit"
+    wrapped = ValueError("tensorstore: write failed")
+    wrapped.__cause__ = efbig
+    assert storage_full(wrapped)[0] == "a file reached the file-size limit"
+    assert storage_full(RuntimeError("No space left on device"))[0] == "the disk is full"
+    assert "ulimit -f" in str(os_error(efbig))
+
+
+@pytest.mark.slow
+def test_a_file_size_limit_keeps_the_last_checkpoint_and_resumes(tmp_path):
+    work = tmp_path / "run"
+    first = _train(work, 10)
+    assert first.returncode == 0, first.stderr[-2000:]
+    limited = _train(work, 20, limit=LIMIT)
+    err = limited.stderr.strip()
+    assert limited.returncode == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("error: a file reached the file-size limit") and "ulimit -f" in err, err
+    assert steps_in(RunDir(work).checkpoints) == [10]
+    resumed = _train(work, 20)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming" in resumed.stdout and "from step 10" in resumed.stdout
+    assert steps_in(RunDir(work).checkpoints) == [10, 20]
+    assert not list((work / "checkpoints").glob("*tmp*")), "the failed save's temporary directory is left"
