@@ -9,6 +9,11 @@ class UserError(Exception):
     """Bad input from the user (config value, flag, data file, checkpoint). Never shown with a traceback."""
 
 
+def warn(message: str) -> None:
+    """A diagnostic (a warning, a note): stderr, so that a command's results on stdout stay clean."""
+    print(message, file=sys.stderr)
+
+
 def exit_with(err: BaseException, code: int = 2) -> None:
     """Print `err` as one line on stderr and exit with `code`."""
     msg = " ".join(str(err).split())

@@ -18,12 +18,13 @@ from pathlib import Path
 import jax
 import ml_collections
 import orbax.checkpoint as ocp
+import tokenizers
 from absl import logging as absl_logging
 from orbax.checkpoint.type_handlers import ArrayHandler
 
 from moe import ConfigError, ModelConfig
 from moe.config import LEGACY_EXECUTION_FIELDS
-from moe.errors import UserError
+from moe.errors import UserError, warn
 from moe.model import abstract_model, merge_model, split_model
 
 
@@ -90,10 +91,35 @@ def quiet_orbax():
 
 
 def read_meta(mngr: ocp.CheckpointManager, step: int) -> dict:
+    """The step's metadata; ValueError (a damaged checkpoint) when it is incomplete or its tokenizer unreadable."""
     meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
     if not isinstance(meta, dict) or not {"step", "config", "model", "tokenizer"} <= set(meta):
         raise ValueError("metadata incomplete")
+    try:
+        tokenizers.Tokenizer.from_str(meta["tokenizer"])
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception on malformed JSON
+        raise ValueError(f"metadata's tokenizer is unreadable ({' '.join(str(e).split())[:60]})") from None
     return meta
+
+
+def _leaf_name(path) -> str:
+    """'params.blocks.0.attn.wq.value' for a tree path of dict keys, sequence indices or attributes."""
+    return ".".join(str(next(getattr(k, a) for a in ("key", "idx", "name") if hasattr(k, a))) for k in path)
+
+
+def check_stored_shapes(step_dir: Path, target) -> None:
+    """ValueError (a damaged checkpoint) unless every array of `target` is stored under `step_dir/state` with the
+    same shape: metadata claiming other sizes than the arrays written (say a vocabulary of 10^9) must not make a
+    reader allocate and read for minutes."""
+    stored = ocp.StandardCheckpointer().metadata(Path(step_dir).absolute() / "state")
+    shapes = {_leaf_name(p): tuple(m.shape) for p, m in
+              jax.tree_util.tree_leaves_with_path(getattr(stored, "item_metadata", stored))}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(target):
+        name = _leaf_name(path)
+        got = shapes.get(name)
+        if got != tuple(leaf.shape):
+            raise ValueError(f"its metadata's model needs {name} of shape {list(leaf.shape)}, the checkpoint holds "
+                             + ("none" if got is None else str(list(got))))
 
 
 def check_compatible(saved_model: dict, mcfg: ModelConfig, where: str) -> None:
@@ -116,7 +142,7 @@ def _damaged(step, directory, e, log):
         f"{' '.join(str(e).split())[:120]}); using the previous one")
 
 
-def restore_latest(mngr: ocp.CheckpointManager, abstract_state, mcfg: ModelConfig, log=print):
+def restore_latest(mngr: ocp.CheckpointManager, abstract_state, mcfg: ModelConfig, log=warn):
     """(state, meta) of the newest readable checkpoint, or (None, None) if there is none.
 
     A damaged newest checkpoint is reported, moved aside to `<step>.damaged` (kept for inspection; the run will
@@ -167,7 +193,7 @@ def steps_in(ckpt_dir) -> list[int]:
     return sorted(int(p.name) for p in ckpt_dir.iterdir() if p.is_dir() and p.name.isdigit())
 
 
-def restore_model(ckpt_dir, step: int | None, log=print):
+def restore_model(ckpt_dir, step: int | None, log=warn):
     """(model, meta) of checkpoint `step`, or of the newest readable one when step is None; params and routing
     biases on the default device, no optimizer state. UserError when nothing usable is there."""
     steps = steps_in(ckpt_dir)
@@ -203,6 +229,7 @@ def _restore_params(mngr, step):
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = {"params": params, "bias": bias}
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), target)
+    check_stored_shapes(Path(mngr.directory) / str(step), target)
     restored = mngr.restore(step, args=ocp.args.Composite(
         state=ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
                                      partial_restore=True)))

@@ -7,7 +7,7 @@ from pathlib import Path
 import ml_collections
 import tokenizers
 
-from moe.errors import UserError
+from moe.errors import UserError, warn
 from rundir import checkpoints, compile_cache, metrics
 from rundir.config_layout import migrate
 from rundir.layout import RunDir
@@ -43,7 +43,7 @@ class Run:
         return metrics.read_rows(RunDir(self.workdir).metrics)
 
 
-def open_run(workdir, step: int | None = None, log=print) -> Run:
+def open_run(workdir, step: int | None = None, log=warn) -> Run:
     """Checkpoint `step` of the run in `workdir` (default: the newest readable one). UserError if there is none."""
     root = Path(workdir)
     if not root.is_dir():

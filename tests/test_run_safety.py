@@ -14,9 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from analysis import rank
 from rundir import RunDir, metrics
+from rundir.checkpoints import steps_in
 from rundir.lock import RunLock
 from tests.conftest import tiny_config
+from train import export, generate
+from train.__main__ import main
 from train.loop import run
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -135,8 +139,6 @@ def test_full_disk_keeps_the_last_checkpoint_and_resumes_bitwise(tmp_path, refer
         r = subprocess.run(_cli(work, "--config.checkpoint.every=5", "--config.checkpoint.keep=100"),
                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and "disk is full" in r.stderr, r.stderr
-        from rundir.checkpoints import steps_in
-
         saved = steps_in(RunDir(work).checkpoints)
         assert saved and saved[-1] < 20, saved
         subprocess.run(["mount", "-o", "remount,size=200m", str(mnt)], check=True)  # space freed
@@ -152,8 +154,6 @@ def test_full_disk_keeps_the_last_checkpoint_and_resumes_bitwise(tmp_path, refer
 
 def test_read_only_file_system_is_one_line(tmp_path, capsys):
     with tmpfs(tmp_path / "ro", "ro,size=1m") as mnt:
-        from train.__main__ import main
-
         with pytest.raises(SystemExit) as e:
             main(["train", f"--config={TINY}", f"--workdir={mnt / 'run'}", "--config.log.peak_flops=1e12"])
         err = capsys.readouterr().err
@@ -188,8 +188,6 @@ def test_sigint_saves_a_checkpoint_and_says_where_it_resumes(tmp_path):
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 130 and "Traceback" not in err, err
-    from rundir.checkpoints import steps_in
-
     saved = steps_in(RunDir(work).checkpoints)
     assert saved and f"resume from step {saved[-1]}" in out, out
     rows = _train_rows(work)
@@ -218,28 +216,22 @@ def _quiet_ok(capsys):
 
 
 def test_export_falls_back_to_the_previous_checkpoint(damaged_run, tmp_path, capsys):
-    from train import export
-
     export.main(["--workdir", str(damaged_run), "--out", str(tmp_path / "o"), "--format", "safetensors"])
-    out = _quiet_ok(capsys).out
-    assert "checkpoint 20" in out and "unreadable" in out
+    err = _quiet_ok(capsys).err  # diagnostics on stderr
+    assert "checkpoint 20" in err and "unreadable" in err
     assert json.loads((tmp_path / "o" / "moe-export.json").read_text())["step"] == 10
 
 
 def test_generate_and_rank_fall_back_to_the_previous_checkpoint(damaged_run, tmp_path, capsys):
-    from analysis import rank
-    from train import generate
-
     generate.main(["--workdir", str(damaged_run), "--prompt", "The", "--max_new_tokens", "3"])
-    assert "unreadable" in _quiet_ok(capsys).out
+    captured = _quiet_ok(capsys)
+    assert "unreadable" in captured.err and "unreadable" not in captured.out  # the text alone on stdout
     rank.main(["--workdir", str(damaged_run), "--out", str(tmp_path / "rank"), "--sequences", "2"])
     _quiet_ok(capsys)
     assert json.loads((tmp_path / "rank" / "rank.json").read_text())["step"] == 10
 
 
 def test_generate_warns_past_the_trained_length(tiny_run, capsys):
-    from train import generate
-
     generate.main(["--workdir", str(tiny_run), "--prompt", "The", "--max_new_tokens", "70"])
     err = capsys.readouterr().err
     assert "warning" in err and "past the 64" in err
