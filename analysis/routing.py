@@ -58,6 +58,12 @@ def parse_args(argv):
     for name in ("max_tokens", "batch_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UserError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    for text in args.token or ():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # bytes the locale could not decode arrive as surrogates
+            raise UserError(f"--token {text.encode('utf-8', 'surrogateescape')!r} is not UTF-8 text; pass the "
+                            "token as UTF-8") from None
     hf_source.check_args(args)
     return args
 

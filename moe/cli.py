@@ -6,6 +6,7 @@ main that turns bad input and OS errors into one line on stderr and exit code 2.
 """
 
 import argparse
+import difflib
 import sys
 from pathlib import Path
 
@@ -16,7 +17,23 @@ class ArgParser(argparse.ArgumentParser):
     """argparse with its multi-line usage errors turned into one UserError line (the CLIs exit 2 on it)."""
 
     def error(self, message):
-        raise UserError(f"{message} (see `{self.prog} --help`)")
+        hint = self._closest_flag(message)
+        raise UserError(f"{message}{hint} (see `{self.prog} --help`)")
+
+    def _closest_flag(self, message: str) -> str:
+        """'; did you mean --max_new_tokens?' for an unrecognized --max-new-tokens (dashes for underscores, a
+        typo), or ''."""
+        if not message.startswith("unrecognized arguments:"):
+            return ""
+        flags = [f for action in self._actions for f in action.option_strings if f.startswith("--")]
+        for word in message.split(":", 1)[1].split():
+            name = word.split("=", 1)[0]
+            if not name.startswith("--"):
+                continue
+            close = difflib.get_close_matches("--" + name[2:].replace("-", "_"), flags, n=1, cutoff=0.75)
+            if close:
+                return f"; did you mean {close[0]}?"
+        return ""
 
 
 def check_out_dir(out, default, create: bool = True) -> Path:

@@ -101,6 +101,9 @@ def check_workdir(workdir) -> RunDir:
     if str(workdir).strip() == "":
         raise UserError("--workdir is empty; pass a run directory, e.g. --workdir runs/my_run")
     root = Path(workdir)
+    if root.is_symlink() and not root.exists():
+        raise UserError(f"--workdir {root} is a symbolic link that leads nowhere (a loop, or its target is missing); "
+                        "remove the link or choose another --workdir")
     if root.exists() and not root.is_dir():
         raise UserError(f"--workdir {root} is a file, not a directory; choose another --workdir")
     run = RunDir(root)

@@ -186,3 +186,12 @@ def test_text_that_is_not_a_regular_file_is_refused(tmp_path, path):
     path = str(tmp_path) if path == "DIR" else path
     with pytest.raises(UserError, match="not a regular file"):
         text_cache([path], load_tokenizer(), 0, 1)
+
+
+def test_a_config_larger_than_its_weights_names_the_tensor(hf_dir):
+    config = json.loads((hf_dir / "config.json").read_text())
+    config["head_dim"] = config["head_dim"] * 1000  # e.g. a config from a much larger model beside small weights
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(HFImportError, match=r"tensor 'model.layers.0.self_attn.q_proj.weight' is \[") as e:
+        load_hf_moe(str(hf_dir))
+    assert "\n" not in str(e.value)

@@ -26,9 +26,12 @@ def load_config_file(path) -> ml_collections.ConfigDict:
     """get_config() of the Python file at `path`; UserError naming the file for every way this can fail."""
     p = Path(path)
     if not p.is_file():
-        hint = ", ".join(sorted(str(c) for c in Path("configs").glob("*.py") if c.stem not in ("__init__", "base")))
-        raise UserError(f"config file {path} not found; pass an existing file"
-                        + (f" (e.g. {hint})" if hint else ""))
+        known = sorted(str(c) for c in p.parent.glob("*.py") if c.stem not in ("__init__", "base")) if \
+            p.parent.is_dir() else []
+        known = known or sorted(str(c) for c in Path("configs").glob("*.py") if c.stem not in ("__init__", "base"))
+        close = difflib.get_close_matches(str(path), known, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else (f" (e.g. {', '.join(known)})" if known else "")
+        raise UserError(f"config file {path} not found; pass an existing file{hint}")
     name = f"_moe_lm_config_{abs(hash(str(p.resolve())))}"
     try:
         spec = importlib.util.spec_from_file_location(name, p)

@@ -6,6 +6,7 @@ writes) or fused (`experts.gate_up_proj` [E, 2F, D] + `experts.down_proj` [E, D,
 """
 
 import dataclasses
+import math
 import re
 
 import numpy as np
@@ -32,6 +33,15 @@ def our_tensors(cfg: ModelConfig, layout: Layout, sd: dict[str, np.ndarray], whe
             raise HFImportError(f"{where}: tensor {name!r} missing for the config in config.json")
         return sd.pop(name)
 
+    def shaped(name, *shape, transpose=True):
+        """HF's [out, in] tensor as our [in, ...] layout; a size the config does not predict names the tensor."""
+        arr = take(name)
+        arr = arr.T if transpose else arr
+        if arr.size != math.prod(shape):
+            raise HFImportError(f"{where}: tensor {name!r} is {list(arr.shape)}, the config in config.json needs "
+                                f"{math.prod(shape)} numbers {list(shape)}; the config and the weights disagree")
+        return arr.reshape(shape)
+
     H, N, Dh, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
     out = {"embed": take("model.embed_tokens.weight"), "final_norm.scale": take("model.norm.weight")}
     if not cfg.tie_embeddings:
@@ -43,14 +53,14 @@ def our_tensors(cfg: ModelConfig, layout: Layout, sd: dict[str, np.ndarray], whe
         out[q + "attn_norm.scale"] = take(p + "input_layernorm.weight")
         out[q + "ffn_norm.scale"] = take(p + "post_attention_layernorm.weight")
         a = p + "self_attn."
-        out[q + "attn.wq"] = take(a + "q_proj.weight").T.reshape(D, H, Dh)
-        out[q + "attn.wk"] = take(a + "k_proj.weight").T.reshape(D, N, Dh)
-        out[q + "attn.wv"] = take(a + "v_proj.weight").T.reshape(D, N, Dh)
-        out[q + "attn.wo"] = take(a + "o_proj.weight").T.reshape(H, Dh, D)
+        out[q + "attn.wq"] = shaped(a + "q_proj.weight", D, H, Dh)
+        out[q + "attn.wk"] = shaped(a + "k_proj.weight", D, N, Dh)
+        out[q + "attn.wv"] = shaped(a + "v_proj.weight", D, N, Dh)
+        out[q + "attn.wo"] = shaped(a + "o_proj.weight", H, Dh, D)
         if cfg.qkv_bias:
-            out[q + "attn.bq"] = take(a + "q_proj.bias").reshape(H, Dh)
-            out[q + "attn.bk"] = take(a + "k_proj.bias").reshape(N, Dh)
-            out[q + "attn.bv"] = take(a + "v_proj.bias").reshape(N, Dh)
+            out[q + "attn.bq"] = shaped(a + "q_proj.bias", H, Dh, transpose=False)
+            out[q + "attn.bk"] = shaped(a + "k_proj.bias", N, Dh, transpose=False)
+            out[q + "attn.bv"] = shaped(a + "v_proj.bias", N, Dh, transpose=False)
         if cfg.attn_out_bias:
             out[q + "attn.bo"] = take(a + "o_proj.bias")
         if cfg.qk_norm != "none":
@@ -70,7 +80,7 @@ def our_tensors(cfg: ModelConfig, layout: Layout, sd: dict[str, np.ndarray], whe
             if cfg.n_shared_experts:  # else HF's zero-width shared MLP (GLM with n_shared_experts 0): dropped
                 out.update({f"{q}ffn.shared.w_{w}": v for w, v in shared.items()})
         if cfg.shared_expert_gate:
-            out[q + "ffn.shared_gate"] = take(f"{m}{layout.shared_gate}.weight").reshape(D)
+            out[q + "ffn.shared_gate"] = shaped(f"{m}{layout.shared_gate}.weight", D, transpose=False)
     if sd:
         raise HFImportError(f"{where}: unexpected tensor(s) {', '.join(sorted(sd)[:4])} for the config in "
                             "config.json (a feature this importer does not know)")
