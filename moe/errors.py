@@ -85,8 +85,8 @@ class _DropOrbaxErrors(logging.Filter):
     reports it in one line (a full disk, a damaged checkpoint); drop orbax's copy."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR:
-            return True
+        if record.levelno < logging.ERROR:  # but orbax's note that a save waits for the previous one (expected)
+            return not ("orbax" in record.pathname and record.getMessage().startswith("Waiting for previous save"))
         # absl records from orbax's modules; asyncio's "Task exception was never retrieved" for orbax's writers
         return "orbax" not in record.pathname and "orbax" not in record.getMessage()
 

@@ -141,8 +141,7 @@ def train(config, mcfg, mesh, run_dir, data, log) -> dict:
     train_step, eval_step = compile_steps(config, mcfg, mesh, graphdef, tx, shardings, len(domain_names), say)
     tokens_per_step = t.batch_size * config.data.seq_len
     peak = float(config.log.peak_flops) or measure_peak_flops()
-    for line in header(config, mcfg, mesh, start, peak):
-        say(line)
+    say(header(config, mcfg, mesh, start))
     steps = StepLog(config, run_dir, start, tokens_per_step=tokens_per_step, peak=peak,
                     flops_per_step=train_flops_per_token(mcfg, config.data.seq_len) * tokens_per_step,
                     moe_layer_ids=mcfg.moe_layer_ids, last_checkpoint=lambda: saver.last_saved, say=say)
@@ -160,8 +159,9 @@ def train(config, mcfg, mesh, run_dir, data, log) -> dict:
             stopped_by = signals.requested()
             if step % config.eval.every == 0 or step == t.steps:
                 steps.flush()
-                steps.evaluation(step, evaluate(eval_step, state, val_batches, mesh, domain_names,
-                                                mcfg.moe_layer_ids))
+                ev = evaluate(eval_step, state, val_batches, mesh, domain_names, mcfg.moe_layer_ids)
+                saver.report(steps.line, wait=True)  # earlier checkpoints' lines first: the console reads in order
+                steps.evaluation(step, ev)
                 if jax.process_index() == 0:
                     draw_loss_curves(run_dir, say)
                 steps.restart_clock(step)
@@ -205,13 +205,13 @@ def compile_steps(config, mcfg, mesh, graphdef, tx, shardings, n_domains: int, s
     return jax.jit(sharded_step, donate_argnums=0), jax.jit(make_eval_step(graphdef, n_domains, eval_ex))
 
 
-def header(config, mcfg, mesh, start: int, peak: float) -> list[str]:
-    counts, t = param_counts(mcfg), config.train
-    return [f"model: {counts['total'] / 1e6:.2f}M params, {counts['active'] / 1e6:.2f}M active | mesh "
-            f"{dict(mesh.shape)} | dispatch {config.execution.dispatch} | batch {t.batch_size} x "
-            f"{config.data.seq_len} | steps {start}->{t.steps}",
-            f"mfu is relative to {peak / 1e12:.3g} TFLOP/s per device ("
-            + ("from log.peak_flops)" if config.log.peak_flops else "measured now; fix it with --config.log.peak_flops)")]
+def header(config, mcfg, mesh, start: int) -> str:
+    """What is being trained, in one line."""
+    counts, t, d = param_counts(mcfg), config.train, config.data
+    devices = f"{jax.device_count()} {jax.devices()[0].platform} device" + ("s" if jax.device_count() > 1 else "")
+    return (f"training {counts['total'] / 1e6:.2f}M parameters ({counts['active'] / 1e6:.2f}M active per token) "
+            f"on {d.name} ({d.task}, {d.seq_len}-token rows, batch {t.batch_size}), steps {start} -> {t.steps}, "
+            f"{devices}, mesh {dict((k, v) for k, v in mesh.shape.items() if v > 1) or 'none'}")
 
 
 def summary(run_dir, step: int, steps: int, seconds: float, tokens: int, last: dict) -> str:

@@ -15,14 +15,12 @@ def duration(seconds: float) -> str:
 class Progress:
     def __init__(self, total: int, start: int, active: bool, bar: bool, log=print):
         self.total, self.start, self.active, self.log = total, start, active, log
-        self.bar = None
+        self.want_bar = active and bar
+        self.bar = None  # drawn from the first step on: before it, the time is compilation, not steps
         self.t0 = None  # wall time after the first step (its compile would make every rate and ETA wrong)
         self.n0 = start
         self.tps = None  # the last measured tokens/s, shown until the next measurement
         self._last = start
-        if active and bar:
-
-            self.bar = tqdm(total=total, initial=start, desc="train", dynamic_ncols=True, unit="step")
 
     def line(self, msg: str) -> None:
         if not self.active:
@@ -38,15 +36,15 @@ class Progress:
             return
         if self.t0 is None:
             self.t0, self.n0 = time.perf_counter(), step
-            if self.bar is not None:
-                self.bar.unpause()  # the time so far was compilation, not a step
+            if self.want_bar:  # the bar's rate and ETA count from the first step done, not from the compile
+                self.bar = tqdm(total=self.total, initial=step, desc="train", dynamic_ncols=True, unit="step")
         self.tps = tokens_per_sec or self.tps
         if self.bar is not None:
             post = {"loss": f"{loss:.3f}"}
             if self.tps:
                 post["tok/s"] = f"{self.tps:,.0f}"
             self.bar.set_postfix(post, refresh=False)  # before update(), which draws: the bar shows this step
-            self.bar.update(1)
+            self.bar.update(step - self.bar.n)
         elif step % every == 0 or step == self.total:
             eta = ""
             if step > self.n0:

@@ -8,7 +8,9 @@ need TensorFlow, which this project does not install. The builder config name is
 so editing the corpus makes a fresh prepared copy instead of silently reading a stale one.
 """
 
+import contextlib
 import hashlib
+import io
 import json
 import logging
 import lzma
@@ -154,7 +156,11 @@ def prepare(data_dir=None, corpus_dir=None) -> MoeCorpus:
     builder = MoeCorpus(corpus_dir=corpus_dir or DEFAULT_CORPUS_DIR, data_dir=data_dir or DEFAULT_DATA_DIR,
                         file_format="array_record")
     tfds.disable_progress_bar()  # TFDS's bars would break the one-line error contract of the CLIs
-    builder.download_and_prepare()
+    if not (Path(builder.data_dir) / "dataset_info.json").is_file():  # TFDS's is_prepared() warns when it is not
+        print(f"preparing the bundled corpus in {builder.data_dir} (once; later runs read it from there)")
+    # TFDS prints "Downloading and preparing dataset Unknown size ..." to stdout: nothing is downloaded here.
+    with contextlib.redirect_stdout(io.StringIO()):
+        builder.download_and_prepare()
     return builder
 
 
