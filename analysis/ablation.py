@@ -21,6 +21,7 @@ Shape key: A ablations (layer, expert), D domains, C token classes, R rows, L Mo
 """
 
 import re
+import time
 
 import jax
 import numpy as np
@@ -75,8 +76,19 @@ def _segment_batches(batches, class_V, n_classes):
     return out, row0
 
 
-def ablate(model, config, tokenizer, layers=None, experts=None, rows_per_domain=None, log=None):
+def sample_by_share(share_E, n):
+    """n expert ids spread over the routing share: by rank, from the least to the most used, evenly between
+    (a sample that spans the x axis of the importance plot)."""
+    order_E = np.argsort(np.asarray(share_E), kind="stable")
+    picks = np.unique(np.round(np.linspace(0, len(order_E) - 1, min(n, len(order_E)))).astype(int))
+    return sorted(int(order_E[i]) for i in picks)
+
+
+def ablate(model, config, tokenizer, layers=None, experts=None, rows_per_domain=None, log=None, sample=None):
     """Loss change of masking each expert of each MoE layer in `layers` (model layer ids; default all).
+    Cost: one validation pass per (layer, expert). `sample` (an int n) ablates n experts per layer instead,
+    spread over their routing share (`sample_by_share`); `log` gets a line per ablation with the time spent
+    and the time left.
 
     Returns a dict of numpy arrays and lists: layer_ids (every MoE layer), ablations [(layer, expert)],
     domain_names, class_names, n_DxC (scored tokens), base_loss / _D / _C, delta_A / _AxD / _AxC (loss with
@@ -104,19 +116,28 @@ def ablate(model, config, tokenizer, layers=None, experts=None, rows_per_domain=
 
     base_ce_RxC, n_RxC = losses(bias)
     share = _shares(model, config, batches, moe_ids, len(names))
+    chosen = {layer: sample_by_share(share["share_LxE"][moe_ids.index(layer)], sample) if sample else experts
+              for layer in layers}
+    todo = [(layer, e) for layer in layers for e in chosen[layer]]
+    if log:
+        log(f"ablating {len(todo)} experts in {len(layers)} MoE layer(s): one validation pass each over "
+            f"{n_rows} rows ({int(n_RxC.sum()):,} scored tokens)")
     original = [np.asarray(b) for b in routing_biases(model)]
     ablations, delta_ce_ARxC = [], []
+    start = time.perf_counter()
     try:
-        for layer in layers:
-            for e in experts:
-                biases = [b.copy() for b in original]
-                biases[moe_ids.index(layer)][e] = MASK_BIAS
-                set_routing_biases(model, [jax.numpy.asarray(b) for b in biases])
-                ce_RxC, _ = losses(split_model(model)[2])
-                ablations.append((layer, e))
-                delta_ce_ARxC.append(ce_RxC - base_ce_RxC)
-                if log:
-                    log(f"layer {layer} expert {e}: loss change {(ce_RxC - base_ce_RxC).sum() / n_RxC.sum():+.5f}")
+        for layer, e in todo:
+            biases = [b.copy() for b in original]
+            biases[moe_ids.index(layer)][e] = MASK_BIAS
+            set_routing_biases(model, [jax.numpy.asarray(b) for b in biases])
+            ce_RxC, _ = losses(split_model(model)[2])
+            ablations.append((layer, e))
+            delta_ce_ARxC.append(ce_RxC - base_ce_RxC)
+            if log:
+                spent = time.perf_counter() - start
+                left = spent / len(ablations) * (len(todo) - len(ablations))
+                log(f"[{len(ablations)}/{len(todo)}] layer {layer} expert {e}: loss change "
+                    f"{(ce_RxC - base_ce_RxC).sum() / n_RxC.sum():+.5f} ({spent:.0f}s spent, about {left:.0f}s left)")
     finally:
         set_routing_biases(model, [jax.numpy.asarray(b) for b in original])
     return dict(share, **_summaries(np.asarray(delta_ce_ARxC), base_ce_RxC, n_RxC, domain_R, len(names)),

@@ -29,9 +29,10 @@ def spearman(x, y):
 
 def plot_importance_vs_share(result, path):
     """Per ablated layer: each expert's routing share (x) against the validation-loss change when it is
-    masked (y, +- one standard error over rows), with the rank correlation in the title."""
+    masked (y, +- one standard error over rows), with the rank correlation in the title. Two panels per row
+    at most, so the text stays readable where a notebook or a README scales the image to its width."""
     layers = sorted({lay for lay, _ in result["ablations"]})
-    fig, axes = grid(len(layers), 3, 5.2, 4.0)
+    fig, axes = grid(len(layers), 2, 4.8, 3.8)
     k = float(np.sum(result["share_LxE"][0]))
     for ax, layer in zip(axes, layers):
         rows, li = _per_layer(result, layer)
@@ -43,18 +44,20 @@ def plot_importance_vs_share(result, path):
         for e, xi, yi in zip(experts, x, y):
             at.setdefault((round(xi, 6), round(yi, 7)), []).append(str(e))
         for (xi, yi), es in at.items():
-            ax.annotate(",".join(es), (xi, yi), textcoords="offset points", xytext=(4, 3), fontsize=7)
+            ax.annotate(",".join(es), (xi, yi), textcoords="offset points", xytext=(4, 3), fontsize=8)
         ax.axhline(0, color="black", linewidth=0.8)
         ax.axvline(k / len(result["share_LxE"][li]), color="crimson", linestyle="--", linewidth=1,
                    label="uniform share K/E")
-        ax.set_xlabel("routing share (tokens with the expert in their top-k)", fontsize=8)
-        ax.set_ylabel("validation loss change when masked (nats)", fontsize=8)
-        ax.set_title(f"layer {layer}: Spearman rho = {spearman(x, y):.2f} ({len(rows)} experts)", fontsize=9)
-        ax.tick_params(labelsize=7)
+        n_experts = len(result["share_LxE"][li])
+        ax.set_xlabel("routing share (top-k choices, sums to K)", fontsize=9)
+        ax.set_ylabel("loss change when masked (nats)", fontsize=9)
+        counted = f"{len(rows)} of {n_experts}" if len(rows) < n_experts else f"{len(rows)}"
+        ax.set_title(f"layer {layer}: Spearman rho {spearman(x, y):.2f} ({counted} experts)", fontsize=10)
+        ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="upper left")
-    fig.suptitle(f"Does an expert's routing share predict its importance?\n(masked: loss change from "
-                 f"{float(result['base_loss']):.3f}; bars: one standard error over rows)", fontsize=10)
+        ax.legend(fontsize=8, loc="upper left")
+    fig.suptitle(f"Does an expert's routing share predict its importance?\n(validation loss {float(result['base_loss']):.3f} "
+                 "without masking; bars: one standard error over rows)", fontsize=11)
     return save(fig, path)
 
 

@@ -92,7 +92,8 @@ def plot_bias(traj, bias_range, path):
         ax.grid(alpha=0.3)
     sm = plt.cm.ScalarMappable(cmap=cmap, norm=plt.Normalize(vmin, vmax))
     cb = fig.colorbar(sm, ax=axes[:n_layers], fraction=0.03, pad=0.02)
-    cb.set_label(f"share of tokens at step {traj['final_step']} (uniform K/E = {traj['top_k'] / n_experts:.3f})",
+    cb.set_label(f"share of top-{traj['top_k']} choices at step {traj['final_step']} (sums to K; uniform K/E = "
+                 f"{traj['top_k'] / n_experts:.3f})",
                  fontsize=7)
     ax = axes[n_layers]
     for layer, color in zip(traj["layer_ids"], line_colors(n_layers)):

@@ -13,7 +13,7 @@ from moe.cli import ArgParser
 from moe.errors import UserError, exit_with, os_error
 from rundir import RunDir
 from rundir.metrics import read_rows
-from train.loss_curves import plot_loss_curves, series
+from train.loss_curves import plot_loss_curves, run_title, series
 
 
 def main(argv=None):
@@ -33,7 +33,7 @@ def main(argv=None):
         if out.suffix.lower() not in (".png", ".pdf", ".svg"):
             raise UserError(f"--out {out} must end in .png, .pdf or .svg (the figure's format)")
         out.parent.mkdir(parents=True, exist_ok=True)
-        plot_loss_curves(rows, out, title=str(args.workdir))
+        plot_loss_curves(rows, out, title=run_title(args.workdir, rows))
     except UserError as e:
         exit_with(e)
     except OSError as e:

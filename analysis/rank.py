@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from analysis import rank_metrics as rm
+from analysis.rank_plots import plot_all
 from moe import Execution
 from moe.cli import ArgParser, check_out_dir
 from moe.errors import UserError, exit_with, os_error
@@ -194,8 +195,6 @@ def run_rank(workdir, sequences: int = 16, step=None, out=None, plots: bool = Tr
         out = check_out_dir(out, out)
         (out / "rank.json").write_text(json.dumps(result, indent=1))
         if plots:
-            from analysis.rank_plots import plot_all  # matplotlib, only when plots are asked for
-
             plot_all(result, out)
     return result
 

@@ -1,8 +1,9 @@
-"""Rank done right (issue 14, item 5): the rank of attention LOGITS before the softmax and of the PROBABILITIES
-after it, with the causal and the prefix mask applied to the SAME logits, against two baselines that carry no
-learned bottleneck: uniform attention (zero logits: the mask's geometry alone) and random logits Q K^T / sqrt(d)
-of rank d_head. Su's argument is that a bidirectional softmax of rank-d logits stays low rank when n >> d while
-the causal (triangular) one is full rank; the sweep over n / d_head shows where that happens.
+"""Attention rank before and after the softmax (issue 14, item 5): the rank of attention LOGITS before the
+softmax and of the PROBABILITIES after it, with the causal and the prefix mask applied to the SAME logits,
+against two baselines that carry no learned bottleneck: uniform attention (zero logits: the mask's geometry
+alone) and random logits Q K^T / sqrt(d) of rank d_head. Su's argument is that a bidirectional softmax of
+rank-d logits stays low rank when n >> d while the causal (triangular) one is full rank; the sweep over
+n / d_head shows where that happens.
 
     python -m analysis.rank_logits --out DIR [--workdirs RUN1,RUN2 ...] [--n 128] [--heads 4]
 
@@ -14,11 +15,18 @@ import json
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 
 from analysis import rank_metrics as rm
+from analysis.figures import grid, save
+from analysis.rank import forward_paths
 from moe.cli import ArgParser
 from moe.errors import UserError, exit_with, os_error
+from moe.layers import rope
+from rundir import open_run
+from rundir.atomic import write_text
+from train.inputs import eval_rows
 
 MASKS = ("causal", "prefix")
 D_HEADS = (64, 32, 16, 8)  # with n = 128: n / d_head = 2, 4, 8, 16
@@ -87,11 +95,6 @@ def trained_logits(model, rows, max_rows: int = 4) -> tuple[list[np.ndarray], li
     """Pre-softmax logits [H, n, n] of every layer of `model` on up to `max_rows` validation rows (real tokens
     only), computed from the trained model's own hidden states (its own mask), and each row's prefix length.
     Supports the plain attention options (no qkv bias, no qk norm)."""
-    import jax.numpy as jnp
-
-    from analysis.rank import forward_paths
-    from moe.layers import rope
-
     cfg = model.cfg
     if cfg.qkv_bias or cfg.qk_norm != "none":
         raise UserError("rank_logits supports models without qkv_bias / qk_norm")
@@ -118,9 +121,6 @@ def trained_logits(model, rows, max_rows: int = 4) -> tuple[list[np.ndarray], li
 
 def measure_run(workdir, max_rows: int = 4) -> dict:
     """A trained run's logits, layer by layer, measured under both masks; mean over rows and layers."""
-    from rundir import open_run
-    from train.inputs import eval_rows
-
     run = open_run(workdir)
     logits, prefix = trained_logits(run.model, eval_rows(run.config), max_rows)
     rows_per_layer = len(prefix)
@@ -132,8 +132,6 @@ def measure_run(workdir, max_rows: int = 4) -> dict:
 
 
 def plot(result, path):
-    from analysis.figures import grid, save
-
     fig, axes = grid(3, 3, 4.0, 3.4)
     panels = [("logits", "logits (before softmax)"), ("causal", "probabilities, causal mask"),
               ("prefix_input", "probabilities, prefix mask: input block")]
@@ -183,8 +181,6 @@ def main(argv=None):
         result["trained"] = [measure_run(w.strip()) for w in args.workdirs.split(",") if w.strip()]
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        from rundir.atomic import write_text
-
         write_text(out / "rank_logits.json", json.dumps(result, indent=1))
         plot(result, out / "rank_logits.png")
     except UserError as e:

@@ -154,6 +154,28 @@ def write_html(a: routing_run.Analysis, path):
                                            layer_names=[_layer_label(r, i) for i in range(n)])
 
 
+def write_outputs(a: routing_run.Analysis, out, meta, series, layer, final_step=None, compare_step=None):
+    """Every file of the analysis into `out`: routing.json, routing.npz, the plots (`write_plots`) and
+    tokens.html; returns their paths."""
+    out = Path(out)
+    paths = [write_json(a, out / "routing.json", meta, series), out / "routing.npz"]
+    np.savez_compressed(paths[-1], **a.result,
+                        **({f"saturation_{k}": v for k, v in a.saturation.items()} if a.saturation else {}))
+    paths += write_plots(a, out, layer, series, final_step=final_step, compare_step=compare_step)
+    return paths + [write_html(a, out / "tokens.html")]
+
+
+def write_run_outputs(a: routing_run.Analysis, out, run_, workdir, layer, split=None, max_tokens=None,
+                      compare_step=None):
+    """`write_outputs` for a run (`python -m analysis.routing --workdir` and the notebook): its metadata and
+    its MaxVio over training from WORKDIR/metrics.jsonl. `layer`: the MoE-layer index of the summary."""
+    meta = {"workdir": str(workdir), "step": run_.step, "compare_step": compare_step,
+            "split": split or run_.config.data.eval_split, "max_tokens": max_tokens,
+            "layer": int(a.result["layer_ids_L"][layer])}
+    return write_outputs(a, out, meta, maxvio_series(workdir), layer, final_step=run_.step,
+                         compare_step=compare_step)
+
+
 def summary(a: routing_run.Analysis, layer, step, compare_step=None):
     lines = [routing_stats.summary_text(a.result, a.domain_names, layer=layer)]
     if a.saturation is not None:
@@ -182,15 +204,7 @@ def run(args, log=print):
         raise UserError(f"no tokens to analyse in split {args.split or run_.config.data.eval_split!r}; "
                         "check --split and --max_tokens")
     out = check_out_dir(args.out, Path(args.workdir) / "analysis")
-    series = maxvio_series(args.workdir)
-    meta = {"workdir": str(args.workdir), "step": run_.step, "compare_step": args.compare_step,
-            "split": args.split or run_.config.data.eval_split, "max_tokens": args.max_tokens,
-            "layer": int(a.result["layer_ids_L"][layer])}
-    write_json(a, out / "routing.json", meta, series)
-    np.savez_compressed(out / "routing.npz", **a.result,
-                        **({f"saturation_{k}": v for k, v in a.saturation.items()} if a.saturation else {}))
-    write_plots(a, out, layer, series, final_step=run_.step, compare_step=args.compare_step)
-    write_html(a, out / "tokens.html")
+    write_run_outputs(a, out, run_, args.workdir, layer, args.split, args.max_tokens, args.compare_step)
     log(summary(a, layer, run_.step, args.compare_step))
     log(f"wrote routing.json, routing.npz, plots and tokens.html to {out}")
     return a, out
@@ -212,10 +226,7 @@ def run_hf(args, log=print):
     meta = {"hf": str(args.hf), "model_type": src.model_type, "text": args.text, "split": src.split,
             "seq_len": src.run.config.data.seq_len, "max_tokens": args.max_tokens,
             "layer": int(a.result["layer_ids_L"][layer])}
-    write_json(a, out / "routing.json", meta, {})
-    np.savez_compressed(out / "routing.npz", **a.result)
-    write_plots(a, out, layer, {})
-    write_html(a, out / "tokens.html")
+    write_outputs(a, out, meta, {}, layer)
     log(summary(a, layer, None))
     log(f"wrote routing.json, routing.npz, plots and tokens.html to {out}")
     return a, out

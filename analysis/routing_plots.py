@@ -11,7 +11,7 @@ a random router has a known value (uniform share K/E, co-activation (K-1)/(E-1))
 import math
 
 import numpy as np
-from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
 from analysis.figures import grid, plt, save
 from analysis.routing_scales import CHANCE_CMAP, chance_norm, line_colors, shared_colorbar
@@ -45,6 +45,15 @@ def _domain_names(result, domain_names):
     return list(domain_names) if domain_names is not None else [f"domain {d}" for d in range(int(result["n_domains"]))]
 
 
+def share_label(key, top_k):
+    """What a share of `key` counts and what it sums to over the experts (a top-k share sums to K, not 1)."""
+    if "top1" in key:
+        return "share of first choices (sums to 1)"
+    if "norm" in key:
+        return f"share of top-{top_k} choices / K (sums to 1)"
+    return f"share of top-{top_k} choices (sums to K = {top_k})"
+
+
 def plot_domain_bars(result, layer, path, domain_names=None, key="share_LxDxE"):
     """One bar chart per domain of its tokens' distribution over experts at `layer` (top-k share, sums to K),
     with the uniform share K/E dashed. The y axis is the same for every layer (the maximum over all layers),
@@ -65,7 +74,7 @@ def plot_domain_bars(result, layer, path, domain_names=None, key="share_LxDxE"):
         ax.set_ylim(0, ymax)
         _expert_ticks(ax, n_experts)
         ax.set_xlabel("expert", fontsize=8)
-        ax.set_ylabel("share of tokens", fontsize=8)
+        ax.set_ylabel(share_label(key, int(result["top_k"])).replace(" (", "\n("), fontsize=8)
         ax.tick_params(axis="y", labelsize=7)
     axes[0].legend(fontsize=7, loc="upper right")
     return save(fig, path)
@@ -92,10 +101,10 @@ def plot_domain_heatmaps(result, path, domain_names=None, layers=None, key="shar
         ax.set_title(_layer_name(result, layer), fontsize=9)
     what = ("share of domain tokens whose first choice is the expert" if "top1" in key
             else "share of domain tokens' top-k choices that go to the expert" if "norm" in key
-            else f"share of domain tokens with the expert in their top-{k}")
+            else f"share of domain tokens with the expert in their top-{k} (sums to K = {k} over experts)")
     fig.suptitle(f"{what}\n(one colour scale for all layers; white = uniform {'1/E' if k == 1 else 'K/E'})",
                  fontsize=10)
-    shared_colorbar(fig, im, axes, k / n_experts, "share", "uniform")
+    shared_colorbar(fig, im, axes, k / n_experts, share_label(key, int(result["top_k"])), "uniform")
     return save(fig, path)
 
 
@@ -126,7 +135,7 @@ def plot_token_experts(result, path, token_text, which="track", max_tokens=12):
         ax.set_xlabel("expert", fontsize=8)
     fig.suptitle(f"share of a token's occurrences with the expert in their top-{int(result['top_k'])} "
                  "(white = uniform K/E)", fontsize=10)
-    shared_colorbar(fig, im, axes, uniform, "share of occurrences", "uniform")
+    shared_colorbar(fig, im, axes, uniform, f"share of occurrences (sums to K = {int(result['top_k'])})", "uniform")
     return save(fig, path)
 
 
@@ -175,10 +184,11 @@ def plot_vocab_specialization(result, path):
                  f"{int(result.get('vocab_min_count', 10))} times)", fontsize=9)
     cb = fig.colorbar(im, ax=ax, fraction=0.04, pad=0.02)
     cb.set_label("share of a token's assignments\nto its most frequent expert", fontsize=8)
-    ticks = np.linspace(low, top, 5)
-    cb.set_ticks(ticks)
-    cb.set_ticklabels([f"uniform 1/E {low:.3g}"] + [f"{t:.3f}" for t in ticks[1:-1]]
-                      + [f"always 1/K {top:.3g}"], fontsize=7)
+    # The two ends named, round values between them (not the odd fifths of [1/E, 1/K]), none so close to an
+    # end that the labels overlap.
+    inner = [t for t in MaxNLocator(nbins=5).tick_values(low, top) if low + 0.08 * (top - low) < t < top - 0.08 * (top - low)]
+    cb.set_ticks([low, *inner, top])
+    cb.set_ticklabels([f"uniform 1/E {low:.3g}"] + [f"{t:g}" for t in inner] + [f"always 1/K {top:.3g}"], fontsize=7)
     return save(fig, path)
 
 

@@ -96,7 +96,7 @@ def domain_rows(config, split, max_tokens, cache=None):
                         f"{str(e)[:100]}); check --split") from e
     plans = []
     for dom in np.unique(cache.domains):
-        sampler, available = inputs.domain_sampler(config, inputs.domain_subset(cache, int(dom)))
+        sampler, available = inputs.domain_sampler(d, inputs.domain_subset(cache, int(dom)), inputs.targets(config))
         n = available if max_tokens is None else min(available, math.ceil(max_tokens / d.seq_len))
         plans.append((int(dom), sampler.rows, n))
     return plans, list(cache.domain_names)

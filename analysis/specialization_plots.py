@@ -42,7 +42,9 @@ def plot_specialization(doc, path):
         ax.set_title(_wrap(m["what"]), fontsize=8)
         ax.tick_params(axis="y", labelsize=7)
         ax.grid(axis="y", alpha=0.3)
-        ax.set_ylim(bottom=0)
+        # Room above the highest marker: an autoscaled top sits on it and cuts the marker in half.
+        top = ax.dataLim.y1 if np.isfinite(ax.dataLim.y1) and ax.dataLim.y1 > 0 else 1.0
+        ax.set_ylim(0, top * 1.1)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), fontsize=8)
     fig.suptitle(f"Is the routing specialization more than chance? ({doc['n_tokens']:,} validation tokens, "

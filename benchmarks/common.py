@@ -103,9 +103,9 @@ def peak_memory_gb() -> float | None:
 
 
 def row_peak_gb(peak_before: float | None) -> float | None:
-    """The process's peak memory if the row run since `peak_before` raised it, else None: a row that peaks below
-    an earlier row's peak in the same process cannot be told apart from it (GPU run 6 printed a 45.6 GiB peak for
-    an 8-expert step because the 64-expert row before it had reached that)."""
+    """The process's peak memory if the row run since `peak_before` raised it, else None: a row that peaks
+    below an earlier row's peak in the same process cannot be told apart from it (an 8-expert row after a
+    64-expert one would show the 64-expert row's peak)."""
     now = peak_memory_gb()
     return now if now is not None and (peak_before is None or now > peak_before) else None
 

@@ -9,7 +9,7 @@ ways in one process (compile options per executable, everything timed round-robi
 - `default`: XLA:CPU as shipped: YNNPACK takes every dot it supports (row-major operands), and reductions;
 - `eigen`: YNNPACK's fusions off (`xla_cpu_experimental_ynn_fusion_type=""`): XLA's own dot thunk (Eigen).
   (XNNPACK's `xla_cpu_experimental_xnn_fusion_type` leaves a plain dot in the program, so which library ran
-  cannot be checked: not offered; docs/performance.md, 2026-11-27, has one run of it.)
+  cannot be checked: not offered.)
 
 Per expert count E, with N = tokens x top-k rows and N / E rows per expert (perfect balance), the rows are: the
 gate projection as the experts' batched dot `[E, N/E, D] x [E, D, F]` and as the flat dot `[N, D] x [D, F]` of the
@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import PRESETS, comma_subset, describe, preset, table, time_fns
+from benchmarks.train_step import prepare
 from moe import kernels
 from train import host_memory
 
@@ -71,8 +72,6 @@ def cases(name: str, n_experts: int) -> list[tuple[str, object, tuple, float, st
 
 def step_call(name: str, n_experts: int, library: str):
     """The train step (dropless, `auto` grouped matmul) and its args, compiled under the library's options."""
-    from benchmarks.train_step import prepare  # the model and optimizer: only for --step
-
     (run, args), = prepare(name, "dropless", n_experts, peak=1.0, compile_step=False)[0]
     return compiled(run, args, library), args
 

@@ -1,6 +1,6 @@
-"""The train step compiled for a GPU on this machine, without one: XLA:GPU's compile time and the optimized program's
-kernel counts, per dispatch, grouped matmul, layer scan and expert count. A compile that hangs on the lent GPU (runs
-4 and 5, docs/performance.md) can be found and fixed here, at no device time.
+"""The train step compiled for a GPU on this machine, without one: XLA:GPU's compile time and the optimized
+program's kernel counts, per dispatch, grouped matmul, layer scan and expert count. A compile that would hang
+on the lent GPU can be found and fixed here, at no device time.
 
     bash benchmarks/gpu_compile_setup.sh                     # the CUDA PJRT plugin into /tmp/jax-cuda-site
     PYTHONPATH=/tmp/jax-cuda-site /tmp/venv-jax011/bin/python -m benchmarks.gpu_compile --experts 8,64
@@ -21,6 +21,8 @@ PATH (or the `nvidia-cuda-nvcc-cu12` wheel).
 """
 
 import argparse
+import functools
+import importlib.util
 import json
 import os
 import signal
@@ -28,6 +30,11 @@ import subprocess
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
+from jax.experimental import topologies
+
+import moe.layers
 from benchmarks import hlo_flops
 from benchmarks.common import (
     add_remat_flag,
@@ -38,8 +45,13 @@ from benchmarks.common import (
     table,
     variants,
 )
+from benchmarks.train_step import _config, batch_sharding, random_batch
 from moe import train_flops_per_token
-from moe.experts import GROUPED_SWIGLU
+from moe.kernels import GROUPED_SWIGLU
+from train import optim
+from train.config import check, execution
+from train.state import state_shapes
+from train.step import forward, make_train_step
 
 TARGET = os.path.join(os.path.dirname(__file__), "gpu_targets", "h200.txtpb")
 SETUP_HINT = "bash benchmarks/gpu_compile_setup.sh, then PYTHONPATH=/tmp/jax-cuda-site (Python 3.12, jax 0.11.x)"
@@ -54,22 +66,11 @@ def _kernel_stats(hlo: str) -> dict:
 
 def compile_row(spec: dict) -> dict:
     """Compile one train step for the target GPU (in this process) and describe it."""
-    import functools
-
-    import jax
-    from jax.experimental import topologies
-
     topology = topologies.get_topology_desc(platform="cuda", target_config=open(spec["target"]).read(),
                                             topology="1x1x1")
     # The model picks its per-backend defaults (slab's layouts, `auto`, cuDNN attention) from jax.default_backend(),
     # which is this machine's CPU; the program is for the GPU.
     jax.default_backend = lambda: "gpu"
-    from benchmarks.train_step import _config, batch_sharding, random_batch
-    from train import optim
-    from train.config import check, execution
-    from train.state import state_shapes
-    from train.step import forward, make_train_step
-
     c = _config("gpu", spec["dispatch"], spec["experts"], 1.25, spec["grouped"], "xla", spec["batch"], 0, spec["scan"],
                 spec["remat"])
     c.train.batch_size = spec["batch"]  # one GPU, whatever devices this host's JAX sees
@@ -117,12 +118,10 @@ def _flash_attention_standin():
     flash kernels keep q, k, v, the output and the log-sum-exp, so memory figures match cuDNN's; compile time
     and kernels are Triton's. The mask is dropped: the benchmark batch is one causal document per row, which
     `causal=True` alone masks. kv heads are repeated to the query heads (the kernel has no GQA)."""
-    import jax
-    import jax.numpy as jnp
-    from jax._src.pallas.triton import gpu_info  # no public way to name the target GPU without one
+    # GPU-only Pallas modules, imported only for the stand-in (gpu_info is private, jax >= 0.11: no public way to
+    # name the target GPU without one)
+    from jax._src.pallas.triton import gpu_info
     from jax.experimental.pallas.ops.gpu import attention as pallas_attention
-
-    import moe.layers
 
     gpu_info.get_gpu_info = lambda *a, **k: gpu_info._get_gpu_info_impl(gpu_info.GpuVersion.H200)
 
@@ -181,8 +180,6 @@ def _row_keys(spec: dict) -> dict:
 
 def plugin_ready() -> bool:
     """Whether JAX here can compile for CUDA without a GPU (the plugin is importable)."""
-    import importlib.util
-
     return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
 
 

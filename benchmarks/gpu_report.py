@@ -46,7 +46,7 @@ GPU_TESTS = ["tests/test_attention_impl.py::test_cudnn_equals_einsum_on_gpu", "t
 
 def _grouped_choices() -> list[str]:
     """The grouped matmuls worth timing, `auto`'s GPU choice first: `slab` (batched matmuls on slabs, exact; the
-    fastest train step on an H200), tokamax's kernels when installed, XLA's ragged_dot last (slowest there, and
+    fastest train step on a GPU), tokamax's kernels when installed, XLA's ragged_dot last (slowest there, and
     minutes per row at 64 experts)."""
     return ["slab"] + (["tokamax"] if tokamax_swiglu.available() else []) + ["ragged_dot"]
 
@@ -101,8 +101,8 @@ def run_gpu_tests(tiny: bool) -> str:
 
 
 def layer_section(preset: str, experts: list[int], grouped: list[str]) -> str:
-    """The layer rows per grouped matmul. (slab's spill layouts, the CPU default, were 23-28% slower than its pure
-    slabs on the H200 in run 6, docs/performance.md: not timed here any more.)"""
+    """The layer rows per grouped matmul. (slab's spill layouts, the CPU default, run slower than its pure
+    slabs on a GPU: not timed here.)"""
     rows = []
     for e in experts:
         rows += moe_layer.bench(preset, e, ["dropless:scatter", "dropless:gather", "capacity"], grouped)
@@ -111,10 +111,10 @@ def layer_section(preset: str, experts: list[int], grouped: list[str]) -> str:
 
 def fallback_section(preset: str, experts: int, grouped: list[str]) -> str:
     """slab under uneven routings (moe_layer's `skewed@0.06`, busiest expert ~2.8x the mean at 64 experts, and
-    `skewed`, ~4.2x, as the deep layers of a fresh configs/gpu_1b.py route): its slabs of up to 3x the mean (since
-    2026-11-27's eighth session) against those of up to 2x (`slab:1.25/1.5/2`, which sends the first routing to
-    the 512-row fallback), and tokamax where installed (no padding, whatever the routing). Run 6 measured the
-    fallback's 512- against 64-row blocks and the 512-row spill layouts (docs/performance.md)."""
+    `skewed`, ~4.2x, as the deep layers of a fresh configs/gpu_1b.py route): its slabs of up to 3x the mean
+    against those of up to 2x (`slab:1.25/1.5/2`, which sends the first routing to the 512-row fallback), and
+    tokamax where installed (no padding, whatever the routing). The fallback's block rows and the 512-row
+    spill layouts are settled (moe/kernels/slab.py): not timed here."""
     tried = ["slab", "slab:1.25/1.5/2"] + ["tokamax"] * ("tokamax" in grouped)
     return table(moe_layer.bench(preset, experts, ["dropless"], tried, routings=("skewed@0.06", "skewed")))
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A GPU lease's measurements in one call, most telling first (docs/performance.md, "Next GPU session"). A lease is
+# A GPU lease's measurements in one call, most telling first (see docs/performance.md). A lease is
 # 15 minutes of device time, a call at most 10 and a machine's start 1-2, so this runs one ~9-minute call. Each step
 # has its own time limit, taken from what is left, so a slow step cannot take the later ones' time. Rows go to
 # console.txt as they finish and each step's report is written section by section, so a step cut off still returns
@@ -10,7 +10,7 @@
 #
 # Steps: (1) the train step of configs/gpu_1b.py at 8 and 64 experts, remat save_moe then off (MFU, the 8 -> 64
 # ratio, planned and peak memory; off fits: 36-40 GiB planned temporaries at batch 16); (2) the GPU-only tests
-# (~190 s in run 6); (3) the MoE layer against dense and the step's profile; (4) slab's fallback under skewed
+# (~3 minutes); (3) the MoE layer against dense and the step's profile; (4) slab's fallback under skewed
 # routings. The budget may not reach the last two; a step it cannot hold is skipped. Reports and the
 # console go to $OUT (the device tool's folder), else to ./gpu_session_out. BUDGET_S (default 540) is the whole
 # call's limit; `TINY=1` runs the same steps at toy shapes on any backend (a check of the script, not of speed).

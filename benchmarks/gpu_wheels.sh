@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Wheels the lent GPU machine lacks, for `python -m benchmarks.gpu_report` there (see docs/performance.md, "GPU
-# figures"). The machine has no network; its image holds jax 0.11.2, flax 0.12.10, optax, orbax, einops, absl,
+# Wheels the lent GPU machine lacks, for `python -m benchmarks.gpu_report` there (see docs/performance.md).
+# The machine has no network; its image holds jax 0.11.2, flax 0.12.10, optax, orbax, einops, absl,
 # tokenizers, but not ml_collections or tokamax. Do not carry flax: 0.12.8 (the newest for Python 3.11) fails to
 # import under jax 0.11.2. tokamax imports xprof (32 MB, cloud dependencies) only for its own profiling: a stub
 # stands in. Run from the repository root; .whl/ is git-ignored through .git/info/exclude. `--study` adds what
@@ -20,7 +20,7 @@ download \
   ml_collections==1.1.0 tokamax==0.0.17 einshape==1.0 pydantic==2.14.4 pydantic_core==2.50.5 \
   annotated_types==0.8.0 typing_inspection==0.4.5 qwix==0.1.8 immutabledict==4.3.1 tensorboardx==2.6.5
 if [[ " $* " == *" --study "* ]]; then
-  # The decoder-only studies (analysis.gpu_round) read the bundled corpus through TFDS without TensorFlow: TFDS,
+  # The decoder-only studies (experiments.gpu_round) read the bundled corpus through TFDS without TensorFlow: TFDS,
   # grain, array_record and the dependencies the image lacks (~11 MB; promise ships no wheel: built here).
   # Not yet tried on the device.
   download \

@@ -54,16 +54,16 @@ def _expert_matmuls(*args):
 
 
 def _grouped(name: str):
-    """A grouped_matmul name; `slab:F1/F2/...`: the slab path with only pure slabs of those sizes (multiples of
-    N / E) and the padded-block fallback (the slab path before its spill layouts); `slab:spill`: the slab path
-    with its CPU layouts (spill blocks) on any backend (on GPU `slab` takes pure slabs: this is the A/B);
-    `slab:spill512`: the GPU's pure slabs plus mean-sized slabs with 512-row spill blocks for a quarter of the rows
-    (a roofline estimate: 42 ms against 54 for the 64-expert step's skewed layers; docs/performance.md). A
-    trailing `@B` sets the fallback's block rows (`slab:1.25/1.5/2@64`: the GPU layouts before 2026-11-27's
-    512-row fallback blocks)."""
+    """A grouped_matmul name; `slab:F1/F2/...`: the slab path with only pure slabs of those sizes (multiples
+    of N / E) and the padded-block fallback (the slab path before its spill layouts); `slab:spill`: the slab
+    path with its CPU layouts (spill blocks) on any backend (on GPU `slab` takes pure slabs: this is the A/B);
+    `slab:spill512`: the GPU's pure slabs plus mean-sized slabs with 512-row spill blocks for a quarter of the
+    rows (by a roofline estimate, faster than the 512-row fallback on the 64-expert step's skewed layers). A
+    trailing `@B` sets the fallback's block rows (`slab:1.25/1.5/2@64`: slabs of up to 2x, a fallback of
+    64-row blocks)."""
     name, _, fallback = name.partition("@")
     fallback_block = int(fallback) if fallback else None
-    if name == "slab:spill512":  # GPU-sized spill blocks beside the GPU's pure slabs: the next GPU A/B
+    if name == "slab:spill512":  # GPU-sized spill blocks beside the GPU's pure slabs: an A/B against `slab`
         return functools.partial(slab.grouped_swiglu_slab, fractions=GPU_SPILL_FRACTIONS,
                                  factors=slab.NO_SPILL_SLAB_FACTORS, block=512, fallback_block=fallback_block)
     if name == "slab:spill":
@@ -79,7 +79,7 @@ def _grouped(name: str):
 
 
 # The spill budget of slab:spill512 (x N rows): its layout costs more than the 1.25x slab (1.31 N rows), so a balanced
-# routing still takes the slab measured on the H200; larger budgets cost more than the fallback (`layouts` drops them).
+# routing still takes the 1.25x slab; larger budgets cost more than the fallback (`layouts` drops them).
 GPU_SPILL_FRACTIONS = (1 / 4,)
 
 
@@ -113,9 +113,9 @@ def _identity_grouped(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExF
 
 
 ROUTINGS = ("random", "balanced", "skewed")
-# `skewed`: a fixed routing bias of SKEW x N(0, 1) per expert. At configs/gpu_1b.py's widths it gives MaxVio ~0.2 at
-# 8 experts and ~2.4 at 64, like the layers of that model at initialization (0.04-0.24 and 0.36-2.45 on the
-# benchmark batch; docs/performance.md): past every pure slab at 64 experts, so `slab` runs its fallback.
+# `skewed`: a fixed routing bias of SKEW x N(0, 1) per expert. At configs/gpu_1b.py's widths it gives MaxVio
+# ~0.2 at 8 experts and ~2.4 at 64, like the layers of that model at initialization (0.04-0.24 and 0.36-2.45
+# on a random batch): past every pure slab at 64 experts, so `slab` runs its fallback.
 SKEW = 0.1
 
 

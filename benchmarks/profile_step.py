@@ -8,11 +8,11 @@ warm-up. Each row is one op of the compiled program: its time per step (summed o
 --steps), its output shape and the JAX operation it came from (the HLO op_name, e.g. `transpose(jvp())/dot_general`
 for a matmul of the backward pass). Only the program's leaf ops are counted (not control flow, not the runtime's
 own events); on CPU independent ops run concurrently on the cores, so op times can add up to more than the step.
-On a GPU, kernels named other than their HLO op (cuBLAS / cuDNN calls inside custom calls, Triton GEMMs) are not
-matched, and the op table under-counts (GPU run 6: 7.4 of 257 ms per step). So on an accelerator a second table
-sums every kernel on the device's stream lines by kernel name, whatever its name, with their total: the device's
-busy time per step, against which the step time shows the idle gaps. The trace is left in --trace_dir for
-TensorBoard / Perfetto.
+On a GPU, kernels named other than their HLO op (cuBLAS / cuDNN calls inside custom calls, Triton GEMMs) are
+not matched, and the op table under-counts (it can catch as little as ~3% of a GPU step). So on an accelerator
+a second table sums every kernel on the device's stream lines by kernel name, whatever its name, with their
+total: the device's busy time per step, against which the step time shows the idle gaps. The trace is left in
+--trace_dir for TensorBoard / Perfetto.
 """
 
 import argparse

@@ -23,7 +23,7 @@ import numpy as np
 
 from benchmarks.common import describe, table
 from moe.errors import UserError, exit_with
-from train import host_memory
+from train import host_memory, loop
 from train.cli import config_from_argv
 
 
@@ -52,8 +52,7 @@ def window_stats(metrics_path: Path, after_step: int) -> dict:
 
 def measure(base, experts, steps: int, warm_frac: float, repeats: int, out: Path, keep: bool, log=print,
             run=None) -> list:
-    if run is None:
-        from train.loop import run
+    run = loop.run if run is None else run
     per = {e: [] for e in experts}
     for rep in range(repeats):
         for e in experts:

@@ -29,7 +29,7 @@ backward pass (`fwd+bwd ms`) of the cross-entropy (without the optional balance 
 alone (`opt ms`: clipping, AdamW and the new parameters, on gradients shaped like the parameters). Each part is a
 program of its own writing fresh outputs (nothing donated), so the parts do not add up to `step ms`: compare a
 part across rows (8 -> 64 experts), not with the step. The training loop donates its state, and the optimizer's
-update runs faster donated (docs/performance.md, "CPU figures (2026-11-27, third session)").
+update runs faster donated.
 """
 
 

@@ -9,18 +9,16 @@
     python -m train --config configs/gpu_1b.py --config.data.name=lm1b --config.data.tokenizer=PATH/tokenizer.json \\
         --config.model.vocab_size=32768
 
-Architecture (DeepSeek-V3-like, scaled down): 16 layers (1 dense + 15 MoE), d_model 1024, 16 query heads / 4 kv
-heads of 64, 64 fine-grained routed experts of width 320 (top-6, routed in 8 groups, the best 4 eligible) plus 2
-shared experts, routed_scaling_factor 2.5, cuDNN flash attention (bf16; it runs as `xla` attention off NVIDIA GPUs,
-tested equal to einsum; its GPU equality test is in `python -m benchmarks.gpu_report`). Blocks are rematerialized
-keeping the routed experts' residuals (`execution.remat_policy=save_moe`): the backward pass reruns attention, norms,
-router and shared experts but not the routed experts' routing, sort or matmuls. On one H200 (GPU run 6,
-docs/performance.md; batch 16 x 2048, scanned layers) its step took 264.8 ms at 8 experts (MFU 26.8%) and 386.5 ms
-at 64, against 282.0 / 406.9 ms with `full` remat; its peak memory at 64 experts was 45.6 GiB (34.8 with `full`),
-which fits an H100 (those runs moved dropless's rows backward by scatter-adds; `execution.permute_grad`'s
-`auto` now gathers on GPUs). `--config.execution.scan_layers=true` runs the 15 MoE blocks as one lax.scan (one compiled
-copy of the block: 38-40 s to compile on the H200, against 100-150 s unrolled in run 3): not the default here
-until the unrolled step is timed on the same code (docs/performance.md, "Compile time and scanned layers").
+Architecture (DeepSeek-V3-like, scaled down): 16 layers (1 dense + 15 MoE), d_model 1024, 16 query heads / 4
+kv heads of 64, 64 fine-grained routed experts of width 320 (top-6, routed in 8 groups, the best 4 eligible)
+plus 2 shared experts, routed_scaling_factor 2.5, cuDNN flash attention (bf16; it runs as `xla` attention off
+NVIDIA GPUs, tested equal to einsum; its GPU equality test is in `python -m benchmarks.gpu_report`). Blocks
+are rematerialized keeping the routed experts' residuals (`execution.remat_policy=save_moe`): the backward
+pass reruns attention, norms, router and shared experts but not the routed experts' routing, sort or matmuls:
+~5% faster than `full` remat, at 8 experts and at 64. At batch 16 x 2048 and 64 experts the step's peak memory
+stays under ~46 GiB (~35 with `full`), within one H100. `--config.execution.scan_layers=true` runs the 15 MoE
+blocks as one lax.scan (one compiled copy of the block: about half the unrolled step's compile time); off here
+as everywhere: it costs step time on CPU, and on a GPU its step time against the unrolled step is unknown.
 Global batch 64 x 2048 tokens in 4 micro-batches.
 moe.param_counts(...) gives the exact figures (total 1,042M / active 186M with the bundled 8192-token vocabulary).
 """

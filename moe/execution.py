@@ -73,12 +73,13 @@ class Execution:
     remat_policy: str = "full"  # what a rematerialized block keeps (REMAT_POLICIES above)
     # Consecutive blocks of one structure as one lax.scan (moe/layer_scan.py): one compiled copy of the MoE block
     # instead of one per layer (compile time), the same function up to rounding; the parameters stay one module
-    # per layer. The decoder-only Transformer's; the encoder-decoder study model (moe/encdec.py) runs unrolled.
+    # per layer. The decoder-only Transformer's; the encoder-decoder study model (experiments/encdec/model.py)
+    # runs unrolled.
     scan_layers: bool = False
-    # The loss's LM head + cross-entropy run over the sequence in this many chunks (the largest divisor of L not
-    # above it): [B, L/chunks, V] logits at a time. The train step computes each chunk's gradient in its forward
-    # pass (moe/lm_loss.py, weighted_cross_entropy); 8 was the fastest default train step on the 2-core CPU
-    # (docs/performance.md). With the batch sharded, each chunk all-reduces the head's gradient.
+    # The loss's LM head + cross-entropy run over the sequence in this many chunks (the largest divisor of L
+    # not above it): [B, L/chunks, V] logits at a time. The train step computes each chunk's gradient in its
+    # forward pass (moe/lm_loss.py, weighted_cross_entropy); 8 runs the default train step fastest on CPU.
+    # With the batch sharded, each chunk all-reduces the head's gradient.
     loss_chunks: int = 8
     # Activations are constrained to this mesh by `rules` (logical axis -> mesh axis); None: no constraints.
     mesh: jax.sharding.Mesh | None = None

@@ -112,14 +112,15 @@ def dropless(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, 
                                                                unique_indices=True))
     x_NxD = take_copies(x_TxD, order_N, inverse_N, K, permute)
     # Every device needs every group size. Left to XLA's sharding propagation they may come out split along
-    # `expert` (like the weights they index), and XLA:CPU then partitioned the padded-block fallback inside slab's
-    # lax.switch wrongly (the last expert's rows came out 0; tests/test_sharding.py): pinned replicated.
+    # `expert` (like the weights they index), and XLA:CPU then partitions the padded-block fallback inside
+    # slab's lax.switch wrongly (the last expert's rows come out 0; tests/test_sharding.py): pinned
+    # replicated.
     group_sizes_E = constrain(jnp.bincount(flat_ids_N, length=E).astype(jnp.int32), (None,))
     grouped_fn = grouped if callable(grouped) else grouped_swiglu_for(grouped)
     # Each copy's gate scales its SwiGLU product before the down projection (`scale_rows`), so the combine is a
     # plain sum and the gates' gradient, <h, dy W_down^T>, comes from what the backward pass has anyway. Scaling the
     # outputs instead needs the experts' output rows in the backward pass: under remat_policy="save_moe" the largest
-    # residual of configs/gpu_1b.py's step (5.6 GiB of 19.3 planned at 8 experts; docs/performance.md).
+    # residual of configs/gpu_1b.py's step (over a quarter of the memory XLA plans for it at 8 experts).
     scale_N = take_rows(gates_TxK.astype(jnp.float32).reshape(-1, 1), order_N, inverse_N, permute)[:, 0]
     # Under remat_policy="save_moe" the backward pass reruns the gather into x_NxD (cheap), not the experts.
     y_sorted_NxD = grouped_fn(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, row_scale=scale_N)

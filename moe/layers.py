@@ -34,7 +34,7 @@ class RMSNorm(nnx.Module):
 def matmul_rows(x, w, contract: int = 1):
     """x [..., *C] @ w [*C, *O] -> [..., *O] as one 2-D matmul over all leading rows (C: the last `contract` dims
     of x, the first of w). XLA:CPU runs the backward of the equivalent 3-D einsum ("bld,dhk->blhk": the weight's
-    gradient contracted over b and l) ~1.4x slower (docs/performance.md); the same math on every backend."""
+    gradient contracted over b and l) ~1.4x slower; the same math on every backend."""
     lead, inner = x.shape[:x.ndim - contract], w.shape[:contract]
     rows_NxC = x.reshape(-1, math.prod(inner))
     return (rows_NxC @ w.reshape(math.prod(inner), -1)).reshape(*lead, *w.shape[contract:])
@@ -44,7 +44,7 @@ def rope(x_BxLxHxDh, positions_BxL, theta: float, rot_dim: int | None = None):
     """Rotate-half (GPT-NeoX) rotary embedding, computed in fp32.
 
     Each pair (x1[i], x2[i]) = (x[i], x[i + R/2]) turns by the angle position * theta^(-2i/R). Written per half
-    (no concatenated [-x2, x1] copy and no duplicated angle table: ~2% of the default train step on XLA:CPU).
+    (no concatenated [-x2, x1] copy and no duplicated angle table: a few percent of the CPU train step).
     rot_dim < Dh (partial rotary, GLM-4.5): only the leading rot_dim dims rotate, with frequencies
     theta^(-2i/rot_dim) and rotate-half within them (as HF's Glm4Moe); the rest pass through unchanged.
     """
@@ -76,7 +76,8 @@ def softmax_attention(q_BxLxNxGxDh, k_BxSxNxDh, v_BxSxNxDh, mask_BxHxLxS, return
 
     Without probabilities the softmax's division is applied to the output ([.., Dh] per query) instead of the
     probabilities ([.., S] per query): exp(logits - max) v / sum(exp(logits - max)), the same function up to
-    rounding, and its backward pass has no [.., S]-sized division either (~2% of the default train step on XLA:CPU).
+    rounding, and its backward pass has no [.., S]-sized division either (a few percent of the CPU train
+    step).
     """
     B, L, N, G, Dh = q_BxLxNxGxDh.shape
     logits = jnp.einsum("blngk,bsnk->bngls", q_BxLxNxGxDh, k_BxSxNxDh,
@@ -216,7 +217,7 @@ class MLP(nnx.Module):
         dt = x_BxLxD.dtype
         B, L, D = x_BxLxD.shape
         # 2-D matmuls over all B*L rows: XLA:CPU runs the backward of the 3-D form (weight gradients contracted
-        # over b and l) ~3x slower (docs/performance.md); the same math on every backend.
+        # over b and l) ~3x slower; the same math on every backend.
         x_NxD = x_BxLxD.reshape(B * L, D)
         h_NxF = jax.nn.silu(x_NxD @ self.w_gate.value.astype(dt)) * (x_NxD @ self.w_up.value.astype(dt))
         h_BxLxF = ex.constrain(h_NxF.reshape(B, L, -1), ("batch", "length", "act_mlp"))

@@ -5,8 +5,9 @@ runs on and records the platform; the trainer writes the resolved choices into t
 call nothing asks which device it is on: kernels and dispatch take the concrete choice (a direct call that
 passes `auto` gets `choice(...)` of the current platform, the same table).
 
-The table holds what was measured (docs/performance.md): on CPU, slab's spill layouts and scatter-add backward
-passes; on NVIDIA GPUs, slab's pure slabs and gather-only backward passes; elsewhere ragged_dot (not measured).
+Each entry is the fastest choice where one was benchmarked (see docs/performance.md): on CPU, slab's spill
+layouts and scatter-add backward passes; on NVIDIA GPUs (and ROCm, not benchmarked), slab's pure slabs and
+gather-only backward passes; elsewhere ragged_dot, XLA's portable op (not benchmarked).
 """
 
 import jax

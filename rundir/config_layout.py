@@ -27,7 +27,7 @@ def migrate(config: dict) -> dict:
 # Keys added after the model/execution split, with the default that reproduces the runs from before them.
 # (loss_chunks: the runs before it computed all logits at once, which the chunked default reproduces up to
 # floating-point rounding only; scan_layers and permute_grad likewise, permute_grad's `auto` gathering on GPUs where
-# earlier runs scatter-added; analysis.experiments.fingerprint leaves any value of the three out.)
+# earlier runs scatter-added; experiments.common.runs.fingerprint leaves any value of the three out.)
 ADDED_KEYS = {"eval.dispatch": "", "execution.loss_chunks": 8, "execution.scan_layers": False,
               "execution.remat_policy": "full", "execution.permute_grad": "auto"}
 

@@ -9,9 +9,9 @@ import tempfile
 # The suite is dominated by compiling tiny programs: LLVM at -O0 compiles them faster and runs them a little
 # slower (tests compare programs built with the same flags; subprocesses inherit them). The SIGTERM test
 # (tests/test_train_loop.py) sets its own XLA_FLAGS, so the default optimization level is still trained end to end.
-# Below jaxlib 0.11, XLA:CPU's older fusion emitters compile the suite's programs in about half the time at -O0
-# (the tiny train step: 3.3 -> 1.8 s; at the default -O level they take twice as long, so only here); jaxlib 0.11
-# removed the flag, and XLA aborts on an unknown flag.
+# Below jaxlib 0.11, XLA:CPU's older fusion emitters compile the suite's programs in about half the time at
+# -O0 (at the default -O level they take twice as long, so only here); jaxlib 0.11 removed the flag, and XLA
+# aborts on an unknown flag.
 try:
     _JAXLIB = tuple(int(p) for p in importlib.metadata.version("jaxlib").split(".")[:2])
 except (importlib.metadata.PackageNotFoundError, ValueError):
@@ -40,11 +40,12 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import pytest  # noqa: E402  (after XLA_FLAGS on purpose)
 
+from configs.tiny import get_config  # noqa: E402
+from train.loop import run  # noqa: E402  (imports jax: after XLA_FLAGS)
+
 
 def tiny_config(**overrides):
     """configs/tiny.py with dotted overrides, e.g. tiny_config(**{"train.steps": 4})."""
-    from configs.tiny import get_config
-
     c = get_config()
     c.log.progress = False
     c.log.peak_flops = 1e12  # skip the matmul measurement in tests
@@ -61,7 +62,7 @@ def tiny_config(**overrides):
 def pipeline_config(**overrides):
     """tiny_config for the end-to-end tests of a pipeline around the model (studies, reports): the routed experts
     by ragged_dot, which compiles in a fraction of slab's time at these shapes (slab compiles its seven layouts'
-    forward and backward passes; the encoder-decoder study's test: 136 -> 58 s in the suite). The kernels are
+    forward and backward passes: over half of a study's end-to-end test). The kernels are
     tested on their own (slab sees only rows, whatever the model or mask around it), and the trainer's tests, the
     sharded step, decoding, the layer scan and the README's commands keep the default; the encoder-decoder's
     backward pass through slab, which only the study's test trained through, has a test of its own
@@ -73,8 +74,6 @@ def pipeline_config(**overrides):
 def tiny_run(tmp_path_factory):
     """A trained tiny run (configs/tiny.py, 20 steps, checkpoints at 10 and 20), shared by the whole session:
     its routing biases are non-zero. Treat it as read-only."""
-    from train.loop import run
-
     workdir = tmp_path_factory.mktemp("tiny_run")
     run(tiny_config(**{"log.tensorboard": True}), workdir, log=lambda *a: None)
     return workdir

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from analysis import experiments, loss_curves, rank, routing
+from analysis import loss_curves, rank, routing
+from experiments.masks_round1 import runner as experiments
 from rundir.lock import RunLock
 from train import __main__ as train_cli
 from train import export, generate

@@ -16,6 +16,9 @@ from moe import RoutingBias
 from moe.errors import UserError
 from rundir import open_run
 from tests.conftest import tiny_config
+from train import mesh as mesh_lib
+from train.config import check
+from train.state import init_state
 
 
 def _record(ids_BxLxK, domains_BxL, n_experts):
@@ -72,10 +75,6 @@ def test_permutation_keeps_every_experts_load_and_moves_only_valid_tokens():
 def test_step0_model_is_the_trainers_initialization():
     """init_model rebuilds exactly what train.state.init_state starts from (jitted, sharded): same params,
     zero routing biases."""
-    from train import mesh as mesh_lib
-    from train.config import check
-    from train.state import init_state
-
     config = tiny_config(**{"train.seed": 3})
     mcfg = check(config)  # what train.loop.run builds the model from
     _, state, _ = init_state(mcfg, optax.sgd(0.1), config.train.seed, mesh_lib.make_mesh(config.mesh))

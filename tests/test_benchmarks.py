@@ -1,12 +1,16 @@
 """The benchmark scripts run and report sane figures (on CPU, one small combination each; timings not asserted)."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import common, moe_layer, train_step
-from moe import kernels, router
+from benchmarks import common, cpu_dots, moe_layer, profile_step, train_experts, train_step
+from configs.default import get_config
+from moe import experts, kernels, router
 from moe.kernels import slab
+from train.config import check
 
 
 def test_variants_cover_grouped_matmuls_only_where_they_apply():
@@ -30,9 +34,9 @@ def test_moe_layer_rows_and_dense_baseline():
 
 
 def test_moe_layer_routing_is_an_input_of_the_timed_program(monkeypatch):
-    """The routed rows' programs take the routing (ids, gates) as arguments: as constants XLA would fold the sort,
-    the group sizes and slab's layout choice at compile time, which a train step cannot (on XLA:CPU that made the
-    64-expert layer read 2.4x dense where training's program runs ~3x; docs/performance.md, eighth session)."""
+    """The routed rows' programs take the routing (ids, gates) as arguments: as constants XLA would fold the
+    sort, the group sizes and slab's layout choice at compile time, which a train step cannot (on XLA:CPU,
+    folded, the 64-expert layer reads ~2.4x dense where training's program runs ~3x)."""
     seen = []
     monkeypatch.setattr(moe_layer, "time_fns", lambda calls, steps: seen.extend(calls) or [1e-3] * len(calls))
     rows = moe_layer.bench("tiny", 8, ["dropless", "capacity"], ["slab"], steps=1)
@@ -43,10 +47,6 @@ def test_moe_layer_routing_is_an_input_of_the_timed_program(monkeypatch):
 
 def test_dispatch_alone_is_dropless_without_its_matmuls():
     """The stand-in grouped matmul keeps dropless's permutation: each token gets back sum_k gate_k * x."""
-    import jax.numpy as jnp
-
-    from moe import experts
-
     T, D, E, K = 12, 4, 3, 2
     x = jax.random.normal(jax.random.key(0), (T, D))
     ids = jax.random.randint(jax.random.key(1), (T, K), 0, E)
@@ -185,12 +185,6 @@ def test_train_step_round_robin_rows(capsys):
 
 
 def test_train_experts_alternates_runs_and_reads_the_balanced_windows(tmp_path):
-    import json
-
-    from benchmarks import train_experts
-    from configs.default import get_config
-    from train.config import check
-
     c = train_experts.expert_config(get_config(), 64, 200)
     check(c)
     assert c.model.n_routed_experts == 64 and c.model.top_k == 2 and c.eval.every > 200 and c.checkpoint.every > 200
@@ -213,8 +207,6 @@ def test_train_experts_alternates_runs_and_reads_the_balanced_windows(tmp_path):
 
 
 def test_train_experts_never_writes_into_a_nonempty_directory(tmp_path, capsys):
-    from benchmarks import train_experts
-
     (tmp_path / "mine.txt").write_text("a user's file")
     with pytest.raises(SystemExit) as e:
         train_experts.main(["--out", str(tmp_path)])
@@ -223,8 +215,6 @@ def test_train_experts_never_writes_into_a_nonempty_directory(tmp_path, capsys):
 
 
 def test_profile_step_lists_the_steps_ops(capsys, tmp_path):
-    from benchmarks import profile_step
-
     profile_step.main(["--preset", "tiny", "--experts", "8", "--steps", "1", "--top", "8",
                        "--trace_dir", str(tmp_path)])
     lines = capsys.readouterr().out.splitlines()
@@ -236,8 +226,6 @@ def test_profile_step_lists_the_steps_ops(capsys, tmp_path):
 def test_profile_step_sums_every_kernel_on_the_gpu_streams_once():
     """cuBLAS / cuDNN kernels, named other than any HLO op, count toward the device's busy time; the device's
     derived "XLA Ops" line (the same time again) and the host's events do not."""
-    from benchmarks import profile_step
-
     meta = lambda kind, pid, name, tid=None: {"ph": "M", "name": kind, "pid": pid, "tid": tid, "args": {"name": name}}
     x = lambda pid, tid, name, dur: {"ph": "X", "pid": pid, "tid": tid, "name": name, "dur": dur}
     events = [meta("process_name", 1, "/device:GPU:0"), meta("process_name", 2, "/host:CPU"),
@@ -252,10 +240,6 @@ def test_profile_step_sums_every_kernel_on_the_gpu_streams_once():
 def test_cpu_dots_compiles_each_library_differently():
     """The compile options take effect: the batched dot goes to YNNPACK by default and to XLA's own dot under
     `eigen` (a renamed XLA flag would make every library the same program, and the table meaningless)."""
-    import jax.numpy as jnp
-
-    from benchmarks import cpu_dots
-
     args = (jnp.ones((4, 16, 32)), jnp.ones((4, 32, 16)))
     fn = lambda x, w: jnp.einsum("ecd,edf->ecf", x, w)
     hlo = {lib: cpu_dots.compiled(fn, args, lib).as_text() for lib in cpu_dots.LIBRARIES}
@@ -264,8 +248,6 @@ def test_cpu_dots_compiles_each_library_differently():
 
 
 def test_cpu_dots_table(capsys):
-    from benchmarks import cpu_dots
-
     cpu_dots.main(["--preset", "tiny", "--experts", "8", "--libraries", "default,eigen", "--steps", "1", "--step"])
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| 8 ")]
     assert len(rows) == 10  # 4 ops x 2 libraries, then the train step under each (train_step.prepare, uncompiled)

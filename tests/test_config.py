@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 
 from configs.base import base_config
+from configs.default import get_config
 from moe import ConfigError, Execution, ModelConfig, sharding
 from moe.errors import UserError
 from moe.execution import DISPATCH_MODES, check_model, check_tokens, execution_fields
@@ -12,7 +13,7 @@ from rundir.checkpoints import check_compatible
 from rundir.config_layout import migrate, pre_split_layout
 from tests.conftest import tiny_config
 from train.cli import unknown_key_error
-from train.config import causality_warning, check
+from train.config import activation_bytes, causality_warning, check, model_config
 
 
 @pytest.mark.parametrize("changes,field", [
@@ -143,9 +144,6 @@ def test_causal_run_with_a_dropping_dispatch_is_warned():
 def test_activation_bound_follows_attention_impl_and_loss_chunks():
     """The memory check's lower bound: the logits shrink by loss_chunks; blockwise under a causal mask keeps 5/8 of
     einsum's [H, L, L] square at 4 query blocks; the fused kernels keep none."""
-    from configs.default import get_config
-    from train.config import activation_bytes, model_config
-
     def bound(**execution):
         c = get_config()
         c.execution.update(**execution)

@@ -6,8 +6,16 @@ import numpy as np
 import pytest
 
 from moe.errors import UserError
-from train.data.packing import PackedSampler, TokenCache, eval_batches, iterate, prefix_rows, token_cache
-from train.data.tokenizer import EOS_ID, PAD_ID
+from train.data.packing import (
+    PackedSampler,
+    TokenCache,
+    eval_batches,
+    iterate,
+    prefix_rows,
+    token_cache,
+    window_documents,
+)
+from train.data.tokenizer import EOS_ID, PAD_ID, load_tokenizer
 
 L = 16
 
@@ -144,8 +152,6 @@ class _ListSource:
 
 
 def test_token_cache_with_bundled_tokenizer(tmp_path):
-    from train.data.tokenizer import load_tokenizer
-
     texts = [f"Document number {i}. " * (i + 1) for i in range(4)] + ["literal <|endoftext|> and <|pad|>"]
     c = token_cache(_ListSource(texts), cache_dir=tmp_path)
     tok = load_tokenizer()
@@ -161,8 +167,6 @@ def test_token_cache_with_bundled_tokenizer(tmp_path):
 def test_window_documents_train_on_every_target_once():
     """Windowed prefix rows: every (token -> next token) pair of every document, the EOS included, is a target
     in exactly one row; mid-document windows carry no EOS."""
-    from train.data.packing import window_documents
-
     lengths = [10, 3, 1, 9]  # 9 = 2 * L + 1: the last full window ends the document
     toks = np.arange(2, 2 + sum(lengths), dtype=np.uint16)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
@@ -198,8 +202,6 @@ def _window_documents_loop(cache, L):
 
 
 def test_window_documents_equals_the_plain_loop_on_random_documents():
-    from train.data.packing import window_documents
-
     rng = np.random.default_rng(0)
     for _ in range(50):
         lengths = rng.integers(0, 30, rng.integers(1, 9))  # empty and 1-token documents included

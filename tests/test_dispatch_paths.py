@@ -15,6 +15,8 @@ from jax.sharding import PartitionSpec as P
 from moe import Execution, ModelConfig, expert_parallel, experts, router, sharding
 from moe.kernels import slab
 from moe.moe_layer import MoE
+from tests.conftest import tiny_config
+from train.loop import run
 
 T, D, E, F, K = 64, 12, 8, 10, 3
 
@@ -189,9 +191,6 @@ def test_moe_layer_routing_stats_are_global_under_expert_parallel():
 
 @pytest.mark.slow
 def test_train_step_logs_dropped_fraction(tmp_path):
-    from tests.conftest import tiny_config
-    from train.loop import run
-
     cfg = tiny_config(**{"train.steps": 2, "log.every": 1, "eval.every": 100, "checkpoint.every": 100,
                          "execution.dispatch": "capacity", "execution.capacity_factor": 0.5})
     last = run(cfg, tmp_path, log=lambda *a: None)

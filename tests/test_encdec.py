@@ -1,5 +1,5 @@
-"""moe/encdec.py: the encoder sees the whole source, the decoder is causal, padding is invisible, and the
-parameter count is the decoder-only model's plus an encoder and cross-attention."""
+"""experiments/encdec/model.py: the encoder sees the whole source, the decoder is causal, padding is invisible,
+and the parameter count is the decoder-only model's plus an encoder and cross-attention."""
 
 import functools
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from experiments.encdec.model import EncoderDecoder, n_params
 from moe import Execution, ModelConfig, RoutingBias, Transformer
-from moe.encdec import EncoderDecoder, n_params
 from tests.model_fixtures import TINY
 
 B, S, T = 2, 7, 6

@@ -1,4 +1,4 @@
-"""analysis/encdec_task.py and analysis/encdec_study.py: the encoder-decoder scores exactly the decoder-only
+"""experiments/encdec/task.py, runner.py and report.py: the encoder-decoder scores exactly the decoder-only
 model's targets from the same information, the 2x2 cells have the stated depths, and the runner trains, caches
 and reports them."""
 
@@ -8,8 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from analysis import encdec_study, encdec_task
-from analysis.study_probes import parts
+from experiments.common.probes import parts
+from experiments.encdec import report as encdec_report
+from experiments.encdec import runner as encdec_study
+from experiments.encdec import task as encdec_task
 from train.data.packing import TokenCache, prefix_rows
 
 L = 16
@@ -71,7 +73,7 @@ def test_output_positions_bucket_the_same_targets_in_both_forms(rows):
 
 
 def test_position_labels_are_one_based_token_ranges():
-    assert encdec_study.position_labels(encdec_task.POSITION_EDGES) == [
+    assert encdec_report.position_labels(encdec_task.POSITION_EDGES) == [
         "1", "2", "3-4", "5-8", "9-16", "17-32", "33-64", "65+"]
 
 
@@ -97,7 +99,7 @@ def test_cells_have_the_stated_depths():
 
 def test_block_passes_count_the_compute_of_each_cell():
     cells = {"decoder_P": (0, 4), "decoder_2P": (0, 8), "encdec_P": (2, 2), "encdec_2P": (4, 4)}
-    n = {c: encdec_study.block_passes({"encoder_layers": e, "n_layers": d}, 256, 0.5) for c, (e, d) in cells.items()}
+    n = {c: encdec_report.block_passes({"encoder_layers": e, "n_layers": d}, 256, 0.5) for c, (e, d) in cells.items()}
     assert n["decoder_P"] == 4 * 256 and n["decoder_2P"] == 2 * n["decoder_P"]
     # the encoder-decoder's blocks each see about half the window (129 padded tokens of 257)
     assert n["encdec_P"] == 4 * 129 and n["encdec_2P"] == 2 * n["encdec_P"]

@@ -1,4 +1,4 @@
-"""analysis.experiments: bootstrap CI, CLI parsing, and the compare-masks study end to end on tiny settings,
+"""experiments.masks_round1: bootstrap CI, CLI parsing, and the compare-masks study end to end on tiny settings,
 including resuming an interrupted study."""
 
 import json
@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from analysis.experiments import Interrupted, compare_masks, fingerprint, parse_flags, variant_name
-from analysis.experiments_report import bootstrap_ci
+from experiments.masks_round1.report import bootstrap_ci
+from experiments.masks_round1.runner import Interrupted, compare_masks, fingerprint, parse_flags, variant_name
 from moe.errors import UserError
 from tests.conftest import pipeline_config, tiny_config
 

@@ -17,6 +17,7 @@ from moe.errors import UserError
 from rundir import open_run
 from train import export as export_cli
 from train import generate as generate_cli
+from train.data.tokenizer import EOS_ID, load_tokenizer
 
 PROMPTS = ["The quick brown fox", "Once upon a time, there"]
 
@@ -80,8 +81,6 @@ def test_hf_export_loads_with_our_logits(tiny_run, ours, tokens, hf_out):
 
 def test_hf_tokenizer_encodes_like_ours(hf_out):
     _, transformers = _hf()
-    from train.data.tokenizer import load_tokenizer
-
     mine = load_tokenizer(hf_out / "tokenizer.json")
     theirs = transformers.AutoTokenizer.from_pretrained(str(hf_out))
     for text in [*PROMPTS, "mixture of experts<|endoftext|>zebra!", " two  spaces\n"]:
@@ -90,8 +89,6 @@ def test_hf_tokenizer_encodes_like_ours(hf_out):
 
 def test_generate_cli_matches_hf_greedy(tiny_run, hf_out, capsys):
     torch, transformers = _hf()
-    from train.data.tokenizer import EOS_ID, load_tokenizer
-
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(hf_out))
     tok = load_tokenizer(hf_out / "tokenizer.json")
     n = 12

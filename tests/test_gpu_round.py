@@ -1,18 +1,18 @@
-"""The decoder-only GPU round's one command (analysis.gpu_round): every part's flags and config are checked before
-anything trains, and the parts run in order through their own runners."""
+"""The decoder-only GPU round's one command (experiments.gpu_round): every part's flags and config are checked
+before anything trains, and the parts run in order through their own runners."""
 
 import types
 
 import pytest
 
-from analysis import gpu_round
+from experiments.gpu_round import runner as gpu_round
 
 
 def test_dry_run_checks_every_part_and_trains_nothing(tmp_path, capsys):
     gpu_round.main(["--dry_run", "--out", str(tmp_path / "round")])
     lines = capsys.readouterr().out.splitlines()
     assert [line.split("]")[0] for line in lines] == ["[study", "[encdec", "[head_sweep", "[mlm"]
-    assert "causal_half" in lines[0] and "configs/study_mlm_gpu.py" in lines[3]
+    assert "causal_half" in lines[0] and "experiments/mlm/config_gpu.py" in lines[3]
     assert not (tmp_path / "round").exists()
 
 
@@ -36,8 +36,8 @@ def test_parts_run_in_order_and_a_failing_part_stops_the_round(monkeypatch):
                 raise SystemExit(code)
         return types.SimpleNamespace(main=main)
 
-    modules = {"analysis.study": fake_module("study", 0), "analysis.encdec_study": fake_module("encdec", 2),
-               "analysis.mlm_compare": fake_module("mlm", 0)}
+    modules = {"experiments.masks_round2.runner": fake_module("study", 0),
+               "experiments.encdec.runner": fake_module("encdec", 2), "experiments.mlm.runner": fake_module("mlm", 0)}
     monkeypatch.setattr("importlib.import_module", lambda name: modules[name])
     monkeypatch.setattr(gpu_round, "check_part", lambda *a: None)
     gpu_round.main(["--parts", "mlm,study", "--out", "o", "--seeds", "3"])

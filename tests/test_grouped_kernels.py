@@ -4,6 +4,7 @@ empty groups and padding rows past sum(group_sizes): `slab` (each of its branche
 `tokamax` (its `xla` implementation through tokamax's own VJP on CPU; the GPU kernels in the GPU-only test); with
 row scales (dropless's gates before the down projection) too."""
 
+import builtins
 import functools
 import types
 
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from benchmarks import kernel_accuracy
-from moe import experts, kernels
+from moe import experts, kernels, router
 from moe.kernels import slab, tokamax_swiglu
 
 N, D, E, F = 48, 12, 6, 10
@@ -115,8 +116,8 @@ def _scatters(jaxpr):
 
 def test_slab_backward_sums_block_weight_gradients_with_an_unsorted_scatter_or_a_matmul():
     """The blocks' weight gradients are summed per expert by a scatter-add that must not claim sorted indices:
-    XLA:GPU's sorted-scatter emitter unrolls each [D, F] update into every thread, a kernel ptxas could not
-    compile at model widths (docs/performance.md, GPU run 5). Off the CPU a one-hot matmul sums them instead:
+    XLA:GPU's sorted-scatter emitter unrolls each [D, F] update into every thread, a kernel ptxas does not
+    compile within minutes at model widths. Off the CPU a one-hot matmul sums them instead:
     no scatter-add of weights at all (no atomics: the same gradient bit for bit, run after run)."""
     x, ws = _inputs()
     sizes = jnp.asarray(SIZES["skewed"])
@@ -141,7 +142,7 @@ def test_slab_in_bf16_is_as_close_to_the_fp32_truth_as_ragged_dot_in_bf16(backen
     parts in bf16; GPU's pure slabs): per output, the error against the fp32 truth is within ragged_dot's own bf16
     error (+25%, +0.02 of the largest entry), and finite. Both errors are ~1% at these inputs, so the slack
     dominates: this catches a wrong row or a precision loss of several bf16 ulps, not an error twice ragged_dot's
-    (to tighten once a GPU has rerun it: docs/performance.md, "GPU figures, run 4")."""
+    (the slack stays until these inputs' errors are known on a GPU)."""
     fractions, factors, block, fallback = slab.default_layout_sets(backend)
     slab_fn = functools.partial(slab.grouped_swiglu_slab, fractions=fractions, factors=factors, block=block,
                                 fallback_block=fallback, weight_sum=slab.weight_sum_for(backend))
@@ -208,8 +209,6 @@ def test_row_scales_scale_each_rows_output(name):
 def test_dropless_gates_gradient_equals_the_loop_reference(grouped, permute):
     """dropless applies the gates inside the experts: its gradients for x, the gates and the weights equal the loop
     reference's, which weights each expert's output."""
-    from moe import router
-
     x, ws = _inputs()
     _, ids, gates = router.route(x, jax.random.normal(jax.random.key(5), (D, E)), jnp.zeros(E), top_k=2)
     loss = lambda fn, x, gates, *ws: jnp.sum(jnp.sin(fn(x, ids, gates, *ws)))
@@ -242,8 +241,6 @@ def test_tokamax_equals_ragged_dot(case):
 
 @needs_tokamax
 def test_tokamax_dropless_equals_loop_reference():
-    from moe import router
-
     x, ws = _inputs()
     w_router = jax.random.normal(jax.random.key(5), (D, E))
 
@@ -260,8 +257,6 @@ def test_tokamax_dropless_equals_loop_reference():
 
 
 def test_tokamax_missing_is_a_one_line_error(monkeypatch):
-    import builtins
-
     real_import = builtins.__import__
 
     def no_tokamax(name, *a, **k):
@@ -285,13 +280,14 @@ def _on_nvidia_gpu() -> bool:
 
 # The GPU kernels' shapes (benchmarks/kernel_accuracy.py): Mosaic-GPU copies rows with TMA, whose strides must be
 # multiples of 16 bytes (the CPU tests' 12 x 10 fails with "async_copy requires all GMEM strides ... multiple of 16
-# bytes", seen on an H200). Same three cases, 256 rows of width 128.
+# bytes"). Same three cases, 256 rows of width 128.
 GPU_SIZES = kernel_accuracy.CASES
 
 
 def _tokamax_has(implementation: str) -> bool:
     tokamax_swiglu.available()  # imports tokamax the way the model does
-    from tokamax._src.ops.ragged_dot import api  # private, but the only list of what registered
+    # optional package (skipped without it); private, but the only list of what registered
+    from tokamax._src.ops.ragged_dot import api
 
     return {"mosaic": "mosaic_gpu"}.get(implementation, implementation) in api.IMPLEMENTATIONS
 
@@ -323,7 +319,7 @@ def test_tokamax_kernel_bf16_error_is_ragged_dots(implementation, case):
 def _ragged_dot_with_garbage_padding(a_NxK, w_ExKxM, group_sizes_E, **_):
     """A stand-in for a GPU kernel that leaves rows past the last group unwritten (NaN here), in its output and in
     its input gradient, and whose weight gradient reads those rows as if they were the last group's (a kernel
-    working tile by tile would): what tokamax's Mosaic-GPU ragged dot did on an H200."""
+    working tile by tile would): what tokamax's Mosaic-GPU ragged dot does on a Hopper GPU."""
     valid_Nx1 = (jnp.arange(a_NxK.shape[0]) < group_sizes_E.sum())[:, None]
     garbage = lambda a: jnp.where(valid_Nx1, a, jnp.nan)
 

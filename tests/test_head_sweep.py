@@ -1,13 +1,15 @@
-"""The head-size sweep (analysis.head_sweep) on synthetic results: configs with equal parameters across d_head, the
-per-d_head contrasts with Holm over the sweep and the gate, the trend's slope, the report from finished runs."""
+"""The head-size sweep (experiments.head_sweep) on synthetic results: configs with equal parameters across d_head,
+the per-d_head contrasts with Holm over the sweep and the gate, the trend's slope, the report from finished runs."""
 
 import json
 
 import numpy as np
 import pytest
 
-from analysis import head_sweep, study
-from analysis.experiments import fingerprint
+from experiments.common.runs import fingerprint
+from experiments.head_sweep import report as sweep_report
+from experiments.head_sweep import runner as head_sweep
+from experiments.masks_round2 import runner as study
 from moe.accounting import param_counts
 from moe.errors import UserError
 from tests.test_study import REFS, fake_result
@@ -15,7 +17,7 @@ from train.config import model_config
 
 
 def study_base():
-    from configs.study_masks import get_config
+    from experiments.masks_round2.config import get_config
 
     return get_config()
 
@@ -38,9 +40,9 @@ def test_head_configs_keep_parameters_and_group_ratio():
 
 def test_slope_recovers_a_line_and_refuses_one_point():
     x = np.log2([2, 2, 4, 4, 8, 8])
-    fit = head_sweep.slope(x, 0.03 * x - 0.01 + np.array([1, -1, 1, -1, 1, -1]) * 1e-3)
+    fit = sweep_report.slope(x, 0.03 * x - 0.01 + np.array([1, -1, 1, -1, 1, -1]) * 1e-3)
     assert fit["slope"] == pytest.approx(0.03, abs=1e-3) and fit["lo"] > 0 and fit["n"] == 6
-    assert head_sweep.slope([1, 1, 1], [0.1, 0.2, 0.3]) is None
+    assert sweep_report.slope([1, 1, 1], [0.1, 0.2, 0.3]) is None
 
 
 def cell(d, shift, passed=True, seeds=4):
@@ -54,13 +56,13 @@ def cell(d, shift, passed=True, seeds=4):
 
 def test_rows_holm_over_the_sweep_gate_and_trend():
     cells = [cell(64, 0.0), cell(32, 0.05), cell(16, 0.10), cell(8, 0.5, passed=False)]
-    rows = head_sweep.sweep_rows(cells)
+    rows = sweep_report.sweep_rows(cells)
     by_d = {r["d_head"]: r for r in rows}
     assert by_d[8]["verdict"] == "not interpretable"
     assert by_d[16]["verdict"] == "prefix worse" and by_d[16]["p_holm"] >= by_d[16]["p"]
     assert by_d[64]["verdict"] == "equivalent"
     assert by_d[32]["erank"] == {"causal": pytest.approx(0.3), "prefix": pytest.approx(0.3)}
-    fit = head_sweep.trend(rows)  # d_head 8 (gate failed) left out: 3 d_heads x 4 seeds
+    fit = sweep_report.trend(rows)  # d_head 8 (gate failed) left out: 3 d_heads x 4 seeds
     assert fit["n"] == 12 and fit["verdict"] == "rises with n/d_head"
     assert fit["slope"] == pytest.approx(0.05, abs=0.01)
 

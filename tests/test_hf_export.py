@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import moe
 from moe.decode import generate
@@ -36,8 +37,6 @@ def _hf():
 
 @pytest.fixture(scope="module")
 def tokenizer_path(tmp_path_factory):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -149,8 +148,6 @@ def test_bfloat16_export_loads(tmp_path, tokenizer_path, untied):
 
 def test_tokenizer_and_card(tmp_path, tokenizer_path, untied):
     _, transformers = _hf()
-    from tokenizers import Tokenizer
-
     write_hf_checkpoint(untied, str(tmp_path), tokenizer_path, "float32", CARD)
     ours = Tokenizer.from_file(tokenizer_path)
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
@@ -193,8 +190,6 @@ def test_unsupported_features_refuse(tmp_path, tokenizer_path, changes, feature)
 
 
 def test_tokenizer_without_special_tokens(tmp_path):
-    from tokenizers import Tokenizer, models
-
     path = str(tmp_path / "tokenizer.json")
     Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(path)
     with pytest.raises(ExportError, match="<\\|endoftext\\|> is missing"):

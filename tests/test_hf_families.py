@@ -3,20 +3,27 @@ our model with the same logits (fp32) and the same expert ids in every MoE layer
 refused naming the field; the routing analysis runs on an imported model over a text file."""
 
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors.numpy import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 torch = pytest.importorskip("torch", reason="torch builds the reference models")
 transformers = pytest.importorskip("transformers", reason="transformers builds the reference models")
 
 transformers.utils.logging.disable_progress_bar()  # save_pretrained's bar on stderr
 
+from analysis import hf_source, routing  # noqa: E402
 from moe import param_counts  # noqa: E402
 from moe.hf import HFImportError, load_hf_moe, model_config  # noqa: E402
+from moe.hf.common import read_config, read_tensors  # noqa: E402
+from moe.hf.load import FAMILIES as LAYOUTS  # noqa: E402
+from moe.hf.safetensors_io import flat_variables  # noqa: E402
 from moe.hf.weights import our_tensors  # noqa: E402
 
 V = 320  # >= the test tokenizer's vocabulary
@@ -179,10 +186,6 @@ def _fused(sd, gate, up, down):
 
 
 def test_fused_expert_layout_reads_the_same(family):
-    from moe.hf.common import read_config, read_tensors
-    from moe.hf.load import FAMILIES as LAYOUTS
-    from moe.hf.safetensors_io import flat_variables
-
     name, path, _, _ = family
     c, where = read_config(path)
     cfg, layout = model_config(c), LAYOUTS[c["model_type"]].layout(c)
@@ -197,9 +200,6 @@ def test_fused_expert_layout_reads_the_same(family):
 
 
 def test_glm_mtp_layers_are_skipped(built):
-    from moe.hf.common import read_config, read_tensors
-    from moe.hf.load import FAMILIES as LAYOUTS
-
     _, path, _, _ = built("glm4_moe")
     sd = read_tensors(path)
     sd["model.layers.3.eh_proj.weight"] = np.zeros((32, 64), np.float32)  # an MTP layer's tensor
@@ -211,10 +211,6 @@ def test_glm_mtp_layers_are_skipped(built):
 
 
 def test_missing_tensor_is_one_line(built, tmp_path):
-    from safetensors.numpy import save_file
-
-    from moe.hf.common import read_tensors
-
     _, path, _, _ = built("olmoe")
     sd = read_tensors(path)
     del sd["model.layers.1.self_attn.q_norm.weight"]
@@ -227,10 +223,6 @@ def test_missing_tensor_is_one_line(built, tmp_path):
 @pytest.fixture(scope="module")
 def analysable(built, tmp_path_factory):
     """The Qwen2-MoE directory plus a tokenizer.json (byte-level BPE, < V tokens) and two text files."""
-    import shutil
-
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     _, path, _, _ = built("qwen2_moe")
     root = tmp_path_factory.mktemp("analysable")
     hf_dir = root / "hf"
@@ -248,8 +240,6 @@ def analysable(built, tmp_path_factory):
 
 
 def test_routing_analysis_of_an_imported_model(analysable, tmp_path):
-    from analysis import routing
-
     hf_dir, root = analysable
     out = tmp_path / "out"
     a, written = routing.run(routing.parse_args([
@@ -272,8 +262,6 @@ def test_routing_analysis_of_an_imported_model(analysable, tmp_path):
     (["--workdir", "x"], "not allowed with argument"),
 ])
 def test_hf_flags_bad_input_one_line(analysable, tmp_path, capsys, extra, expected):
-    from analysis import routing
-
     hf_dir, _ = analysable
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
@@ -283,8 +271,6 @@ def test_hf_flags_bad_input_one_line(analysable, tmp_path, capsys, extra, expect
 
 
 def test_hf_without_tokenizer_or_out_is_refused(built, tmp_path, capsys):
-    from analysis import routing
-
     _, path, _, _ = built("mixtral")
     for argv, expected in ((["--hf", path, "--out", str(tmp_path)], "no tokenizer.json"),
                            (["--hf", path], "--out is required with --hf")):
@@ -298,10 +284,6 @@ def test_hf_without_tokenizer_or_out_is_refused(built, tmp_path, capsys):
 def test_bundled_corpus_is_retokenized_with_the_models_tokenizer(analysable):
     """Without --text the corpus's split is tokenized with the model's tokenizer.json (its own token cache), and
     documents are separated by the model's EOS (config.json has none here: the tokenizer's <|endoftext|>)."""
-    from tokenizers import Tokenizer
-
-    from analysis import hf_source
-
     hf_dir, _ = analysable
     src = hf_source.open_source(hf_dir, split="validation", seq_len=32)
     tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))

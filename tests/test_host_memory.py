@@ -15,11 +15,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Minor page faults of one call of a jitted function on a 16 MB operand, after warm-up: the median of 9 calls;
 # prints "<applied> <faults>". Its own process: the settings are process-wide and must come before the first
-# computation. Seen here under jaxlib 0.10: glibc's defaults 169,000-265,000 faults per call (0.7-1 GiB: the
-# matmul's worker threads allocate scratch too), kept 0-1. jaxlib 0.12 allocates far less per call: 640-11,011
-# faults with the defaults, 0-128 kept, once 6,761 kept in the suite beside another worker
-# (docs/cpu/2026-11-28-twelfth/host_memory_probe.txt). Little to remove, and the ratio is noise: the test skips
-# below 50,000 (200 MB per call).
+# computation. Under jaxlib 0.10 glibc's defaults take ~170,000-265,000 faults per call (0.7-1 GiB: the
+# matmul's worker threads allocate scratch too) and the kept settings 0-1. jaxlib 0.12 allocates far less per
+# call (up to ~11,000 faults with the defaults, and kept ones in the thousands beside another test worker):
+# little to remove, and the ratio is noise, so the test skips below 50,000 (200 MB per call).
 PROBE = """
 import resource
 import jax, jax.numpy as jnp

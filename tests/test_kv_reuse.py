@@ -3,6 +3,7 @@
 import pytest
 
 from benchmarks import kv_reuse as kv
+from tests.model_fixtures import TINY
 
 
 def test_schedule_reuse_prefills_only_the_new_message():
@@ -25,8 +26,6 @@ def test_attended_pairs_by_hand():
 
 @pytest.mark.slow  # compiles 4 masks x 2 prompt lengths of a tiny model
 def test_tiny_run_rows(capsys):
-    from tests.model_fixtures import TINY
-
     rows = kv.run(dict(TINY), turns=2, user=4, reply=2, steps=1)
     assert len(rows) == 8 and all(r["ttft_ms"] > 0 for r in rows)
     t = {(r["mask"], r["mode"]): r for r in kv.totals(rows)}

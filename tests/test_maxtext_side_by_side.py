@@ -2,10 +2,12 @@
 itself runs in its own venv, not in tests)."""
 
 import os
+import zipfile
 
 import pytest
 
 from benchmarks import maxtext_side_by_side as sbs
+from benchmarks.maxtext_requirements import requirements, wheel_metadata
 
 LOG = """I1123 metric_logger.py:265] completed step: 0, seconds: 0.358, TFLOP/s/device: 0.151, Tokens/s/device: 5723.276, total_weights: 2048
 I1123 metric_logger.py:265] completed step: 1, seconds: 0.769, TFLOP/s/device: 0.070, Tokens/s/device: 2661.877, total_weights: 2048
@@ -34,10 +36,6 @@ def test_maxtext_args_match_the_shared_preset():
 
 
 def test_setup_keeps_the_tpu_extra_minus_runtimes_and_linters_with_other_markers(tmp_path):
-    import zipfile
-
-    from benchmarks.maxtext_requirements import requirements, wheel_metadata
-
     meta = "\n".join([
         "Name: maxtext", "Requires-Dist: absl-py>=2.5.0; extra == 'tpu'", "Requires-Dist: jax>=0.11.1; extra == 'tpu'",
         "Requires-Dist: jax>=0.11.1; extra == 'cuda12'",  # another extra

@@ -55,7 +55,7 @@ def test_config_masks_for_mlm(mask, ok):
 
 
 def test_verdict_gate_and_equivalence():
-    from analysis.mlm_compare import verdict
+    from experiments.mlm.runner import verdict
 
     bidir = [5.0, 5.1, 4.9, 5.05]
     assert verdict(bidir, [b + 0.001 * (-1) ** i for i, b in enumerate(bidir)], 6.0)["verdict"] == "equivalent"
@@ -65,7 +65,7 @@ def test_verdict_gate_and_equivalence():
 
 
 def test_mlm_compare_bad_flags(capsys):
-    from analysis.mlm_compare import main
+    from experiments.mlm.runner import main
 
     with pytest.raises(SystemExit) as e:
         main(["prog", "--seeds", "1"])
@@ -74,8 +74,8 @@ def test_mlm_compare_bad_flags(capsys):
 
 @pytest.mark.slow  # trains 2 arms x 2 seeds of the tiny model for 2 steps
 def test_mlm_compare_end_to_end(tmp_path, monkeypatch):
-    from analysis import mlm_compare
-    from analysis.mlm_compare import compare
+    from experiments.mlm import runner as mlm_compare
+    from experiments.mlm.runner import compare
     from tests.conftest import pipeline_config
     from train.inputs import eval_rows
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import FAST_COMPILE_XLA_FLAGS, tiny_config
+from train.loop import run
 
 ROOT = Path(__file__).resolve().parents[1]
 OVERRIDES = {"train.steps": 4, "log.every": 1, "eval.every": 100, "checkpoint.every": 2,
@@ -85,8 +86,6 @@ def _wait(procs) -> list[str]:
 
 
 def _run_here(workdir):
-    from train.loop import run
-
     run(tiny_config(**OVERRIDES), workdir, log=lambda *a: None)
 
 

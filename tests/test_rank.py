@@ -1,10 +1,17 @@
 """analysis.rank_metrics against formulas on matrices of known rank; analysis.rank on a freshly built model."""
 
+import json
+
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from analysis import rank_metrics as rm
+from analysis.rank import analyse, documents, forward_paths, main
+from moe.model import Transformer
 from tests.conftest import tiny_config
+from train.config import model_config
 
 
 def _low_rank(n, r, seed=0):
@@ -70,11 +77,6 @@ def test_residual_ratio():
 # --- on the model -----------------------------------------------------------------------------------------------
 
 def _model(mask, **model):
-    from flax import nnx
-
-    from moe.model import Transformer
-    from train.config import model_config
-
     c = tiny_config(**{"model.mask": mask, **{f"model.{k}": v for k, v in model.items()}})
     return Transformer(model_config(c), nnx.Rngs(0))
 
@@ -95,10 +97,6 @@ def causal_model():
 
 
 def test_rewired_full_path_matches_model(causal_model):
-    import jax.numpy as jnp
-
-    from analysis.rank import forward_paths
-
     b = _batch()
     probs, hidden = forward_paths(causal_model, b)
     logits, aux = causal_model(jnp.asarray(b["tokens"]), positions_BxL=jnp.asarray(b["positions"]),
@@ -111,8 +109,6 @@ def test_rewired_full_path_matches_model(causal_model):
 
 
 def test_causal_attention_from_model_is_full_rank(causal_model):
-    from analysis.rank import analyse
-
     r = analyse(causal_model, _batch())
     full = r["attention"]["full"]
     assert np.all(np.asarray(full["rank_frac"]) == 1.0)
@@ -124,8 +120,6 @@ def test_causal_attention_from_model_is_full_rank(causal_model):
 
 
 def test_mixed_heads_see_what_they_should():
-    from analysis.rank import analyse, forward_paths
-
     model = _model("mixed")
     b = _batch()
     probs, _ = forward_paths(model, b)
@@ -147,8 +141,6 @@ def test_mixed_heads_see_what_they_should():
 
 
 def test_prefix_block_is_dense_and_not_triangular():
-    from analysis.rank import analyse
-
     r = analyse(_model("prefix"), _batch())
     assert np.all(np.isnan(r["attention"]["prefix"]["logdet_per_token"]))
     assert np.all(np.isnan(r["attention"]["full"]["logdet_per_token"]))
@@ -157,8 +149,6 @@ def test_prefix_block_is_dense_and_not_triangular():
 def test_packed_row_is_analysed_per_document(causal_model):
     """A validation row packing two documents gives the same statistics as the two documents in rows of their
     own: each document's attention is its own block (segment mask, positions restarting at 0)."""
-    from analysis.rank import analyse, documents
-
     rng = np.random.default_rng(1)
     L, n1, n2 = 24, 14, 10
     a, b = rng.integers(3, 500, n1), rng.integers(3, 500, n2)
@@ -182,10 +172,6 @@ def test_packed_row_is_analysed_per_document(causal_model):
 
 
 def test_cli_on_trained_run(tmp_path, tiny_run):
-    import json
-
-    from analysis.rank import main
-
     main(["--workdir", str(tiny_run), "--out", str(tmp_path), "--sequences", "3"])
     r = json.loads((tmp_path / "rank.json").read_text())
     assert r["sequences"] == 3 and r["mask"] == "causal"
@@ -195,8 +181,6 @@ def test_cli_on_trained_run(tmp_path, tiny_run):
 
 
 def test_cli_errors(tmp_path, capsys):
-    from analysis.rank import main
-
     with pytest.raises(SystemExit) as e:
         main(["--workdir", str(tmp_path / "nothing")])
     assert e.value.code == 2

@@ -5,6 +5,8 @@ import numpy as np
 import pytest
 
 from analysis import rank_logits as rl
+from tests.model_fixtures import tiny_model
+from train.data.packing import TokenCache, prefix_rows
 
 
 def test_masks_and_uniform_baselines():
@@ -38,9 +40,6 @@ def test_sweep_shapes():
 
 @pytest.mark.slow  # compiles the tiny model's forward paths (~1 min on the shared CPU)
 def test_trained_logits_reproduce_the_models_attention():
-    from tests.model_fixtures import tiny_model
-    from train.data.packing import TokenCache, prefix_rows
-
     model = tiny_model(mask="prefix")
     lengths = [14, 9, 16]
     toks = (np.arange(sum(lengths)) * 5 % 50 + 3).astype(np.uint16)

@@ -6,8 +6,11 @@ import json
 import numpy as np
 import pytest
 
-from analysis import study, study_report, study_stats, study_verdicts
-from analysis.study_refs import references, scored_pairs
+from experiments.common import stats as study_stats
+from experiments.common import verdicts as study_verdicts
+from experiments.common.refs import references, scored_pairs
+from experiments.masks_round2 import report as study_report
+from experiments.masks_round2 import runner as study
 from train.data.packing import TokenCache, prefix_rows
 
 
@@ -148,7 +151,7 @@ def test_bad_flags_are_one_line_errors(flags, msg, capsys):
 
 
 def test_arm_configs_differ_only_in_mask_and_loss():
-    from configs.study_masks import get_config
+    from experiments.masks_round2.config import get_config
 
     base = get_config()
     cs = {a: study.arm_config(base, a, 1, 7).to_dict() for a in study.ARMS}
@@ -186,7 +189,7 @@ def test_equal_targets_keep_as_many_targets_as_the_output_part_spread_over_the_w
 
 
 def test_equal_targets_needs_prefix_loss():
-    from configs.study_masks import get_config
+    from experiments.masks_round2.config import get_config
     from moe.errors import UserError
     from train.config import check
 
@@ -268,7 +271,7 @@ def test_nope_prefix_lm_is_exactly_invariant_to_shuffling_its_input(mask, invari
     """Item 7: without positions, bidirectional attention over the input is permutation-equivariant, so the loss of
     every output token predicted from an output position cannot depend on the input's order; a causal model's can.
     (The first output token is predicted from the last input position, whose token the shuffle changes.)"""
-    from analysis.study_probes import row_losses, shuffle_inputs
+    from experiments.common.probes import row_losses, shuffle_inputs
     from tests.model_fixtures import tiny_model
 
     def after_first(r):
@@ -290,7 +293,7 @@ def test_nope_prefix_lm_is_exactly_invariant_to_shuffling_its_input(mask, invari
 
 
 def test_shuffle_keeping_the_last_input_token(rows):
-    from analysis.study_probes import parts, shuffle_inputs
+    from experiments.common.probes import parts, shuffle_inputs
 
     for keep_last in (False, True):
         s = shuffle_inputs(rows, seed=1, keep_last=keep_last)

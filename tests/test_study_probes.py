@@ -1,10 +1,10 @@
-"""analysis/study_probes.py: splicing rebuilds prefix rows exactly, the probes change what they say, and the
+"""experiments/common/probes.py: splicing rebuilds prefix rows exactly, the probes change what they say, and the
 per-row loss agrees with the trainer's evaluation."""
 
 import numpy as np
 import pytest
 
-from analysis import study_probes as sp
+from experiments.common import probes as sp
 from train.data.packing import TokenCache, prefix_rows
 
 

@@ -1,11 +1,11 @@
-"""analysis/study_stats.py against hand-computed and textbook values."""
+"""experiments/common/stats.py against hand-computed and textbook values."""
 
 import math
 
 import numpy as np
 import pytest
 
-from analysis import study_stats as st
+from experiments.common import stats as st
 
 
 @pytest.mark.parametrize("p,df,want", [(0.975, 1, 12.7062), (0.975, 3, 3.1824), (0.975, 4, 2.7764),

@@ -1,15 +1,15 @@
 """Keep freed host memory for reuse on the CPU backend (glibc malloc settings), set once at start-up.
 
 XLA:CPU mallocs every step's temporaries. glibc serves large blocks with fresh mmaps and lets its per-thread
-arenas shrink, so each train step page-faults its whole working set in again, zero-filled by the kernel: ~100,000
-to 120,000 faults (390-460 MiB) per step of the default config. With large blocks taken from one heap that is
-never trimmed, freed memory is reused as is: almost no faults after the first steps; the default `python -m train`
-runs x1.085 faster. The price (docs/performance.md, 2026-11-27): a few seconds more start-up (compiling with one
-arena for all threads) and a higher resident high-water mark, kept for the life of the process.
+arenas shrink, so each train step page-faults its whole working set in again, zero-filled by the kernel:
+~100,000 to 120,000 faults (390-460 MiB) per step of the default config. With large blocks taken from one heap
+that is never trimmed, freed memory is reused as is: almost no faults after the first steps; the default
+`python -m train` runs ~8% faster. The price: a few seconds more start-up (compiling with one arena for all
+threads) and a higher resident high-water mark, kept for the life of the process.
 
 Only where JAX will compute on the CPU, decided without starting JAX's backend: the settings must come before
-its threads take their arenas (a thread keeps the arena it has; made afterwards, the settings removed none of the
-faults, measured), and an accelerator host keeps glibc's defaults, which glibc cannot fully restore once changed.
+its threads take their arenas (a thread keeps the arena it has; made afterwards, the settings remove none of
+the faults), and an accelerator host keeps glibc's defaults, which glibc cannot fully restore once changed.
 Only with glibc itself (not musl or macOS, nor an allocator preloaded in its place). `MOE_KEEP_FREED_MEMORY=0`
 turns it off.
 """
@@ -53,7 +53,7 @@ def cpu_only(platforms: str | None = None) -> bool:
     if platforms:
         return {p.strip() for p in platforms.split(",") if p.strip()} == {"cpu"}
     try:
-        import jax_plugins  # the namespace package CUDA / ROCm plugins install into (importing it loads none)
+        import jax_plugins  # optional: the namespace CUDA / ROCm plugins install into (importing it loads none)
         if any(True for _ in pkgutil.iter_modules(jax_plugins.__path__)):
             return False
     except ImportError:

@@ -28,7 +28,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     scalar factor: g * where(norm < max_norm, 1, max_norm / norm). optax's select(trigger, g, g / norm * max_norm)
     makes XLA:CPU write the divided gradients out as an array of their own (it does not copy a divide into two
     consumers) that both Adam moments then read beside the raw gradients: 4 loop fusions per parameter array
-    instead of 3 (docs/performance.md, "CPU figures (2026-11-27, third session)").
+    instead of 3.
     Unclipped steps are bitwise optax's (g * 1); clipped ones differ from optax's by float rounding."""
 
     def update(updates, state, params=None):

@@ -34,7 +34,7 @@ def state_shapes(mcfg, tx, mesh, build=Transformer):
 
 def init_state(mcfg, tx, seed: int, mesh, build=Transformer):
     """(graphdef, state, shardings): the state is initialized under jit straight into its shardings.
-    build(mcfg, rngs): the model class (the 2x2 study also builds moe.encdec.EncoderDecoder here)."""
+    build(mcfg, rngs): the model class (the 2x2 study also builds experiments.encdec.model.EncoderDecoder here)."""
     graphdef, init, _, shardings = state_shapes(mcfg, tx, mesh, build)
     return graphdef, jax.jit(init, out_shardings=shardings)(jnp.asarray(seed, jnp.uint32)), shardings
 

@@ -44,7 +44,7 @@ def _micro_batches(batch, n: int):
 
 def make_train_step(graphdef, tx, lr_schedule, t, ex: Execution, forward_fn=train_forward):
     """forward_fn(graphdef, params, bias, batch, ex) -> (masked ce [B, T], aux): `train_forward` for the decoder-only
-    model; analysis.encdec_task.forward for the encoder-decoder of the 2x2 study, trained by this same step. It
+    model; experiments.encdec.task.forward for the encoder-decoder of the 2x2 study, trained by this same step. It
     differentiates `objective`."""
     gamma_stop = int(t.bias_update_stop * t.steps)
 

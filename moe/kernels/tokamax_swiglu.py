@@ -13,6 +13,7 @@ tokamax is optional (`pip install 'moe-lm[kernels]'`); everything else imports a
 
 import jax
 import jax.numpy as jnp
+from absl import flags
 
 from moe.kernels.common import saved, scale_rows
 
@@ -21,11 +22,9 @@ INSTALL_HINT = "pip install 'tokamax>=0.0.12,<0.2' (or pip install -e '.[kernels
 
 def _tokamax():
     try:
-        import tokamax
+        import tokamax  # optional: INSTALL_HINT
     except ImportError as e:  # one line, naming the fix
         raise ImportError(f"grouped_matmul='tokamax' needs the tokamax package: {INSTALL_HINT}") from e
-    from absl import flags
-
     # tokamax reads its options from absl flags and, if nobody parsed them, parses sys.argv itself, which fails
     # under any other command line (pytest, our CLIs): take the defaults instead.
     if not flags.FLAGS.is_parsed():
@@ -43,8 +42,8 @@ def available() -> bool:
 
 def tma_aligned(dtype, *widths: int) -> bool:
     """Whether rows of these widths can be copied by Hopper's TMA, as tokamax's Mosaic-GPU kernel does: every
-    stride but the last a multiple of 16 bytes (bf16: widths multiple of 8). Else, on an H200: "async_copy
-    requires all GMEM strides except the last one to be a multiple of 16 bytes"."""
+    stride but the last a multiple of 16 bytes (bf16: widths multiple of 8). Else its compile fails with
+    "async_copy requires all GMEM strides except the last one to be a multiple of 16 bytes"."""
     return all(w * jnp.dtype(dtype).itemsize % 16 == 0 for w in widths)
 
 
@@ -64,7 +63,7 @@ def grouped_swiglu_tokamax(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_dow
     if implementation is None and not tma_aligned(x_NxD.dtype, D, F):
         implementation = "xla"  # the GPU kernels would refuse these widths at compile time, not fall back
     # Rows past the last group (expert_parallel's padding) are garbage in what the Mosaic-GPU kernel writes, in
-    # both directions: on an H200 every gradient came out NaN with padding rows present (docs/performance.md).
+    # both directions: with padding rows present every gradient comes out NaN.
     # So every kernel input and output is masked with `where` (a select: NaN does not leak through it, as it
     # would through a multiply), which also masks each backward cotangent the kernels produce.
     valid_Nx1 = (jnp.arange(N) < group_sizes_E.sum())[:, None]

@@ -1,0 +1,3 @@
+"""What the studies share: command-line plumbing (cli), run fingerprints and metrics (runs), validation rows
+(rows), n-gram references (refs), probes beyond the loss (probes), paired-seed statistics (stats), pre-registered
+verdicts (verdicts) and figures (plots)."""
