@@ -1,4 +1,8 @@
-"""Training and validation batches from the config: packed LM rows, or prefix-task rows (one document each)."""
+"""Training and validation rows: packed LM rows, prefix-task rows (one document each) or masked-LM windows.
+
+Everything below the three entry points at the end (`sampler`, `eval_rows`, `eval_batches`, which take a run
+config) takes the data config and the few values it needs explicitly.
+"""
 
 import dataclasses
 from pathlib import Path
@@ -105,15 +109,34 @@ def task_cache(data_cfg, split: str):
     return cache
 
 
-def sampler(config):
-    d, t = config.data, config.train
+@dataclasses.dataclass(frozen=True)
+class Targets:
+    """Which positions of a prefix-task row carry loss: the output part only (prefix_loss False), every real target
+    (prefix_loss), or a subset of every target as large as the output part (equal_targets). LM and masked-LM rows
+    ignore it."""
+
+    prefix_loss: bool = False
+    equal_targets: bool = False
+
+
+def targets(config, evaluation: bool = False) -> Targets:
+    """The run's Targets from train.prefix_loss / train.equal_targets; evaluation: eval.output_only (studies)
+    scores the output part whatever training scores."""
+    loss_all = config.train.prefix_loss and not (evaluation and config.eval.get("output_only", False))
+    return Targets(loss_all, loss_all and config.train.get("equal_targets", False))
+
+
+def train_sampler(data_cfg, seed: int, tgt: Targets):
+    """(sampler over the training split, its domain names): `.batch(step, batch_size, ...)` is a pure function of
+    (seed, step)."""
+    d = data_cfg
     cache = task_cache(d, d.split)
     if d.task == "prefix":
-        return (PrefixSampler(cache, d.seq_len, t.seed, d.prefix_frac, t.prefix_loss, t.get("equal_targets", False)),
-                cache.domain_names)
+        return PrefixSampler(cache, d.seq_len, seed, d.prefix_frac, tgt.prefix_loss, tgt.equal_targets), \
+            cache.domain_names
     if d.task == "mlm":
-        return MLMSampler(cache, d.seq_len, t.seed, mask_id(d)), cache.domain_names
-    return packing.PackedSampler(cache, d.seq_len, t.seed), cache.domain_names
+        return MLMSampler(cache, d.seq_len, seed, mask_id(d)), cache.domain_names
+    return packing.PackedSampler(cache, d.seq_len, seed), cache.domain_names
 
 
 def domain_subset(cache, domain: int):
@@ -126,48 +149,61 @@ def domain_subset(cache, domain: int):
                                domains=cache.domains[docs])
 
 
-def domain_sampler(config, sub, evaluation: bool = False):
+def domain_sampler(data_cfg, sub, tgt: Targets):
     """(sampler, rows in one pass) over one domain's documents: one window per row for the masked-LM task, one
     document per row for the prefix task, packed rows of seq_len for LM (at least one row, so a short domain still
-    has a padded row). evaluation: eval.output_only (studies) scores the prefix task's output part whatever
-    train.prefix_loss trains on."""
-    d = config.data
+    has a padded row)."""
+    d = data_cfg
     if d.task == "mlm":
         return MLMSampler(sub, d.seq_len, 0, mask_id(d)), sub.n_docs
     if d.task == "prefix":
-        loss_all = config.train.prefix_loss and not (evaluation and config.eval.get("output_only", False))
-        return (PrefixSampler(sub, d.seq_len, 0, d.prefix_frac, loss_all,
-                              loss_all and config.train.get("equal_targets", False)), sub.n_docs)
+        return PrefixSampler(sub, d.seq_len, 0, d.prefix_frac, tgt.prefix_loss, tgt.equal_targets), sub.n_docs
     sampler = packing.PackedSampler(sub, d.seq_len, 0)
     return sampler, max(1, sampler.rows_per_epoch)
 
 
-def eval_rows(config) -> dict:
-    """The fixed validation set: `eval.rows_per_domain` rows of every domain, so per-domain losses compare.
+def validation_rows(data_cfg, rows_per_domain: int, tgt: Targets) -> dict:
+    """The fixed validation set: `rows_per_domain` rows of every domain, so per-domain losses compare.
 
     LM task: rows packed from that domain's validation documents alone. Prefix task: one document per row.
     """
-    d, e = config.data, config.eval
-    cache = task_cache(d, d.eval_split)
+    cache = task_cache(data_cfg, data_cfg.eval_split)
     parts = []
     for dom in np.unique(cache.domains):
-        sampler, available = domain_sampler(config, domain_subset(cache, int(dom)), evaluation=True)
-        parts.append(sampler.rows(0, min(e.rows_per_domain, available)))
+        sampler, available = domain_sampler(data_cfg, domain_subset(cache, int(dom)), tgt)
+        parts.append(sampler.rows(0, min(rows_per_domain, available)))
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
-def eval_batches(config, process_index: int = 0, process_count: int = 1) -> list[dict]:
-    """eval_rows cut into global batches of eval.batch_size (the last padded with loss-free rows), then this
-    process's slice of each."""
-    rows, bs = eval_rows(config), config.eval.batch_size
+def batches_of(rows: dict, batch_size: int, process_index: int = 0, process_count: int = 1) -> list[dict]:
+    """`rows` cut into global batches of batch_size (the last padded with loss-free rows), then this process's
+    slice of each."""
     n = len(rows["tokens"])
-    pad = -n % bs
+    pad = -n % batch_size
     if pad:
         rows = {k: np.concatenate([v, np.repeat(v[-1:], pad, 0)]) for k, v in rows.items()}
         rows["loss_mask"][n:] = 0.0
-    per = bs // process_count
+    per = batch_size // process_count
     return [{k: v[i + process_index * per: i + (process_index + 1) * per] for k, v in rows.items()}
-            for i in range(0, n + pad, bs)]
+            for i in range(0, n + pad, batch_size)]
+
+
+# The run config's entry points: the only functions here that read more than the data config.
+
+
+def sampler(config):
+    """The training sampler of a run config and its domain names."""
+    return train_sampler(config.data, config.train.seed, targets(config))
+
+
+def eval_rows(config) -> dict:
+    """A run config's validation rows (eval.rows_per_domain per domain, scored as evaluation scores them)."""
+    return validation_rows(config.data, config.eval.rows_per_domain, targets(config, evaluation=True))
+
+
+def eval_batches(config, process_index: int = 0, process_count: int = 1) -> list[dict]:
+    """A run config's validation batches of eval.batch_size, this process's slice of each."""
+    return batches_of(eval_rows(config), config.eval.batch_size, process_index, process_count)
 
 
 def check_vocab(data_cfg, vocab_size: int) -> None:
