@@ -28,7 +28,7 @@ class RMSNorm(nnx.Module):
         # Normalize in fp32, then scale in the input dtype (as HF does, so exports match exactly).
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.scale.value.astype(x.dtype) * x32.astype(x.dtype)
+        return self.scale[...].astype(x.dtype) * x32.astype(x.dtype)
 
 
 def matmul_rows(x, w, contract: int = 1):
@@ -148,13 +148,13 @@ class Attention(nnx.Module):
         logits above the diagonal's blocks are computed, the same function up to rounding.
         """
         cfg, dt = self.cfg, x_BxLxD.dtype
-        q_BxLxHxDh = matmul_rows(x_BxLxD, self.wq.value.astype(dt))
-        k_BxLxNxDh = matmul_rows(x_BxLxD, self.wk.value.astype(dt))
-        v_BxLxNxDh = matmul_rows(x_BxLxD, self.wv.value.astype(dt))
+        q_BxLxHxDh = matmul_rows(x_BxLxD, self.wq[...].astype(dt))
+        k_BxLxNxDh = matmul_rows(x_BxLxD, self.wk[...].astype(dt))
+        v_BxLxNxDh = matmul_rows(x_BxLxD, self.wv[...].astype(dt))
         if cfg.qkv_bias:
-            q_BxLxHxDh = q_BxLxHxDh + self.bq.value.astype(dt)
-            k_BxLxNxDh = k_BxLxNxDh + self.bk.value.astype(dt)
-            v_BxLxNxDh = v_BxLxNxDh + self.bv.value.astype(dt)
+            q_BxLxHxDh = q_BxLxHxDh + self.bq[...].astype(dt)
+            k_BxLxNxDh = k_BxLxNxDh + self.bk[...].astype(dt)
+            v_BxLxNxDh = v_BxLxNxDh + self.bv[...].astype(dt)
         if cfg.qk_norm != "none":
             q_BxLxHxDh = self._qk_norm(self.q_norm, q_BxLxHxDh)
             k_BxLxNxDh = self._qk_norm(self.k_norm, k_BxLxNxDh)
@@ -179,7 +179,7 @@ class Attention(nnx.Module):
             out_BxLxHxDh = jax.nn.dot_product_attention(
                 q_BxLxHxDh, k_BxSxNxDh, v_BxSxNxDh, mask=mask_BxHxLxS, is_causal=causal,
                 implementation=platform.attention_impl(ex.attention_impl, ex.platform or None))
-            out_BxLxD = matmul_rows(out_BxLxHxDh, self.wo.value.astype(dt), contract=2)
+            out_BxLxD = matmul_rows(out_BxLxHxDh, self.wo[...].astype(dt), contract=2)
             return self._out_bias(out_BxLxD), None, None
 
         B, L, H, Dh = q_BxLxHxDh.shape
@@ -197,12 +197,12 @@ class Attention(nnx.Module):
                 softmax_attention(q_BxLxNxGxDh[:, i * C:(i + 1) * C], k_BxSxNxDh[:, :(i + 1) * C],
                                   v_BxSxNxDh[:, :(i + 1) * C], mask_BxHxLxS[:, :, i * C:(i + 1) * C, :(i + 1) * C])[0]
                 for i in range(n)], axis=1)
-        out_BxLxD = matmul_rows(out_BxLxNxGxDh.reshape(B, L, H, Dh), self.wo.value.astype(dt), contract=2)
+        out_BxLxD = matmul_rows(out_BxLxNxGxDh.reshape(B, L, H, Dh), self.wo[...].astype(dt), contract=2)
         probs_BxHxLxS = probs.reshape(B, H, L, -1) if return_probs else None
         return self._out_bias(out_BxLxD), new_cache, probs_BxHxLxS
 
     def _out_bias(self, out_BxLxD):
-        return out_BxLxD + self.bo.value.astype(out_BxLxD.dtype) if self.cfg.attn_out_bias else out_BxLxD
+        return out_BxLxD + self.bo[...].astype(out_BxLxD.dtype) if self.cfg.attn_out_bias else out_BxLxD
 
 
 class MLP(nnx.Module):
@@ -219,6 +219,6 @@ class MLP(nnx.Module):
         # 2-D matmuls over all B*L rows: XLA:CPU runs the backward of the 3-D form (weight gradients contracted
         # over b and l) ~3x slower; the same math on every backend.
         x_NxD = x_BxLxD.reshape(B * L, D)
-        h_NxF = jax.nn.silu(x_NxD @ self.w_gate.value.astype(dt)) * (x_NxD @ self.w_up.value.astype(dt))
+        h_NxF = jax.nn.silu(x_NxD @ self.w_gate[...].astype(dt)) * (x_NxD @ self.w_up[...].astype(dt))
         h_BxLxF = ex.constrain(h_NxF.reshape(B, L, -1), ("batch", "length", "act_mlp"))
-        return (h_BxLxF.reshape(B * L, -1) @ self.w_down.value.astype(dt)).reshape(B, L, D)
+        return (h_BxLxF.reshape(B * L, -1) @ self.w_down[...].astype(dt)).reshape(B, L, D)

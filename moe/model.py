@@ -179,12 +179,12 @@ class Transformer(nnx.Module):
         return positions_BxL, mask, valid_BxL
 
     def embed_tokens(self, tokens_BxL, ex: Execution = DEFAULT_EXECUTION):
-        x_BxLxD = jnp.take(self.embed.value, tokens_BxL, axis=0).astype(jnp.dtype(ex.dtype))
+        x_BxLxD = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(jnp.dtype(ex.dtype))
         return ex.constrain(x_BxLxD, ("batch", "length", "act_embed"))
 
     def head(self):
         """The LM head [D, V]: the embedding's transpose when tied."""
-        return self.embed.value.T if self.cfg.tie_embeddings else self.lm_head.value
+        return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
 
     def unembed(self, x_BxLxD, ex: Execution = DEFAULT_EXECUTION):
         """Final norm + LM head: logits [B,L,V] in fp32."""
@@ -195,12 +195,12 @@ class Transformer(nnx.Module):
 
 def routing_biases(model: Transformer) -> list[jax.Array]:
     """The routing bias of every MoE layer, in layer order."""
-    return [b.ffn.bias.value for b in model.blocks if b.is_moe]
+    return [b.ffn.bias[...] for b in model.blocks if b.is_moe]
 
 
 def set_routing_biases(model: Transformer, biases) -> None:
     for block, b in zip((b for b in model.blocks if b.is_moe), biases, strict=True):
-        block.ffn.bias.value = b
+        block.ffn.bias.set_value(b)
 
 
 # jax.checkpoint's policy per execution.remat_policy (None: save nothing, jax.checkpoint's default).

@@ -68,21 +68,21 @@ class MoE(nnx.Module):
         B, L, D = u_BxLxD.shape
         u_TxD = u_BxLxD.reshape(B * L, D)
         scores_TxE, ids_TxK, gates_TxK = router.route(
-            u_TxD, self.router.value, self.bias.value, top_k=cfg.top_k, n_group=cfg.n_group,
+            u_TxD, self.router[...], self.bias[...], top_k=cfg.top_k, n_group=cfg.n_group,
             topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor,
             normalize=cfg.norm_topk_prob, score=cfg.router_score)
         # Kept under remat_policy="save_moe" with the experts' rows they index: a router rerun in the backward pass
         # (its bf16 inputs recomputed, maybe fused otherwise) could flip a choice and misalign every saved row.
         ids_TxK, gates_TxK = kernels.saved(ids_TxK), kernels.saved(gates_TxK)
         dt = u_BxLxD.dtype
-        w = [self.w_gate.value.astype(dt), self.w_up.value.astype(dt), self.w_down.value.astype(dt)]
+        w = [self.w_gate[...].astype(dt), self.w_up[...].astype(dt), self.w_down[...].astype(dt)]
         routed_TxD, keep_TxK = routed_experts(ex, u_TxD, ids_TxK, gates_TxK, *w, group_size=L)
         out_BxLxD = routed_TxD.reshape(B, L, D)
         if self.shared is not None:
             shared_BxLxD = self.shared(u_BxLxD, ex)
             if cfg.shared_expert_gate:
                 g_BxL = jax.nn.sigmoid(jnp.einsum("bld,d->bl", u_BxLxD.astype(jnp.float32),
-                                                  self.shared_gate.value, precision=jax.lax.Precision.HIGHEST))
+                                                  self.shared_gate[...], precision=jax.lax.Precision.HIGHEST))
                 shared_BxLxD = shared_BxLxD * g_BxL[..., None].astype(dt)
             out_BxLxD = out_BxLxD + shared_BxLxD
         out_BxLxD = ex.constrain(out_BxLxD, ("batch", "length", "act_embed"))

@@ -22,7 +22,7 @@ def test_sharded_forward_matches_single_device(dispatch, grouped, scan):
     state = jax.device_put(state, sharding.state_shardings(state, mesh))
 
     # Expert weights are really split along the expert axis: each device holds E / 2 experts.
-    w = state["blocks"][1]["ffn"]["w_gate"].value
+    w = state["blocks"][1]["ffn"]["w_gate"][...]
     assert w.sharding.spec[0] == "expert"
     assert {s.data.shape[0] for s in w.addressable_shards} == {w.shape[0] // 2}
 
