@@ -5,6 +5,7 @@ copy of that tiny run: the real default trains for ~3 minutes), and the Python A
 import re
 import shlex
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -71,4 +72,6 @@ def test_readme_commands_run_as_written(tmp_path, monkeypatch, capsys):
     assert "In the beginning" in out
 
     api = re.search(r"```python\n(.*?)```", README, re.S).group(1)
-    exec(compile(api, "README.md", "exec"), {})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a deprecated call in the README's API is a failure, not a warning
+        exec(compile(api, "README.md", "exec"), {})
