@@ -121,7 +121,7 @@ def ablate(model, config, tokenizer, layers=None, experts=None, rows_per_domain=
     todo = [(layer, e) for layer in layers for e in chosen[layer]]
     if log:
         log(f"ablating {len(todo)} experts in {len(layers)} MoE layer(s): one validation pass each over "
-            f"{n_rows} rows ({int(n_RxC.sum()):,} scored tokens)")
+            f"{int(n_RxC.sum()):,} scored tokens")
     original = [np.asarray(b) for b in routing_biases(model)]
     ablations, delta_ce_ARxC = [], []
     start = time.perf_counter()

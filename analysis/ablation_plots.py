@@ -55,7 +55,8 @@ def plot_importance_vs_share(result, path):
         ax.set_title(f"layer {layer}: Spearman rho {spearman(x, y):.2f} ({counted} experts)", fontsize=10)
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8, loc="upper left")
+        ax.margins(x=0.08)  # room for the expert labels right of the outermost points
+        ax.legend(fontsize=8, loc="best")
     fig.suptitle(f"Does an expert's routing share predict its importance?\n(validation loss {float(result['base_loss']):.3f} "
                  "without masking; bars: one standard error over rows)", fontsize=11)
     return save(fig, path)

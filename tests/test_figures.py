@@ -22,7 +22,7 @@ def test_smooth_reduces_noise():
 
 def test_contrast_plot_scales_its_axis_to_the_seeds_when_intervals_are_huge(monkeypatch, tmp_path):
     """A 2-seed t-interval (+-2.3 nats here) must not flatten the seeds (0.03-0.4 apart) into a line."""
-    from analysis import study_plots
+    from experiments.common import plots as study_plots
 
     figs = []
     monkeypatch.setattr(study_plots, "save", lambda fig, path: figs.append(fig))

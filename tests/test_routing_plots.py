@@ -8,7 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-from analysis import routing_html, routing_plots, routing_stats
+from analysis import routing as routing_cli
+from analysis import routing_html, routing_plots, routing_run, routing_stats
 
 DOMAINS = ["religion", "literature", "law", "speeches", "mathematics", "technical", "code", "encyclopedia",
            "science"]
@@ -187,8 +188,6 @@ def test_layer_labels_use_model_layer_ids(data):
 def test_write_plots_draws_domain_bars_for_every_moe_layer(data, tmp_path, monkeypatch):
     """analysis.routing.write_plots: one domain_experts_layerL.png per MoE layer, model-layer labels on the
     saturation plot (the drawing itself is stubbed: the tests above cover it)."""
-    from analysis import routing, routing_run
-
     calls = []
     for name in dir(routing_plots):
         if name.startswith("plot_"):
@@ -196,7 +195,7 @@ def test_write_plots_draws_domain_bars_for_every_moe_layer(data, tmp_path, monke
                                 or next(x for x in a if isinstance(x, pathlib.Path)))
     result = dict(data[0], layer_ids_L=np.array([1, 2, 3, 5]))
     a = routing_run.Analysis(result, DOMAINS, TOKEN_TEXT, [], [], {"saturation_L": np.full(L, 0.5)}, 1, 1.0)
-    paths = routing.write_plots(a, tmp_path, 0, data[1], final_step=20, compare_step=10)
+    paths = routing_cli.write_plots(a, tmp_path, 0, data[1], final_step=20, compare_step=10)
     bars = [c for c in calls if c[0] == "plot_domain_bars"]
     assert [c[1][1] for c in bars] == [0, 1, 2, 3]
     assert [p.name for p in paths[:4]] == [f"domain_experts_layer{i}.png" for i in (1, 2, 3, 5)]

@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from moe import router
 from rundir import metrics as metrics_file
-from train.loss_curves import plot_loss_curves
+from train.loss_curves import plot_loss_curves, run_title
 
 
 def to_global(batch: dict, mesh) -> dict:
@@ -37,7 +37,8 @@ def draw_loss_curves(run_dir, say) -> None:
     warning, never the end of a run."""
     tmp = run_dir.loss_curves.with_name(f".{run_dir.loss_curves.stem}.tmp.png")
     try:
-        plot_loss_curves(metrics_file.read_rows(run_dir.metrics), tmp, title=str(run_dir.root))
+        rows = metrics_file.read_rows(run_dir.metrics)
+        plot_loss_curves(rows, tmp, title=run_title(run_dir.root, rows))
         os.replace(tmp, run_dir.loss_curves)
     except Exception as e:  # noqa: BLE001
         tmp.unlink(missing_ok=True)

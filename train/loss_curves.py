@@ -74,9 +74,17 @@ def _no_data(ax, text):
     ax.set_yticks([])
 
 
+def run_title(workdir, rows) -> str:
+    """A figure title for the run in `workdir`: its directory's name and the last logged step ("default, step
+    400"), not the path, which is long and says little."""
+    name = Path(workdir).resolve().name or str(workdir)
+    last = max((s for key in ("loss", "val/loss") for s in series(rows, key)[0]), default=None)
+    return name if last is None else f"{name}, step {int(last):,}"
+
+
 def plot_loss_curves(rows, path, title=None):
     """Two panels: train loss (raw, faint; EMA-smoothed, strong) with validation loss (markers) against step;
-    validation loss per domain. Writes the PNG at `path` and returns it as a Path."""
+    validation loss per domain. Writes the PNG at `path` and returns it as a Path. title: e.g. `run_title`."""
     path = Path(path)
     train_S, train_N = series(rows, "loss")
     val_S, val_N = series(rows, "val/loss")
