@@ -3,17 +3,23 @@
     python -m analysis.loss_curves --workdir runs/default        # writes runs/default/loss_curves.png
     python -m analysis.loss_curves --workdir runs/default --out /tmp/loss.png
 
-The figure is train/loss_curves.py's, the one the trainer redraws at every evaluation.
+The figure is train/loss_curves.py's, the one the trainer redraws at every evaluation, with the unigram and
+bigram references of the run's validation targets (train/references.py) when the run's data can be read; the last
+validation loss is printed against them.
 """
 
+import json
 import sys
 from pathlib import Path
 
+from configs.base import base_config
 from moe.cli import ArgParser
 from moe.errors import UserError, exit_with, os_error
 from rundir import RunDir
+from rundir.config_layout import migrate
 from rundir.metrics import read_rows
 from train.loss_curves import plot_loss_curves, run_title, series
+from train.references import gap_line, references
 
 
 def main(argv=None):
@@ -33,14 +39,31 @@ def main(argv=None):
         if out.suffix.lower() not in (".png", ".pdf", ".svg"):
             raise UserError(f"--out {out} must end in .png, .pdf or .svg (the figure's format)")
         out.parent.mkdir(parents=True, exist_ok=True)
-        plot_loss_curves(rows, out, title=run_title(args.workdir, rows))
+        refs, note = run_references(Path(args.workdir))
+        plot_loss_curves(rows, out, title=run_title(args.workdir, rows), references=refs)
     except UserError as e:
         exit_with(e)
     except OSError as e:
         exit_with(os_error(e))
-    n_eval = len(series(rows, "val/loss")[0])
-    print(f"wrote {out} ({len(series(rows, 'loss')[0])} training rows, {n_eval} evaluations)")
+    val_S, val_N = series(rows, "val/loss")
+    print(f"wrote {out} ({len(series(rows, 'loss')[0])} training rows, {len(val_S)} evaluations)")
+    if len(val_N):
+        last = float(val_N[-1])
+        print(f"step {int(val_S[-1])}: " + (f"val loss {last:.4f} ({note})" if note else gap_line(last, refs)))
     return out
+
+
+def run_references(workdir: Path) -> tuple[dict | None, str]:
+    """(references, "") for the run's config.json, or (None, why) when its data cannot be read here."""
+    try:
+        saved = migrate(json.loads(RunDir(workdir).config.read_text(encoding="utf-8")))
+        config = base_config()
+        for section, values in saved.items():
+            if section in config and isinstance(values, dict):
+                config[section].update(values)
+        return references(config), ""
+    except (OSError, ValueError, KeyError, TypeError, UserError) as e:
+        return None, f"no n-gram references: {type(e).__name__}: {' '.join(str(e).split())[:100]}"
 
 
 if __name__ == "__main__":

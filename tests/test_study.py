@@ -11,6 +11,7 @@ from experiments.common import verdicts as study_verdicts
 from experiments.common.refs import references, scored_pairs
 from experiments.masks_round2 import report as study_report
 from experiments.masks_round2 import runner as study
+from train import ngram
 from train.data.packing import TokenCache, prefix_rows
 
 
@@ -26,8 +27,8 @@ def rows():
 def test_pair_references_equal_stream_references():
     rng = np.random.default_rng(0)
     train, val = rng.integers(0, 20, 3000), rng.integers(0, 20, 400)
-    a = study_stats.ngram_references(train, val, 20)
-    b = study_stats.ngram_pair_references(train, val[:-1], val[1:], 20)
+    a = ngram.ngram_references(train, val, 20)
+    b = ngram.ngram_pair_references(train, val[:-1], val[1:], 20)
     assert a["bigram"] == pytest.approx(b["bigram"]) and a["bigram_lambda"] == b["bigram_lambda"]
     # the unigram of the stream scores val[1:] and val[0] too: close, not equal
     assert a["unigram"] == pytest.approx(b["unigram"], abs=0.05)

@@ -32,13 +32,13 @@ def evaluate(eval_step, state, batches, mesh, domain_names, moe_layer_ids) -> di
     return result
 
 
-def draw_loss_curves(run_dir, say) -> None:
-    """WORKDIR/loss_curves.png from metrics.jsonl (written beside, then renamed); a plotting problem is a
-    warning, never the end of a run."""
+def draw_loss_curves(run_dir, say, references=None) -> None:
+    """WORKDIR/loss_curves.png from metrics.jsonl (written beside, then renamed), with the n-gram references when
+    given; a plotting problem is a warning, never the end of a run."""
     tmp = run_dir.loss_curves.with_name(f".{run_dir.loss_curves.stem}.tmp.png")
     try:
         rows = metrics_file.read_rows(run_dir.metrics)
-        plot_loss_curves(rows, tmp, title=run_title(run_dir.root, rows))
+        plot_loss_curves(rows, tmp, title=run_title(run_dir.root, rows), references=references)
         os.replace(tmp, run_dir.loss_curves)
     except Exception as e:  # noqa: BLE001
         tmp.unlink(missing_ok=True)

@@ -25,6 +25,7 @@ from train.data.packing import iterate
 from train.evaluation import draw_loss_curves, evaluate, to_global
 from train.flops import measure_peak_flops
 from train.progress import duration
+from train.references import gap_line, references
 from train.saver import Saver
 from train.state import init_state
 from train.step import make_eval_step, make_train_step
@@ -138,6 +139,7 @@ def train(config, mcfg, mesh, run_dir, data, log) -> dict:
         return _last_rows(run_dir)
     if start:
         say(f"resuming {run_dir.root} from step {start}")
+    refs = references(config) if jax.process_index() == 0 else None  # cached after a run's first use
     train_step, eval_step = compile_steps(config, mcfg, mesh, graphdef, tx, shardings, len(domain_names), say)
     tokens_per_step = t.batch_size * config.data.seq_len
     peak = float(config.log.peak_flops) or measure_peak_flops()
@@ -163,7 +165,7 @@ def train(config, mcfg, mesh, run_dir, data, log) -> dict:
                 saver.report(steps.line, wait=True)  # earlier checkpoints' lines first: the console reads in order
                 steps.evaluation(step, ev)
                 if jax.process_index() == 0:
-                    draw_loss_curves(run_dir, say)
+                    draw_loss_curves(run_dir, say, refs)
                 steps.restart_clock(step)
             if step % config.checkpoint.every == 0 or step == t.steps or stopped_by:
                 steps.flush()  # never save a state whose step went NaN
@@ -181,7 +183,7 @@ def train(config, mcfg, mesh, run_dir, data, log) -> dict:
             f"to resume from step {step}")
         return {**steps.last, "stopped_by": stopped_by}
     say(summary(run_dir, step, t.steps, time.perf_counter() - steps.t_begin, (step - start) * tokens_per_step,
-                steps.last))
+                steps.last, refs))
     return steps.last
 
 
@@ -214,17 +216,14 @@ def header(config, mcfg, mesh, start: int) -> str:
             f"{devices}, mesh {dict((k, v) for k, v in mesh.shape.items() if v > 1) or 'none'}")
 
 
-def summary(run_dir, step: int, steps: int, seconds: float, tokens: int, last: dict) -> str:
+def summary(run_dir, step: int, steps: int, seconds: float, tokens: int, last: dict, refs=None) -> str:
     root = run_dir.root
     lines = [f"done: step {step}/{steps} in {duration(seconds)} ({tokens / max(seconds, 1e-9):,.0f} tokens/s incl. "
              f"compile and evaluation)"]
-    losses = []
     if "loss" in last:
-        losses.append(f"train loss {last['loss']:.4f}")
+        lines.append(f"  train loss {last['loss']:.4f}")
     if "val/loss" in last:
-        losses.append(f"val loss {last['val/loss']:.4f}")
-    if losses:
-        lines.append("  " + ", ".join(losses))
+        lines.append("  " + gap_line(last["val/loss"], refs))
     outputs = [f"checkpoints/{step}", "metrics.jsonl"] + [p.name + ("/" if p.is_dir() else "")
                                                          for p in (run_dir.loss_curves, run_dir.tensorboard)
                                                          if p.exists()]

@@ -82,9 +82,10 @@ def run_title(workdir, rows) -> str:
     return name if last is None else f"{name}, step {int(last):,}"
 
 
-def plot_loss_curves(rows, path, title=None):
+def plot_loss_curves(rows, path, title=None, references=None):
     """Two panels: train loss (raw, faint; EMA-smoothed, strong) with validation loss (markers) against step;
-    validation loss per domain. Writes the PNG at `path` and returns it as a Path. title: e.g. `run_title`."""
+    validation loss per domain. Writes the PNG at `path` and returns it as a Path. title: e.g. `run_title`.
+    references: train/references.py's unigram and bigram losses on the validation targets, drawn as lines."""
     path = Path(path)
     train_S, train_N = series(rows, "loss")
     val_S, val_N = series(rows, "val/loss")
@@ -97,9 +98,12 @@ def plot_loss_curves(rows, path, title=None):
     if len(val_N):
         ax.plot(val_S, val_N, color="tab:orange", marker="o", markersize=_marker(val_S, 4), linewidth=1.6,
                 label=f"validation, last {val_N[-1]:.3f}")
+    for name, style in (("unigram", ":"), ("bigram", "--")) if references and len(val_N) else ():
+        ax.axhline(references[name], color="0.35", linestyle=style, linewidth=1.0,
+                   label=f"{name} on the validation targets, {references[name]:.3f}")
     if len(train_N) or len(val_N):
         ax.set_ylabel("loss")
-        _loss_ylim(ax, [train_N, val_N])
+        _loss_ylim(ax, [train_N, val_N] + ([np.array([references["bigram"]])] if references else []))
         ax.set_xlabel("step")
         ax.legend(fontsize=8, loc="upper right")
         ax.grid(alpha=0.3)

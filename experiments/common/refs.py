@@ -1,5 +1,5 @@
 """Reference losses for the mask study, on exactly the targets the study scores: unigram and interpolated bigram
-cross-entropy (experiments.common.stats.ngram_pair_references) of the validation rows' loss-masked targets, overall
+cross-entropy (train.ngram.ngram_pair_references) of the validation rows' loss-masked targets, overall
 and per domain, with counts from every training token. A model that does not beat the bigram line has learned
 nothing a mask could change. study_references caches them in a study directory."""
 
@@ -10,9 +10,9 @@ import numpy as np
 
 from experiments.common.rows import all_rows
 from experiments.common.runs import fingerprint
-from experiments.common.stats import ngram_model, ngram_pair_references
 from rundir.atomic import write_text
 from train.inputs import token_cache_for
+from train.ngram import ngram_model, ngram_pair_references
 
 
 def scored_pairs(rows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -26,7 +26,7 @@ from experiments.common.cli import Interrupted
 from experiments.common.probes import row_losses
 from experiments.common.rows import all_rows, token_weighted
 from experiments.common.runs import fingerprint, read_metrics
-from experiments.common.stats import equivalent, ngram_model, paired_t_interval, paired_t_p, sign_test
+from experiments.common.stats import equivalent, paired_t_interval, paired_t_p, sign_test
 from moe import ConfigError
 from moe.cli import ArgParser
 from moe.errors import UserError, exit_with, os_error
@@ -37,6 +37,7 @@ from rundir.reading import open_run
 from train.cli import config_from_argv
 from train.inputs import task_cache, token_cache_for
 from train.loop import run as train_run
+from train.ngram import ngram_model
 
 DEFAULT_CONFIG = "experiments/mlm/config.py"
 ARMS = ("bidirectional", "mixed")

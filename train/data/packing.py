@@ -46,6 +46,7 @@ class TokenCache:
     domain_names: tuple
     eos_id: int = EOS_ID
     pad_id: int = PAD_ID
+    key: str = ""  # what the tokens are: the source's key and the tokenizer file's hash ("" when not cached)
 
     @property
     def n_docs(self) -> int:
@@ -79,7 +80,7 @@ def token_cache_with(source, tok, tokenizer_path, cache_dir=None, encode_batch_s
         _write_cache(source, tok, path, encode_batch_size)
     meta = json.loads((path / "meta.json").read_text())
     return TokenCache(np.load(path / "tokens.npy", mmap_mode="r"), np.load(path / "offsets.npy"),
-                      np.load(path / "domains.npy"), tuple(meta["domain_names"]), eos_id, pad_id)
+                      np.load(path / "domains.npy"), tuple(meta["domain_names"]), eos_id, pad_id, key)
 
 
 def _write_cache(source, tok, path: Path, encode_batch_size: int):
