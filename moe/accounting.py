@@ -1,14 +1,31 @@
-"""Parameter and FLOP accounting (for reports and MFU)."""
+"""Parameter, FLOP and KV-cache accounting (for reports, MFU and memory checks)."""
+
+import jax.numpy as jnp
 
 from moe.config import ModelConfig
+
+
+def attention_params(cfg: ModelConfig) -> tuple[int, int]:
+    """(parameters of one attention layer, of them the matmul weights): GQA's q/k/v/o with their options, or
+    MLA's projections and latent norms (moe/mla.py)."""
+    D, H = cfg.d_model, cfg.n_heads
+    if cfg.attention == "mla":
+        Q, R, Dn, Dr, Dv = (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                            cfg.v_head_dim)
+        query = D * Q + Q * H * (Dn + Dr) if Q else D * H * (Dn + Dr)
+        matmul = query + D * (R + Dr) + R * H * (Dn + Dv) + H * Dv * D
+        return matmul + Q + R, matmul  # + the q and kv latent norms
+    N, Dh = cfg.n_kv_heads, cfg.head_dim
+    matmul = D * Dh * (2 * H + 2 * N)
+    attn = matmul + cfg.qkv_bias * Dh * (H + 2 * N) + cfg.attn_out_bias * D
+    attn += {"none": 0, "head": 2 * Dh, "full": (H + N) * Dh}[cfg.qk_norm]
+    return attn, matmul
 
 
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
     """total: every parameter; active: parameters one token touches (embedding row excluded from neither)."""
     D, V = cfg.d_model, cfg.vocab_size
-    H, N, Dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    attn = D * Dh * (2 * H + 2 * N) + cfg.qkv_bias * Dh * (H + 2 * N) + cfg.attn_out_bias * D
-    attn += {"none": 0, "head": 2 * Dh, "full": (H + N) * Dh}[cfg.qk_norm]
+    attn = attention_params(cfg)[0]
     norms = 2 * D
     dense_ffn = 3 * D * cfg.d_ff
     expert = 3 * D * cfg.moe_d_ff
@@ -27,7 +44,7 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
 def matmul_params_per_token(cfg: ModelConfig) -> int:
     """Weights in matmuls one token goes through (no embedding lookup, no norms, no routing bias)."""
     D = cfg.d_model
-    attn = D * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+    attn = attention_params(cfg)[1]
     expert = 3 * D * cfg.moe_d_ff
     moe = D * cfg.n_routed_experts + cfg.top_k * expert + 3 * D * cfg.shared_width
     n_dense = cfg.n_layers - cfg.n_moe_layers
@@ -35,9 +52,21 @@ def matmul_params_per_token(cfg: ModelConfig) -> int:
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """6 x active matmul params + attention (QK^T and PV: 2 matmuls x 2 flops x L x H x Dh, x3 for fwd+bwd).
+    """6 x active matmul params + attention (QK^T and PV: 2 flops x L x H x (Dqk + Dv), x3 for fwd+bwd).
 
-    The attention term counts the full L x L square (as PaLM's MFU does), not the causal half.
+    The attention term counts the full L x L square (as PaLM's MFU does), not the causal half. MLA trains in the
+    expanded form (per-head keys of qk_nope_head_dim + qk_rope_head_dim, values of v_head_dim; moe/mla.py).
     """
-    attention = 6 * 2 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+    if cfg.attention == "mla":
+        attention = 6 * cfg.n_layers * seq_len * cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim)
+    else:
+        attention = 6 * 2 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
     return 6 * matmul_params_per_token(cfg) + attention
+
+
+def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: str = "float32") -> int:
+    """Bytes one token adds to the decoding cache over all layers (moe.decode.init_cache): keys and values of the
+    kv heads (gqa), or the kv latent and the shared roped key (mla)."""
+    per_layer = (cfg.kv_lora_rank + cfg.qk_rope_head_dim if cfg.attention == "mla"
+                 else 2 * cfg.n_kv_heads * cfg.head_dim)
+    return cfg.n_layers * per_layer * jnp.dtype(dtype).itemsize

@@ -9,6 +9,11 @@ import math
 MASK_MODES = ("causal", "prefix", "bidirectional", "mixed")
 ROUTER_SCORES = ("sigmoid", "softmax")
 QK_NORMS = ("none", "head", "full")
+ATTENTIONS = ("gqa", "mla")
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+# YaRN's fields and their defaults: any other value needs rope_scaling_factor > 1.
+YARN_DEFAULTS = {"rope_original_max_position": 0, "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_mscale": 0.0,
+                 "yarn_mscale_all_dim": 0.0}
 
 
 class ConfigError(ValueError):
@@ -42,6 +47,25 @@ class ModelConfig:
     # RMSNorm of q and k before RoPE: none | head (over each head's Dh: Qwen3-MoE, GLM use_qk_norm) |
     # full (over the whole H*Dh projection: OLMoE).
     qk_norm: str = "none"
+    # gqa: the fields above. mla: DeepSeek-V2/V3 multi-head latent attention (moe/mla.py), n_heads heads of the
+    # MLA fields below (n_kv_heads, head_dim, rope_fraction, qk_norm and the attention biases unused).
+    attention: str = "gqa"
+    q_lora_rank: int = 0  # mla: width of the query latent (0: a full-rank query projection, DeepSeek-V2-Lite)
+    kv_lora_rank: int = 0  # mla: width of the key/value latent, the cached part (> 0)
+    qk_nope_head_dim: int = 0  # mla: per-head query/key dims without position encoding (> 0)
+    qk_rope_head_dim: int = 0  # mla: per-head roped query dims and the one roped key all heads share (> 0, even)
+    v_head_dim: int = 0  # mla: per-head value dims (> 0)
+    rope_interleave: bool = False  # mla: RoPE on pairs (2i, 2i+1), DeepSeek checkpoints' layout; False: rotate-half
+    # YaRN context extension (rope_scaling_factor > 1; 1.0: off): frequencies interpolated by the factor below
+    # beta_slow rotations over rope_original_max_position, kept above beta_fast; cos/sin scaled by HF's
+    # attention_factor from yarn_mscale / yarn_mscale_all_dim (0: unset, as HF's missing keys), and with mla the
+    # softmax scale by mscale(factor, yarn_mscale_all_dim)^2 (DeepSeek-V3, Moonlight). See moe/rope.py.
+    rope_scaling_factor: float = 1.0
+    rope_original_max_position: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 0.0
+    yarn_mscale_all_dim: float = 0.0
     # MoE (DeepSeek-V3).
     n_routed_experts: int = 16
     n_shared_experts: int = 1
@@ -103,6 +127,15 @@ class ModelConfig:
         """Leading head dims that RoPE rotates (HF: int(head_dim * partial_rotary_factor))."""
         return int(self.head_dim * self.rope_fraction)
 
+    @property
+    def qk_head_dim(self) -> int:
+        """Dims of one query/key dot product: head_dim (gqa) or qk_nope_head_dim + qk_rope_head_dim (mla)."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim if self.attention == "mla" else self.head_dim
+
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
@@ -142,16 +175,19 @@ def validate(c: ModelConfig) -> None:
             fail(field, f"must be a finite number, got {v!r}")
     if c.first_k_dense > c.n_layers:
         fail("first_k_dense", f"must be <= n_layers ({c.n_layers}), got {c.first_k_dense}")
-    if c.n_heads % c.n_kv_heads:
+    gqa = c.attention != "mla"  # n_kv_heads and head_dim are grouped-query attention's
+    if gqa and c.n_heads % c.n_kv_heads:
         fail("n_kv_heads", f"n_heads ({c.n_heads}) must be divisible by n_kv_heads ({c.n_kv_heads})")
-    if c.head_dim % 2 and c.rope:
+    if gqa and c.head_dim % 2 and c.rope:
         fail("head_dim", f"must be even for RoPE, got {c.head_dim}")
     if not 0 < c.rope_fraction <= 1:
         fail("rope_fraction", f"must be in (0, 1], got {c.rope_fraction}")
-    if c.rope and (c.rope_dim < 2 or c.rope_dim % 2):
+    if gqa and c.rope and (c.rope_dim < 2 or c.rope_dim % 2):
         fail("rope_fraction", f"int(head_dim * rope_fraction) = {c.rope_dim} rotated dims must be even and >= 2")
     if c.qk_norm not in QK_NORMS:
         fail("qk_norm", f"unknown q/k norm {c.qk_norm!r}; allowed: {', '.join(QK_NORMS)}")
+    _validate_mla(c, fail)
+    _validate_yarn(c, fail)
     if c.router_score not in ROUTER_SCORES:
         fail("router_score", f"unknown router score {c.router_score!r}; allowed: {', '.join(ROUTER_SCORES)}")
     if c.shared_expert_gate and not c.n_shared_experts:
@@ -182,3 +218,58 @@ def validate(c: ModelConfig) -> None:
         fail("routed_scaling_factor", f"must be > 0, got {c.routed_scaling_factor}")
     if not c.norm_eps > 0 or not c.rope_theta > 0 or not c.init_std > 0:
         fail("norm_eps/rope_theta/init_std", "must be > 0")
+
+
+def _validate_mla(c: ModelConfig, fail) -> None:
+    if c.attention not in ATTENTIONS:
+        fail("attention", f"unknown attention {c.attention!r}; allowed: {', '.join(ATTENTIONS)}")
+    for field in MLA_FIELDS:
+        v = getattr(c, field)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            fail(field, f"must be a non-negative integer, got {v!r}")
+    if not isinstance(c.rope_interleave, bool):
+        fail("rope_interleave", f"must be true or false, got {c.rope_interleave!r}")
+    if c.attention == "gqa":
+        for field in MLA_FIELDS + ("rope_interleave",):
+            if getattr(c, field):
+                fail(field, f"is a multi-head latent attention field; set model.attention='mla' or leave it at "
+                            f"{getattr(ModelConfig, field)!r}")
+        return
+    for field in MLA_FIELDS[1:]:
+        if getattr(c, field) <= 0:
+            fail(field, f"attention 'mla' needs a positive {field}, got {getattr(c, field)}")
+    if c.qk_rope_head_dim % 2:
+        fail("qk_rope_head_dim", f"RoPE rotates pairs, so it must be even, got {c.qk_rope_head_dim}")
+    if not c.rope:
+        fail("rope", "attention 'mla' needs RoPE (its decoupled rotary key); NoPE MLA is not implemented")
+    for field, gqa_only in (("rope_fraction", 1.0), ("qk_norm", "none"), ("qkv_bias", False),
+                            ("attn_out_bias", False)):
+        if getattr(c, field) != gqa_only:
+            fail(field, f"applies to attention 'gqa' only; with 'mla' leave it at {gqa_only!r}")
+
+
+def _validate_yarn(c: ModelConfig, fail) -> None:
+    for field in ("rope_scaling_factor", "yarn_beta_fast", "yarn_beta_slow", "yarn_mscale", "yarn_mscale_all_dim"):
+        v = getattr(c, field)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            fail(field, f"must be a finite number, got {v!r}")
+    v = c.rope_original_max_position
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        fail("rope_original_max_position", f"must be a non-negative integer, got {v!r}")
+    if c.rope_scaling_factor < 1:
+        fail("rope_scaling_factor", f"must be >= 1 (1.0: no YaRN scaling), got {c.rope_scaling_factor}")
+    if c.rope_scaling_factor == 1:
+        for field, default in YARN_DEFAULTS.items():
+            if getattr(c, field) != default:
+                fail(field, f"is a YaRN field; set model.rope_scaling_factor > 1 or leave it at {default!r}")
+        return
+    if not c.rope:
+        fail("rope_scaling_factor", "YaRN scales RoPE; it needs model.rope=true")
+    if c.rope_original_max_position <= 0:
+        fail("rope_original_max_position", "YaRN needs the context length the model was trained on (> 0)")
+    if not c.yarn_beta_fast > c.yarn_beta_slow > 0:
+        fail("yarn_beta_fast", f"must exceed yarn_beta_slow, and both be > 0; got {c.yarn_beta_fast} and "
+                               f"{c.yarn_beta_slow}")
+    if c.yarn_mscale < 0 or c.yarn_mscale_all_dim < 0:
+        fail("yarn_mscale", f"yarn_mscale and yarn_mscale_all_dim must be >= 0, got {c.yarn_mscale} and "
+                            f"{c.yarn_mscale_all_dim}")

@@ -1,7 +1,9 @@
 """KV-cache incremental decoding: prefill the prompt once, then one token per step.
 
-The cache is a list (one per layer) of {"k", "v": [B, S, N, Dh]} in the compute dtype. Logits at every position
-equal the full-sequence forward (tests/test_decode.py). In prefix mode the whole prompt is the prefix: it is
+The cache is a list (one per layer) of {"k", "v": [B, S, N, Dh]} in the compute dtype; for multi-head latent
+attention (model.attention="mla") of {"latent": [B, S, R], "k_rope": [B, S, Dr]} (`init_cache`), decoded in the
+absorbed form (moe/mla.py; execution.attention_impl="einsum" runs the naive reference). Logits at every position
+equal the full-sequence forward (tests/test_decode.py, tests/test_mla_decode.py). In prefix mode the whole prompt is the prefix: it is
 processed bidirectionally once, then generation is causal. Every function takes the Execution to run with;
 decoding uses `execution.for_decoding()` (dropless: a one-token step must not depend on the rest of the batch).
 """
@@ -17,8 +19,13 @@ from moe.model import DEFAULT_EXECUTION, Transformer
 
 
 def init_cache(cfg, batch: int, max_len: int, dtype: str = "float32"):
-    shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
+    """One dict per layer: {"k", "v": [B,S,N,Dh]} (gqa), or {"latent": [B,S,R], "k_rope": [B,S,Dr]} (mla: the
+    normalized kv latent and the roped shared key, moe/mla.py); moe.accounting.kv_cache_bytes_per_token counts it."""
     dt = jnp.dtype(dtype)
+    if cfg.attention == "mla":
+        return [{"latent": jnp.zeros((batch, max_len, cfg.kv_lora_rank), dt),
+                 "k_rope": jnp.zeros((batch, max_len, cfg.qk_rope_head_dim), dt)} for _ in range(cfg.n_layers)]
+    shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
     return [{"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)} for _ in range(cfg.n_layers)]
 
 

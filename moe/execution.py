@@ -62,7 +62,8 @@ class Execution:
     # tokamax (optional package), or auto (moe/platform.py's choice for the platform).
     grouped_matmul: str = "auto"
     permute_grad: str = "auto"  # dropless / expert_parallel dispatch: PERMUTE_GRADS above
-    # einsum: explicit einsums + fp32 softmax (the reference; always used with a KV cache or for attention maps).
+    # einsum: explicit einsums + fp32 softmax (the reference; used for attention maps and, with a KV cache, by GQA;
+    # MLA decodes in its absorbed form unless einsum is asked for, which runs the naive reference).
     # blockwise: the same einsums a block of queries at a time, each block against only the keys a causal mask
     # can show it (~37% less work at 4 blocks; other masks run as einsum). xla / cudnn:
     # jax.nn.dot_product_attention(implementation=...); cudnn is fused flash attention on NVIDIA GPUs (bf16/fp16,
@@ -164,9 +165,11 @@ def validate(ex: Execution) -> None:
 
 def check_model(ex: Execution, cfg) -> None:
     """What this execution needs of the architecture; ConfigError naming the field if it cannot run it."""
-    if ex.attention_impl == "cudnn" and (cfg.head_dim % 8 or cfg.head_dim > 256):
-        raise ConfigError(f"execution.attention_impl: cudnn attention needs model.head_dim a multiple of 8 and "
-                          f"<= 256, got {cfg.head_dim}")
+    width = max(cfg.qk_head_dim, cfg.value_head_dim)  # MLA pads keys and values to one width for the kernel
+    if ex.attention_impl == "cudnn" and (width % 8 or width > 256):
+        raise ConfigError(f"execution.attention_impl: cudnn attention needs a head width (model.head_dim, or MLA's "
+                          f"qk_nope_head_dim + qk_rope_head_dim and v_head_dim) a multiple of 8 and <= 256, got "
+                          f"{width}")
     if ex.dispatch in EXPERT_PARALLEL and cfg.n_routed_experts % ex.expert_shards:
         raise ConfigError(f"execution.dispatch: {ex.dispatch} splits model.n_routed_experts "
                           f"({cfg.n_routed_experts}) over mesh.expert ({ex.expert_shards}); make it divisible")

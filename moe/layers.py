@@ -1,4 +1,5 @@
-"""Building blocks: RMSNorm, rotary embedding, (grouped-query) attention with a KV cache, SwiGLU MLP.
+"""Building blocks: RMSNorm, the attention kernels (`attention`, shared with moe/mla.py), (grouped-query) attention
+with a KV cache, SwiGLU MLP. Rotary embedding: moe/rope.py.
 
 Key: B batch, L query length, S key length (= L, or cache slots), D model, H heads, G query heads per kv head,
 N kv heads, Dh head dim, F ffn width. Params are fp32; matmuls run in `dtype`; softmax and norms in fp32.
@@ -12,6 +13,7 @@ from flax import nnx
 
 from moe import platform
 from moe.execution import Execution
+from moe.rope import rope, rotate  # noqa: F401 (rope: imported from here by callers)
 
 
 def param(rngs: nnx.Rngs, shape, names, std: float) -> nnx.Param:
@@ -40,25 +42,6 @@ def matmul_rows(x, w, contract: int = 1):
     return (rows_NxC @ w.reshape(math.prod(inner), -1)).reshape(*lead, *w.shape[contract:])
 
 
-def rope(x_BxLxHxDh, positions_BxL, theta: float, rot_dim: int | None = None):
-    """Rotate-half (GPT-NeoX) rotary embedding, computed in fp32.
-
-    Each pair (x1[i], x2[i]) = (x[i], x[i + R/2]) turns by the angle position * theta^(-2i/R). Written per half
-    (no concatenated [-x2, x1] copy and no duplicated angle table: a few percent of the CPU train step).
-    rot_dim < Dh (partial rotary, GLM-4.5): only the leading rot_dim dims rotate, with frequencies
-    theta^(-2i/rot_dim) and rotate-half within them (as HF's Glm4Moe); the rest pass through unchanged.
-    """
-    Dh = x_BxLxHxDh.shape[-1]
-    R = Dh if rot_dim is None else rot_dim
-    inv_freq_F = 1.0 / (theta ** (jnp.arange(0, R, 2, dtype=jnp.float32) / R))
-    angles_BxLx1xF = (positions_BxL[..., None].astype(jnp.float32) * inv_freq_F)[:, :, None, :]
-    cos, sin = jnp.cos(angles_BxLx1xF), jnp.sin(angles_BxLx1xF)
-    x = x_BxLxHxDh.astype(jnp.float32)
-    x1, x2, x_pass = x[..., :R // 2], x[..., R // 2:R], x[..., R:]
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, x_pass], -1)
-    return out.astype(x_BxLxHxDh.dtype)
-
-
 def chunk_count(L: int, chunks: int) -> int:
     """The largest divisor of L that is at most `chunks` (>= 1): equal chunks for any sequence length."""
     return max(d for d in range(1, max(1, min(chunks, L)) + 1) if L % d == 0)
@@ -70,9 +53,10 @@ def causal_blocks(L: int, max_blocks: int = 4, min_rows: int = 32) -> int:
     return chunk_count(L, min(max_blocks, L // min_rows))
 
 
-def softmax_attention(q_BxLxNxGxDh, k_BxSxNxDh, v_BxSxNxDh, mask_BxHxLxS, return_probs: bool = False):
-    """softmax(q k^T / sqrt(Dh), masked) v with fp32 logits and softmax: (out [B,L,N,G,Dh], probs [B,N,G,L,S] if
-    return_probs else None).
+def softmax_attention(q_BxLxNxGxDh, k_BxSxNxDh, v_BxSxNxDh, mask_BxHxLxS, return_probs: bool = False,
+                      scale: float | None = None):
+    """softmax(q k^T * scale, masked) v with fp32 logits and softmax: (out [B,L,N,G,Dv], probs [B,N,G,L,S] if
+    return_probs else None). scale None: 1/sqrt(Dh). Values may be Dv wide, Dv != Dh (MLA).
 
     Without probabilities the softmax's division is applied to the output ([.., Dh] per query) instead of the
     probabilities ([.., S] per query): exp(logits - max) v / sum(exp(logits - max)), the same function up to
@@ -81,7 +65,7 @@ def softmax_attention(q_BxLxNxGxDh, k_BxSxNxDh, v_BxSxNxDh, mask_BxHxLxS, return
     """
     B, L, N, G, Dh = q_BxLxNxGxDh.shape
     logits = jnp.einsum("blngk,bsnk->bngls", q_BxLxNxGxDh, k_BxSxNxDh,
-                        preferred_element_type=jnp.float32) * Dh**-0.5
+                        preferred_element_type=jnp.float32) * (Dh**-0.5 if scale is None else scale)
     S = logits.shape[-1]
     mask_BxNxGxLxS = jnp.broadcast_to(mask_BxHxLxS, (B, mask_BxHxLxS.shape[1], L, S))
     if mask_BxNxGxLxS.shape[1] == 1:
@@ -98,6 +82,48 @@ def softmax_attention(q_BxLxNxGxDh, k_BxSxNxDh, v_BxSxNxDh, mask_BxHxLxS, return
     denom_BxLxNxGx1 = jnp.moveaxis(unnormalized.sum(-1), -1, 1)[..., None]
     out = jnp.einsum("bngls,bsnk->blngk", unnormalized.astype(dt), v_BxSxNxDh, preferred_element_type=jnp.float32)
     return (out / denom_BxLxNxGx1).astype(dt), None
+
+
+def attention(q_BxLxHxDk, k_BxSxNxDk, v_BxSxNxDv, mask_BxHxLxS, ex: Execution, *, causal: bool, cached: bool,
+              return_probs: bool, scale: float | None = None):
+    """softmax(q k^T * scale, masked) v by `ex.attention_impl`: (out [B,L,H,Dv], probs [B,H,L,S] or None). Query
+    head h reads kv head h // (H / N). scale None: 1/sqrt(Dk).
+
+    "xla" / "cudnn" hand the call to `jax.nn.dot_product_attention` unless it reads a cache (`cached`) or returns
+    probabilities; keys narrower or wider than values (MLA) are zero-padded to one width there, which changes no
+    q.k and no kept output column. "blockwise" runs the einsum path a block of queries at a time in a causal
+    call, each block against the keys up to its last row only (`causal_blocks`). "einsum" is the reference.
+    causal: the caller's promise that the mask hides every key after its query.
+    """
+    Dk, Dv = q_BxLxHxDk.shape[-1], v_BxSxNxDv.shape[-1]
+    if ex.attention_impl in ("xla", "cudnn") and not cached and not return_probs:
+        impl = platform.attention_impl(ex.attention_impl, ex.platform or None)
+        if Dk == Dv:
+            return jax.nn.dot_product_attention(q_BxLxHxDk, k_BxSxNxDk, v_BxSxNxDv, scale=scale, mask=mask_BxHxLxS,
+                                                is_causal=causal, implementation=impl), None
+        pad = lambda x: jnp.pad(x, ((0, 0),) * 3 + ((0, max(Dk, Dv) - x.shape[-1]),))
+        out = jax.nn.dot_product_attention(pad(q_BxLxHxDk), pad(k_BxSxNxDk), pad(v_BxSxNxDv),
+                                           scale=Dk**-0.5 if scale is None else scale, mask=mask_BxHxLxS,
+                                           is_causal=causal, implementation=impl)
+        return out[..., :Dv], None
+    B, L, H, _ = q_BxLxHxDk.shape
+    N = k_BxSxNxDk.shape[2]
+    q_BxLxNxGxDk = q_BxLxHxDk.reshape(B, L, N, H // N, Dk)  # query head h uses kv head h // G
+    blockwise = ex.attention_impl == "blockwise" and causal and not cached and not return_probs
+    n = causal_blocks(L) if blockwise else 1
+    if n == 1:
+        out_BxLxNxGxDv, probs = softmax_attention(q_BxLxNxGxDk, k_BxSxNxDk, v_BxSxNxDv, mask_BxHxLxS, return_probs,
+                                                  scale)
+    else:
+        # A causal mask hides every key after a query: block i of C queries needs only keys [0, (i+1) C).
+        C = L // n
+        out_BxLxNxGxDv = jnp.concatenate([
+            softmax_attention(q_BxLxNxGxDk[:, i * C:(i + 1) * C], k_BxSxNxDk[:, :(i + 1) * C],
+                              v_BxSxNxDv[:, :(i + 1) * C], mask_BxHxLxS[:, :, i * C:(i + 1) * C, :(i + 1) * C],
+                              scale=scale)[0]
+            for i in range(n)], axis=1)
+    probs_BxHxLxS = probs.reshape(B, H, L, -1) if return_probs else None
+    return out_BxLxNxGxDv.reshape(B, L, H, Dv), probs_BxHxLxS
 
 
 class Attention(nnx.Module):
@@ -137,15 +163,12 @@ class Attention(nnx.Module):
         With `cache` ({"k","v": [B,S,N,Dh]}), this call's keys/values are written at slots
         [cache_index, cache_index + L) and queries attend over all S slots (the mask hides unwritten ones).
 
-        `ex.attention_impl` "xla" / "cudnn" hands the no-cache, no-probabilities call (training, evaluation) to
-        `jax.nn.dot_product_attention` with that implementation: cuDNN's fused flash attention on NVIDIA GPUs,
-        with no fp32 [B,H,L,S] logits or probabilities in memory. For a causal call it also passes is_causal,
-        so the kernel skips blocks above the diagonal; the boolean mask (segments, prefix) still applies, and
-        cuDNN takes it as an additive bias of the mask's shape ([B,1,L,S], or [B,H,L,S] for `mixed`). The
-        einsum path below is the reference it is tested against, and the path for the KV cache and for
-        attention probabilities. "blockwise" (the default) runs the einsum path a block of queries at a time in a
-        causal call, each block against the keys up to its last row only (`causal_blocks`): no
-        logits above the diagonal's blocks are computed, the same function up to rounding.
+        `ex.attention_impl` picks the kernel (`attention` above): "xla" / "cudnn" hand the no-cache,
+        no-probabilities call (training, evaluation) to `jax.nn.dot_product_attention` (cuDNN's fused flash
+        attention on NVIDIA GPUs, no fp32 [B,H,L,S] logits in memory; for a causal call it also passes is_causal,
+        and the boolean mask still applies, as an additive bias of the mask's shape). The einsum path is the
+        reference, and the path for the KV cache and for attention probabilities; "blockwise" (the default) runs
+        it a block of queries at a time in a causal call, the same function up to rounding.
         """
         cfg, dt = self.cfg, x_BxLxD.dtype
         q_BxLxHxDh = matmul_rows(x_BxLxD, self.wq[...].astype(dt))
@@ -159,8 +182,8 @@ class Attention(nnx.Module):
             q_BxLxHxDh = self._qk_norm(self.q_norm, q_BxLxHxDh)
             k_BxLxNxDh = self._qk_norm(self.k_norm, k_BxLxNxDh)
         if cfg.rope:
-            q_BxLxHxDh = rope(q_BxLxHxDh, positions_BxL, cfg.rope_theta, cfg.rope_dim)
-            k_BxLxNxDh = rope(k_BxLxNxDh, positions_BxL, cfg.rope_theta, cfg.rope_dim)
+            q_BxLxHxDh = rotate(cfg, q_BxLxHxDh, positions_BxL, cfg.rope_dim)
+            k_BxLxNxDh = rotate(cfg, k_BxLxNxDh, positions_BxL, cfg.rope_dim)
         # q, k and v sharded alike (heads over tensor): cuDNN's partitioner requires identical shardings.
         q_BxLxHxDh = ex.constrain(q_BxLxHxDh, ("batch", "length", "act_heads", None))
         k_BxLxNxDh = ex.constrain(k_BxLxNxDh, ("batch", "length", "act_heads", None))
@@ -174,31 +197,9 @@ class Attention(nnx.Module):
             k_BxSxNxDh, v_BxSxNxDh = k_all.astype(dt), v_all.astype(dt)
         else:
             k_BxSxNxDh, v_BxSxNxDh = k_BxLxNxDh, v_BxLxNxDh
-
-        if ex.attention_impl in ("xla", "cudnn") and cache is None and not return_probs:
-            out_BxLxHxDh = jax.nn.dot_product_attention(
-                q_BxLxHxDh, k_BxSxNxDh, v_BxSxNxDh, mask=mask_BxHxLxS, is_causal=causal,
-                implementation=platform.attention_impl(ex.attention_impl, ex.platform or None))
-            out_BxLxD = matmul_rows(out_BxLxHxDh, self.wo[...].astype(dt), contract=2)
-            return self._out_bias(out_BxLxD), None, None
-
-        B, L, H, Dh = q_BxLxHxDh.shape
-        N = cfg.n_kv_heads
-        q_BxLxNxGxDh = q_BxLxHxDh.reshape(B, L, N, H // N, Dh)  # query head h uses kv head h // G
-        blockwise = ex.attention_impl == "blockwise" and causal and cache is None and not return_probs
-        n = causal_blocks(L) if blockwise else 1
-        if n == 1:
-            out_BxLxNxGxDh, probs = softmax_attention(q_BxLxNxGxDh, k_BxSxNxDh, v_BxSxNxDh, mask_BxHxLxS,
-                                                      return_probs)
-        else:
-            # A causal mask hides every key after a query: block i of C queries needs only keys [0, (i+1) C).
-            C = L // n
-            out_BxLxNxGxDh = jnp.concatenate([
-                softmax_attention(q_BxLxNxGxDh[:, i * C:(i + 1) * C], k_BxSxNxDh[:, :(i + 1) * C],
-                                  v_BxSxNxDh[:, :(i + 1) * C], mask_BxHxLxS[:, :, i * C:(i + 1) * C, :(i + 1) * C])[0]
-                for i in range(n)], axis=1)
-        out_BxLxD = matmul_rows(out_BxLxNxGxDh.reshape(B, L, H, Dh), self.wo[...].astype(dt), contract=2)
-        probs_BxHxLxS = probs.reshape(B, H, L, -1) if return_probs else None
+        out_BxLxHxDh, probs_BxHxLxS = attention(q_BxLxHxDh, k_BxSxNxDh, v_BxSxNxDh, mask_BxHxLxS, ex, causal=causal,
+                                                cached=cache is not None, return_probs=return_probs)
+        out_BxLxD = matmul_rows(out_BxLxHxDh, self.wo[...].astype(dt), contract=2)
         return self._out_bias(out_BxLxD), new_cache, probs_BxHxLxS
 
     def _out_bias(self, out_BxLxD):

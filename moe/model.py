@@ -15,6 +15,7 @@ from moe.execution import Execution
 from moe.layers import MLP, Attention, RMSNorm, param
 from moe.lm_loss import cross_entropy, logits, weighted_cross_entropy
 from moe.masks import attention_mask
+from moe.mla import MLA
 from moe.moe_layer import MoE, RoutingBias
 
 DEFAULT_EXECUTION = Execution()
@@ -23,7 +24,7 @@ DEFAULT_EXECUTION = Execution()
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg, rngs)
+        self.attn = MLA(cfg, rngs) if cfg.attention == "mla" else Attention(cfg, rngs)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.is_moe = cfg.is_moe_layer(layer)
         self.ffn = MoE(cfg, rngs) if self.is_moe else MLP(cfg.d_model, cfg.d_ff, cfg, rngs)
@@ -31,7 +32,7 @@ class Block(nnx.Module):
     def attend(self, x_BxLxD, positions_BxL, mask, ex, cache=None, cache_index=None, return_probs=False,
                causal=False):
         """The attention branch, attn(norm(x)), before the residual add: (h, new_cache, probs). causal: the mask
-        hides every later key (moe.layers.Attention)."""
+        hides every later key (moe.layers.Attention; moe.mla.MLA with attention="mla")."""
         return self.attn(self.attn_norm(x_BxLxD), positions_BxL, mask, ex, cache, cache_index, return_probs,
                          causal)
 
@@ -172,7 +173,7 @@ class Transformer(nnx.Module):
             # The cache does not record the segment of the slots written earlier, so it cannot mask across
             # segments: decode one sequence per row.
             raise ValueError("segment_ids (packed rows) cannot be used with a KV cache; decode one sequence per row")
-        S = cache[0]["k"].shape[1]
+        S = jax.tree.leaves(cache[0])[0].shape[1]  # every cache array is [B, S, ...]
         k_idx_BxS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
         mask = attention_mask(cfg.mask, q_idx_BxL, k_idx_BxS, n_heads=cfg.n_heads, prefix_len_B=prefix_len_B,
                               k_valid_BxK=k_idx_BxS < offset + L)

@@ -29,6 +29,10 @@ RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("heads", "tensor"),
     ("kv_heads", "tensor"),
     ("head_dim", None),
+    # MLA (moe/mla.py): every tensor rank computes the whole latent (its down projections' output axis is
+    # replicated); the up projections read it along `latent_in`, sharded over fsdp as `embed` is.
+    ("latent", None),
+    ("latent_in", "fsdp"),
     ("expert", "expert"),
     ("norm", None),
 )

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moe import Execution
+from moe.accounting import kv_cache_bytes_per_token
 from moe.cli import ArgParser
 from moe.decode import generate
 from moe.errors import UserError, exit_with, os_error, out_of_memory
@@ -112,12 +113,9 @@ def export_trained_len(path) -> int | None:
 
 
 def check_cache_fits(model, total_tokens: int) -> None:
-    """The KV cache holds keys and values of every layer for every slot: refuse one that cannot fit."""
-
-
-    cfg = model.cfg
-    need = 2 * cfg.n_layers * total_tokens * cfg.n_kv_heads * cfg.head_dim * jax.numpy.dtype(
-        GENERATION.dtype).itemsize
+    """The KV cache holds every layer's keys and values (or MLA's latents) for every slot: refuse one that cannot
+    fit."""
+    need = kv_cache_bytes_per_token(model.cfg, GENERATION.dtype) * total_tokens
     have = device_memory_bytes(jax.devices()[0])
     if have is not None and need > have:
         raise UserError(f"a KV cache for {total_tokens:,} tokens needs {need / 2**30:.1f} GiB but the device has "
