@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from experiments.common import stats as st
+from train.ngram import ngram_references
 
 
 @pytest.mark.parametrize("p,df,want", [(0.975, 1, 12.7062), (0.975, 3, 3.1824), (0.975, 4, 2.7764),
@@ -58,6 +59,6 @@ def test_ngram_references_on_a_deterministic_stream():
     # A stream where every token fixes the next one: the bigram is nearly perfect, the unigram is ~log(V used).
     cycle = np.array([2, 3, 4, 5])
     train, val = np.tile(cycle, 500), np.tile(cycle, 50)
-    ref = st.ngram_references(train, val, vocab_size=8)
+    ref = ngram_references(train, val, vocab_size=8)
     assert ref["bigram"] < 0.1 < ref["unigram"]
     assert ref["unigram"] == pytest.approx(-math.log((500 + 1) / (2000 + 8)), rel=1e-6)
