@@ -1,6 +1,6 @@
 """The README's commands, run as written on a tiny run (in-process, through each CLI's main): the train
 command for configs/tiny.py, then every analysis / export / generation command on `runs/default` (here a
-copy of that tiny run: the real default trains for ~3 minutes), and the Python API block."""
+copy of that tiny run: the real default trains for ~7 minutes), and the Python API block."""
 
 import re
 import shlex
@@ -21,7 +21,7 @@ MAINS = {"train": lambda a: train_cli.main(["train", *a]), "analysis.routing": r
          "analysis.rank": rank.main, "analysis.loss_curves": loss_curves.main, "train.export": export.main,
          "train.generate": generate.main, "analysis.specialization": specialization.main,
          "analysis.ablate": ablate.main, "analysis.dynamics": dynamics.main}
-# Not run: the install lines (CI runs them), the template line and the 3-minute default run (only the tiny
+# Not run: the install lines (CI runs them), the template line and the 7-minute default run (only the tiny
 # train command is run), and the hour-long mask study (parsed here; tests/test_experiments.py runs it).
 
 
