@@ -1,15 +1,20 @@
-"""Does an expert matter to the output? Mask it out of the selection and measure the validation loss change.
+"""Does an expert matter to the output? Remove it and measure the validation loss change.
 
-    result = ablate(run.model, run.config, run.tokenizer, layers=[3], experts=None)
+    result = ablate(run.model, run.config, run.tokenizer, layers=[3], experts=None)              # rerouting
+    result = ablate(run.model, run.config, run.tokenizer, layers=[3], experts=None, mode="zero")  # zeroed output
     result["delta_AxD"]          # loss change per ablation (layer, expert) and domain, nats per token
 
-Masking: the expert's routing bias is set to MASK_BIAS. The bias steers the top-k selection only (DeepSeek-V3;
-moe/router.py), so the expert leaves every token's top-k, the next choice takes its place, and the gates are
-the unbiased scores renormalized over the new set: the model is unchanged otherwise, and the shared expert
-and the other layers still run. With group-limited routing (n_group > 1) a group's score is the sum of its
-two best (score + bias): the masked expert drops out of that sum (its group now scores by its next two
-experts), and a group of only two experts scores about MASK_BIAS, so it ranks last and is chosen only if
-topk_group covers every group: both its experts are then removed.
+Two ways to remove an expert (`edited`), whose difference says what rerouting buys:
+  reroute  the expert's routing bias is set to MASK_BIAS. The bias steers the top-k selection only (DeepSeek-V3;
+           moe/router.py), so the expert leaves every token's top-k, the next choice takes its place, and the
+           gates are the unbiased scores renormalized over the new set: the model is unchanged otherwise, and the
+           shared expert and the other layers still run. With group-limited routing (n_group > 1) a group's score
+           is the sum of its two best (score + bias): the masked expert drops out of that sum (its group now
+           scores by its next two experts), and a group of only two experts scores about MASK_BIAS, so it ranks
+           last and is chosen only if topk_group covers every group: both its experts are then removed.
+  zero     the expert's down projection is set to 0: routing and every gate are unchanged, the expert's share of
+           each token's output is lost and nothing takes its place.
+The controls beside them (analysis/ablation_controls.py) zero every routed expert, or the shared expert, at once.
 
 Loss: the trainer's own evaluation (train.inputs.eval_batches: eval.rows_per_domain rows of every domain of
 the validation split; train.step.make_eval_step: masked next-token cross-entropy summed per segment). The
@@ -20,6 +25,7 @@ A token's class is the class of its target token's text (TOKEN_CLASSES).
 Shape key: A ablations (layer, expert), D domains, C token classes, R rows, L MoE layers, E experts.
 """
 
+import contextlib
 import re
 import time
 
@@ -29,13 +35,14 @@ from flax import nnx
 
 from analysis import routing_run
 from analysis.routing_stats import RoutingAccumulator
-from moe import Execution, routing_biases, set_routing_biases
+from moe import Execution
 from moe.model import split_model
 from train import inputs
 from train.step import make_eval_step
 
 MASK_BIAS = -1e9  # far below any score + bias (scores are in (0, 1), trained biases are O(1))
 TOKEN_CLASSES = ("word start", "word piece", "number", "punctuation", "whitespace")
+MODES = ("reroute", "zero")
 
 
 def token_class(text: str) -> int:
@@ -84,64 +91,107 @@ def sample_by_share(share_E, n):
     return sorted(int(order_E[i]) for i in picks)
 
 
-def ablate(model, config, tokenizer, layers=None, experts=None, rows_per_domain=None, log=None, sample=None):
-    """Loss change of masking each expert of each MoE layer in `layers` (model layer ids; default all).
+class Scorer:
+    """The trainer's validation loss of a model's current weights and biases, per row and token class: one jitted
+    pass over the validation batches, compiled once and reused for every edit of the same model."""
+
+    def __init__(self, model, config, tokenizer, rows_per_domain=None):
+        self.batches = eval_batches(config, rows_per_domain)
+        self.domain_names = list(inputs.token_cache_for(config.data, config.data.eval_split).domain_names)
+        self.domain_R = np.concatenate([b["domains"][:, 0] for b in self.batches]).astype(np.int64)
+        self.n_classes = len(TOKEN_CLASSES)
+        self.seg_batches, n_rows = _segment_batches(self.batches, class_table(tokenizer, model.cfg.vocab_size),
+                                                    self.n_classes)
+        self.shape_RxC = (n_rows, self.n_classes)
+        graphdef = split_model(model)[0]
+        self.step = jax.jit(make_eval_step(graphdef, n_rows * self.n_classes, Execution()))  # fp32, dropless
+
+    def __call__(self, model):
+        """(summed cross-entropy [R,C], scored tokens [R,C]) of `model` as it is now."""
+        _, params, bias = split_model(model)
+        ce, n = 0.0, 0.0
+        for b in self.seg_batches:
+            out = jax.device_get(self.step({"params": params, "bias": bias}, b))
+            ce, n = ce + out["ce_sum"], n + out["count"]
+        return np.asarray(ce, np.float64).reshape(self.shape_RxC), np.asarray(n, np.float64).reshape(self.shape_RxC)
+
+    def summaries(self, delta_ce_ARxC, base_ce_RxC, n_RxC):
+        return _summaries(np.asarray(delta_ce_ARxC), base_ce_RxC, n_RxC, self.domain_R, len(self.domain_names))
+
+
+@contextlib.contextmanager
+def edited(model, edits):
+    """The model with `edits` applied inside the block, restored on exit (also on an exception). An edit is
+    (kind, model layer id, expert id or None): "reroute" and "zero" remove one expert (module docstring),
+    "zero_routed" zeroes every routed expert's down projection in the layer, "zero_shared" the shared expert's."""
+    blocks = list(model.blocks)
+    saved = []
+    try:
+        for kind, layer, e in edits:
+            ffn = blocks[layer].ffn
+            var = {"reroute": ffn.bias, "zero": ffn.w_down, "zero_routed": ffn.w_down}.get(kind)
+            if kind == "zero_shared":
+                if ffn.shared is None:
+                    raise ValueError(f"layer {layer} has no shared expert")
+                var = ffn.shared.w_down
+            if var is None:
+                raise ValueError(f"unknown edit {kind!r}")
+            old = var[...]
+            saved.append((var, old))
+            if kind == "reroute":
+                var.set_value(old.at[e].set(MASK_BIAS))
+            elif kind == "zero":
+                var.set_value(old.at[e].set(0))
+            else:
+                var.set_value(jax.numpy.zeros_like(old))
+        yield model
+    finally:
+        for var, old in reversed(saved):
+            var.set_value(old)
+
+
+def ablate(model, config, tokenizer, layers=None, experts=None, rows_per_domain=None, log=None, sample=None,
+           mode="reroute", scorer=None):
+    """Loss change of removing each expert of each MoE layer in `layers` (model layer ids; default all), by
+    rerouting (mode "reroute") or by zeroing its output (mode "zero"; see the module docstring).
     Cost: one validation pass per (layer, expert). `sample` (an int n) ablates n experts per layer instead,
     spread over their routing share (`sample_by_share`); `log` gets a line per ablation with the time spent
-    and the time left.
+    and the time left. `scorer`: a Scorer of the same model and rows, to reuse its compiled pass.
 
-    Returns a dict of numpy arrays and lists: layer_ids (every MoE layer), ablations [(layer, expert)],
+    Returns a dict of numpy arrays and lists: mode, layer_ids (every MoE layer), ablations [(layer, expert)],
     domain_names, class_names, n_DxC (scored tokens), base_loss / _D / _C, delta_A / _AxD / _AxC (loss with
-    the expert masked - without), se_A / se_AxD (standard error over rows), share_LxDxE / share_LxE (top-k
+    the expert removed - without), se_A / se_AxD (standard error over rows), share_LxDxE / share_LxE (top-k
     routing share of the scored tokens without masking, sums to K) and top1_LxE (first choices)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     cfg = model.cfg
     moe_ids = list(cfg.moe_layer_ids)
     layers = moe_ids if layers is None else list(layers)
     experts = list(range(cfg.n_routed_experts)) if experts is None else list(experts)
-    batches = eval_batches(config, rows_per_domain)
-    names = list(inputs.token_cache_for(config.data, config.data.eval_split).domain_names)
-    domain_R = np.concatenate([b["domains"][:, 0] for b in batches]).astype(np.int64)
-    class_V = class_table(tokenizer, cfg.vocab_size)
-    C = len(TOKEN_CLASSES)
-    seg_batches, n_rows = _segment_batches(batches, class_V, C)
-    graphdef, params, bias = split_model(model)
-    step = jax.jit(make_eval_step(graphdef, n_rows * C, Execution()))  # fp32, dropless: nothing dropped
-
-    def losses(bias_state):
-        ce, n = 0.0, 0.0
-        for b in seg_batches:
-            out = jax.device_get(step({"params": params, "bias": bias_state}, b))
-            ce, n = ce + out["ce_sum"], n + out["count"]
-        return np.asarray(ce, np.float64).reshape(n_rows, C), np.asarray(n, np.float64).reshape(n_rows, C)
-
-    base_ce_RxC, n_RxC = losses(bias)
-    share = _shares(model, config, batches, moe_ids, len(names))
+    scorer = scorer or Scorer(model, config, tokenizer, rows_per_domain)
+    base_ce_RxC, n_RxC = scorer(model)
+    share = _shares(model, config, scorer.batches, moe_ids, len(scorer.domain_names))
     chosen = {layer: sample_by_share(share["share_LxE"][moe_ids.index(layer)], sample) if sample else experts
               for layer in layers}
     todo = [(layer, e) for layer in layers for e in chosen[layer]]
     if log:
-        log(f"ablating {len(todo)} experts in {len(layers)} MoE layer(s): one validation pass each over "
+        log(f"ablating ({mode}) {len(todo)} experts in {len(layers)} MoE layer(s): one validation pass each over "
             f"{int(n_RxC.sum()):,} scored tokens")
-    original = [np.asarray(b) for b in routing_biases(model)]
     ablations, delta_ce_ARxC = [], []
     start = time.perf_counter()
-    try:
-        for layer, e in todo:
-            biases = [b.copy() for b in original]
-            biases[moe_ids.index(layer)][e] = MASK_BIAS
-            set_routing_biases(model, [jax.numpy.asarray(b) for b in biases])
-            ce_RxC, _ = losses(split_model(model)[2])
-            ablations.append((layer, e))
-            delta_ce_ARxC.append(ce_RxC - base_ce_RxC)
-            if log:
-                spent = time.perf_counter() - start
-                left = spent / len(ablations) * (len(todo) - len(ablations))
-                log(f"[{len(ablations)}/{len(todo)}] layer {layer} expert {e}: loss change "
-                    f"{(ce_RxC - base_ce_RxC).sum() / n_RxC.sum():+.5f} ({spent:.0f}s spent, about {left:.0f}s left)")
-    finally:
-        set_routing_biases(model, [jax.numpy.asarray(b) for b in original])
-    return dict(share, **_summaries(np.asarray(delta_ce_ARxC), base_ce_RxC, n_RxC, domain_R, len(names)),
-                layer_ids=moe_ids, ablations=ablations, domain_names=names, class_names=list(TOKEN_CLASSES))
+    for layer, e in todo:
+        with edited(model, [(mode, layer, e)]):
+            ce_RxC, _ = scorer(model)
+        ablations.append((layer, e))
+        delta_ce_ARxC.append(ce_RxC - base_ce_RxC)
+        if log:
+            spent = time.perf_counter() - start
+            left = spent / len(ablations) * (len(todo) - len(ablations))
+            log(f"[{len(ablations)}/{len(todo)}] layer {layer} expert {e}: loss change "
+                f"{(ce_RxC - base_ce_RxC).sum() / n_RxC.sum():+.5f} ({spent:.0f}s spent, about {left:.0f}s left)")
+    return dict(share, **scorer.summaries(delta_ce_ARxC, base_ce_RxC, n_RxC), mode=mode,
+                layer_ids=moe_ids, ablations=ablations, domain_names=scorer.domain_names,
+                class_names=list(TOKEN_CLASSES))
 
 
 def _ratio_and_se(delta_AxR, n_R):

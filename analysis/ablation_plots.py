@@ -27,9 +27,11 @@ def spearman(x, y):
     return float(stats.spearmanr(x, y)[0])
 
 
-def plot_importance_vs_share(result, path):
+def plot_importance_vs_share(result, path, zero=None, controls=None):
     """Per ablated layer: each expert's routing share (x) against the validation-loss change when it is
-    masked (y, +- one standard error over rows), with the rank correlation in the title. Two panels per row
+    removed (y, +- one standard error over rows), with the rank correlation in the title. `zero` (ablate's
+    result with mode "zero", same ablations) adds the zeroed-output changes beside the rerouted ones; `controls`
+    (analysis.ablation_controls) puts the layer's all-routed-experts control in the title. Two panels per row
     at most, so the text stays readable where a notebook or a README scales the image to its width."""
     layers = sorted({lay for lay, _ in result["ablations"]})
     fig, axes = grid(len(layers), 2, 4.8, 3.8)
@@ -39,7 +41,12 @@ def plot_importance_vs_share(result, path):
         experts = [result["ablations"][a][1] for a in rows]
         x = np.asarray(result["share_LxE"][li], float)[experts]
         y, se = np.asarray(result["delta_A"], float)[rows], np.asarray(result["se_A"], float)[rows]
-        ax.errorbar(x, y, yerr=se, fmt="o", color="tab:blue", ecolor="0.6", markersize=5, capsize=2)
+        label = {"reroute": "rerouted (next choice)", "zero": "output zeroed"}[result.get("mode", "reroute")]
+        ax.errorbar(x, y, yerr=se, fmt="o", color="tab:blue", ecolor="0.6", markersize=5, capsize=2, label=label)
+        if zero is not None:
+            zy, zse = np.asarray(zero["delta_A"], float)[rows], np.asarray(zero["se_A"], float)[rows]
+            ax.errorbar(x, zy, yerr=zse, fmt="s", color="tab:orange", ecolor="0.75", markersize=4, capsize=2,
+                        alpha=0.8, label="output zeroed, not rerouted")
         at = {}  # experts at the same point (e.g. two never-chosen ones) share one label
         for e, xi, yi in zip(experts, x, y):
             at.setdefault((round(xi, 6), round(yi, 7)), []).append(str(e))
@@ -50,9 +57,13 @@ def plot_importance_vs_share(result, path):
                    label="uniform share K/E")
         n_experts = len(result["share_LxE"][li])
         ax.set_xlabel("routing share (top-k choices, sums to K)", fontsize=9)
-        ax.set_ylabel("loss change when masked (nats)", fontsize=9)
+        ax.set_ylabel("loss change when removed (nats)", fontsize=9)
         counted = f"{len(rows)} of {n_experts}" if len(rows) < n_experts else f"{len(rows)}"
-        ax.set_title(f"layer {layer}: Spearman rho {spearman(x, y):.2f} ({counted} experts)", fontsize=10)
+        title = f"layer {layer}: Spearman rho {spearman(x, y):.2f} ({counted} experts)"
+        if controls is not None and f"routed experts, layer {layer}" in controls["names"]:
+            c = controls["names"].index(f"routed experts, layer {layer}")
+            title += f"\nall {n_experts} routed zeroed: {float(controls['delta_A'][c]):+.3f}"
+        ax.set_title(title, fontsize=10)
         ax.tick_params(labelsize=8)
         ax.grid(alpha=0.3)
         ax.margins(x=0.08)  # room for the expert labels right of the outermost points

@@ -1,5 +1,6 @@
-"""analysis.ablation / analysis.ablate: token classes, the row-level standard error, a never-chosen expert
-changes the loss by exactly 0, a used one does not, the CLI's outputs and bad input."""
+"""analysis.ablation / analysis.ablate / analysis.ablation_controls: token classes, the row-level standard error,
+a never-chosen expert changes the loss by exactly 0 whether rerouted or zeroed, a used one does not, every edit is
+undone, the controls agree with expert-by-expert zeroing, the CLI's outputs and bad input."""
 
 import json
 
@@ -7,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from analysis import ablate, ablation
+from analysis import ablate, ablation, ablation_controls
 from moe import routing_biases, set_routing_biases
 from rundir import open_run
 
@@ -36,12 +37,49 @@ def ablated(tiny_run):
     base = ablation.ablate(run.model, run.config, run.tokenizer, experts=[], rows_per_domain=1)
     busiest = int(np.argmax(base["share_LxE"][0]))
     result = ablation.ablate(run.model, run.config, run.tokenizer, experts=[0, busiest], rows_per_domain=1)
+    zero = ablation.ablate(run.model, run.config, run.tokenizer, experts=[0, busiest], rows_per_domain=1,
+                           mode="zero")
     after = [np.asarray(b) for b in routing_biases(run.model)]
-    return result, busiest, biases, after
+    return result, busiest, biases, after, zero
+
+
+def test_zeroing_a_never_chosen_expert_changes_nothing_and_a_used_one_differs_from_rerouting(ablated):
+    result, busiest, _, _, zero = ablated
+    assert zero["mode"] == "zero" and zero["ablations"] == result["ablations"]
+    assert zero["delta_A"][0] == 0.0 and not zero["delta_AxD"][0].any()
+    assert zero["delta_A"][1] != 0.0 and zero["delta_A"][1] != result["delta_A"][1]
+
+
+def test_edits_are_undone_even_on_an_error(tiny_run):
+    run = open_run(tiny_run, log=lambda *a: None)
+    ffn = run.model.blocks[1].ffn
+    before = [np.asarray(v[...]).copy() for v in (ffn.bias, ffn.w_down, ffn.shared.w_down)]
+    with pytest.raises(RuntimeError):
+        with ablation.edited(run.model, [("reroute", 1, 2), ("zero", 1, 3), ("zero_shared", 1, None)]):
+            assert np.asarray(ffn.bias[...])[2] == ablation.MASK_BIAS and not np.asarray(ffn.w_down[...])[3].any()
+            assert not np.asarray(ffn.shared.w_down[...]).any()
+            raise RuntimeError("inside")
+    for old, var in zip(before, (ffn.bias, ffn.w_down, ffn.shared.w_down)):
+        np.testing.assert_array_equal(np.asarray(var[...]), old)
+
+
+def test_controls_equal_zeroing_every_expert_one_by_one(tiny_run):
+    run = open_run(tiny_run, log=lambda *a: None)
+    scorer = ablation.Scorer(run.model, run.config, run.tokenizer, rows_per_domain=1)
+    ctl = ablation_controls.controls(run.model, run.config, run.tokenizer, scorer=scorer)
+    assert ctl["names"] == ["all routed experts", "shared expert", "routed experts, layer 1"]
+    base_ce, n = scorer(run.model)
+    every = [("zero", 1, e) for e in range(run.model.cfg.n_routed_experts)]
+    with ablation.edited(run.model, every):
+        ce, _ = scorer(run.model)
+    assert ctl["delta_A"][0] == pytest.approx((ce - base_ce).sum() / n.sum(), rel=1e-6, abs=1e-9)
+    assert ctl["delta_A"][0] == ctl["delta_A"][2]  # the tiny model has one MoE layer
+    assert ctl["delta_A"][0] != 0 and ctl["delta_A"][1] != 0 and np.all(np.asarray(ctl["se_A"]) > 0)
+    assert ablation_controls.control_lines(ctl)[0].startswith("all routed experts zeroed: ")
 
 
 def test_never_chosen_expert_changes_the_loss_by_exactly_zero(ablated):
-    result, busiest, _, _ = ablated
+    result, busiest, _, _, _ = ablated
     assert result["ablations"] == [(1, 0), (1, busiest)] and busiest != 0
     assert result["share_LxE"][0][0] == 0
     assert result["delta_A"][0] == 0.0 and not result["delta_AxD"][0].any() and not result["delta_AxC"][0].any()
@@ -49,7 +87,7 @@ def test_never_chosen_expert_changes_the_loss_by_exactly_zero(ablated):
 
 
 def test_ablation_restores_the_biases_and_counts_every_scored_token(ablated):
-    result, _, before, after = ablated
+    result, _, before, after, _ = ablated
     np.testing.assert_array_equal(after[0], before[0])
     np.testing.assert_allclose(np.sum(result["share_LxDxE"], -1), 2.0)  # top-2 shares sum to K per domain
     assert result["n_DxC"].sum() > 0 and np.isfinite(result["base_loss_D"]).all()
@@ -58,7 +96,8 @@ def test_ablation_restores_the_biases_and_counts_every_scored_token(ablated):
 def test_ablate_cli_outputs(tiny_run, tmp_path):
     ablate.main(["--workdir", str(tiny_run), "--out", str(tmp_path), "--experts", "0", "1", "--rows_per_domain", "1"])
     doc = json.loads((tmp_path / "ablation.json").read_text())
-    assert doc["ablations"] == [[1, 0], [1, 1]] and len(doc["delta_AxD"][0]) == 9
+    assert doc["ablations"] == [[1, 0], [1, 1]] and len(doc["delta_AxD"][0]) == 9 and doc["mode"] == "reroute"
+    assert len(doc["zero_output"]["delta_A"]) == 2 and doc["controls"]["names"][0] == "all routed experts"
     assert "layer 1" in doc["spearman"]
     for name in ("ablation_importance.png", "ablation_domains.png"):
         assert (tmp_path / name).stat().st_size > 10_000
