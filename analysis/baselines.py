@@ -35,7 +35,7 @@ from moe import Transformer
 HEADLINE = {
     "top1_max_share": "share of a domain's tokens whose first choice is its favourite expert (mean over domains)",
     "domain_mi_bits": "mutual information I(domain; first-choice expert), bits",
-    "vocab_spec": "vocabulary specialization (OLMoE; tokens seen >= 10 times)",
+    "vocab_spec": "vocabulary specialization (OLMoE; tokens seen >= 10 times; 1/E uniform .. 1/K always chosen)",
     "loc_first": "same first choice as the previous token (Mixtral locality)",
     "maxvio": "MaxVio on the analysed tokens (load imbalance)",
 }

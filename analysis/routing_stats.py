@@ -78,6 +78,28 @@ def vocab_specialization(tok_counts_LxVxE, tok_n_V, top_k, min_count=10):
     return spec_LxE, mean_L, n_elig
 
 
+def favourite_agreement(counts_a_LxVxE, counts_b_LxVxE, tok_n_V, min_count=10):
+    """Do two routers (e.g. trained and step 0) send a token to the same favourite expert?
+
+    For every token id seen >= min_count times, its favourite expert under each router (most top-k assignments;
+    ties to the lowest id). Returns (agree_L, chance_L, n_eligible): the share of eligible ids whose favourites
+    agree, and the share expected if the two favourites were independent with the same marginals
+    (sum_e p_a(e) p_b(e) over the ids' favourites; 1/E when both spread evenly). Agreement at chance means the
+    token -> expert mapping was re-learned, whatever the degree of vocabulary specialization."""
+    eligible_V = np.asarray(tok_n_V) >= min_count
+    n_layers, _, n_experts = counts_a_LxVxE.shape
+    n_elig = int(eligible_V.sum())
+    if n_elig == 0:
+        return np.full(n_layers, np.nan), np.full(n_layers, np.nan), 0
+    fav_a_LxV = np.asarray(counts_a_LxVxE)[:, eligible_V].argmax(-1)
+    fav_b_LxV = np.asarray(counts_b_LxVxE)[:, eligible_V].argmax(-1)
+    agree_L = (fav_a_LxV == fav_b_LxV).mean(-1)
+    chance_L = np.array([np.bincount(fav_a_LxV[layer], minlength=n_experts) @
+                         np.bincount(fav_b_LxV[layer], minlength=n_experts) / n_elig ** 2
+                         for layer in range(n_layers)])
+    return agree_L, chance_L, n_elig
+
+
 def saturation(early_ids_NxK, final_ids_NxK):
     """OLMoE router saturation for one layer: mean over tokens of |topk_early & topk_final| / K."""
     early, final = np.asarray(early_ids_NxK), np.asarray(final_ids_NxK)

@@ -19,12 +19,10 @@ import numpy as np
 from scipy import stats
 
 from analysis import baselines, specialization_plots
-from analysis.routing_stats import plain_json
+from analysis.routing_stats import favourite_agreement, plain_json
 from moe.cli import ArgParser, check_out_dir, run_cli
 from moe.errors import UserError
 from rundir import open_run
-
-# Keys that may differ between runs of "one config": the seed, and where and how often the run wrote files.
 from train.cli import all_keys
 
 # Keys that may differ between runs of "one config": the seed, and where and how often the run wrote files.
@@ -68,10 +66,13 @@ def measure(run, split, max_tokens, n_shuffles, batch_size=None):
     if not record.batches or not any(b["valid"].any() for b in record.batches):
         raise UserError(f"no tokens to analyse in split {split or run.config.data.eval_split!r}; check --split")
     init = baselines.route_record(baselines.init_model(run), run.config, split, max_tokens, batch_size)
-    trained = baselines.accumulate(record)
+    trained, step0 = baselines.accumulate(record), baselines.accumulate(init)
+    agree_L, chance_L, n_ids = favourite_agreement(trained["tok_counts_LxVxE"], step0["tok_counts_LxVxE"],
+                                                   trained["tok_n_V"], trained["vocab_min_count"])
     return {"n_tokens": int(trained["n_tokens"]), "trained": baselines.headline(trained),
-            "step0": baselines.headline(baselines.accumulate(init)),
-            "random": baselines.random_router(record, n_shuffles, seed=run.config.train.seed)}
+            "step0": baselines.headline(step0),
+            "random": baselines.random_router(record, n_shuffles, seed=run.config.train.seed),
+            "favourite_vs_step0": {"agree": agree_L, "chance": chance_L, "n_ids": n_ids}}
 
 
 def interval(values_RxL):
@@ -99,6 +100,15 @@ def aggregate(per_run):
     return out
 
 
+def aggregate_agreement(per_run):
+    """A token's favourite expert, trained against step 0: agreement and its chance level, over runs."""
+    runs = [m["favourite_vs_step0"] for m in per_run]
+    return {"what": "share of token ids (seen >= 10 times) whose favourite expert is the same as at step 0",
+            "agree": dict(interval([r["agree"] for r in runs]), per_run=[r["agree"] for r in runs]),
+            "chance": dict(interval([r["chance"] for r in runs]), per_run=[r["chance"] for r in runs]),
+            "n_ids": [r["n_ids"] for r in runs]}
+
+
 def table(doc):
     """One line per metric and layer: trained (range over runs), step 0, random router band."""
     lines = [f"{len(doc['runs'])} run(s), {doc['n_tokens']} tokens each; random router: "
@@ -109,6 +119,10 @@ def table(doc):
             rng = f" [{t['min'][i]:.3f}, {t['max'][i]:.3f}]" if t["n"] > 1 else ""
             lines.append(f"{name:>15} layer {layer}: trained {t['mean'][i]:.3f}{rng}  step 0 {s['mean'][i]:.3f}  "
                          f"random {r['mean'][i]:.3f} [{r['low'][i]:.3f}, {r['high'][i]:.3f}]")
+    fav = doc["favourite_vs_step0"]
+    for i, layer in enumerate(doc["layer_ids"]):
+        lines.append(f"favourite expert = step 0's, layer {layer}: {fav['agree']['mean'][i]:.3f} of token ids "
+                     f"(chance {fav['chance']['mean'][i]:.3f})")
     return "\n".join(lines)
 
 
@@ -119,7 +133,7 @@ def document(runs, per_run, split, max_tokens, n_shuffles):
                    "split": split or ref.config.data.eval_split, "max_tokens": max_tokens,
                    "n_tokens": per_run[0]["n_tokens"], "n_shuffles": n_shuffles, "layer_ids": ref.moe_layer_ids,
                    "top_k": ref.model.cfg.top_k, "n_experts": ref.model.cfg.n_routed_experts,
-                   "metrics": aggregate(per_run)})
+                   "metrics": aggregate(per_run), "favourite_vs_step0": aggregate_agreement(per_run)})
 
 
 def run(args, log=print):

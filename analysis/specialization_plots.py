@@ -14,7 +14,8 @@ def plot_specialization(doc, path):
     t-interval over runs when there are 3 or more)."""
     metrics, layers = doc["metrics"], doc["layer_ids"]
     n_runs = len(doc["runs"])
-    fig, axes = grid(len(metrics), 3, 4.2, 3.3)
+    fav = doc.get("favourite_vs_step0")
+    fig, axes = grid(len(metrics) + (fav is not None), 3, 4.2, 3.3)
     x_L = np.arange(len(layers), dtype=float)
     for ax, m in zip(axes, metrics.values()):
         r = m["random"]
@@ -45,11 +46,31 @@ def plot_specialization(doc, path):
         # Room above the highest marker: an autoscaled top sits on it and cuts the marker in half.
         top = ax.dataLim.y1 if np.isfinite(ax.dataLim.y1) and ax.dataLim.y1 > 0 else 1.0
         ax.set_ylim(0, top * 1.1)
+    if fav is not None:
+        _plot_agreement(axes[len(metrics)], fav, layers, n_runs)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), fontsize=8)
     fig.suptitle(f"Is the routing specialization more than chance? ({doc['n_tokens']:,} validation tokens, "
                  f"top-{doc['top_k']} of {doc['n_experts']} experts)", fontsize=10)
     return save(fig, path, rect=(0, 0.1 if len(labels) > 3 else 0.06, 1, 1))
+
+
+def _plot_agreement(ax, fav, layers, n_runs):
+    """Favourite expert trained = step 0's, per layer: one dot per run (blue) against the chance level of two
+    independent favourites with the same marginals (grey tick)."""
+    x_L = np.arange(len(layers), dtype=float)
+    ax.hlines(np.asarray(fav["chance"]["mean"], float), x_L - 0.25, x_L + 0.25, color=RANDOM, linewidth=2)
+    jitter = np.linspace(-0.04, 0.04, n_runs) if n_runs > 1 else np.zeros(1)
+    for j, vals_L in enumerate(np.asarray(fav["agree"]["per_run"], float)):
+        ax.plot(x_L + jitter[j], vals_L, "o", color=TRAINED, markersize=4, alpha=0.8)
+    ax.set_xticks(x_L)
+    ax.set_xticklabels([f"layer {i}" for i in layers], fontsize=8)
+    ax.set_xlim(-0.6, len(layers) - 0.4)
+    ax.set_title(_wrap(fav["what"] + " (grey: chance, independent favourites)"), fontsize=8)
+    ax.tick_params(axis="y", labelsize=7)
+    ax.grid(axis="y", alpha=0.3)
+    top = ax.dataLim.y1 if np.isfinite(ax.dataLim.y1) and ax.dataLim.y1 > 0 else 1.0
+    ax.set_ylim(0, top * 1.25)
 
 
 def _wrap(text, width=48):

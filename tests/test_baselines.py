@@ -127,6 +127,8 @@ def test_specialization_cli_on_the_tiny_run(tiny_run, tmp_path):
     assert m["maxvio"]["random"]["low"] == pytest.approx(m["maxvio"]["trained"]["mean"])
     for name in baselines.HEADLINE:
         assert np.isfinite(m[name]["step0"]["mean"]).all(), name
+    fav = saved["favourite_vs_step0"]
+    assert 0 <= fav["agree"]["mean"][0] <= 1 and 0 < fav["chance"]["mean"][0] <= 1 and fav["n_ids"][0] > 0
 
 
 @pytest.mark.parametrize("extra, expected", [

@@ -87,6 +87,19 @@ def test_coactivation_hand_built():
     np.testing.assert_allclose(coact_ExE[:4].sum(-1), K - 1)
 
 
+def test_favourite_agreement_hand_case():
+    # 4 eligible ids (n >= 10) and one rare id; favourites a = [0, 1, 1, 2], b = [0, 2, 1, 2] -> 3 of 4 agree.
+    # Marginals over the 4 ids: a (1/4, 2/4, 1/4), b (1/4, 1/4, 2/4) over experts 0..2 -> chance
+    # 1/16 + 2/16 + 2/16 = 5/16.
+    fav_a, fav_b = [0, 1, 1, 2, 0], [0, 2, 1, 2, 1]
+    a, b = np.zeros((1, 5, 3)), np.zeros((1, 5, 3))
+    for v in range(5):
+        a[0, v, fav_a[v]], b[0, v, fav_b[v]] = 7, 7
+    agree, chance, n = rs.favourite_agreement(a, b, np.array([10, 12, 10, 30, 9]))
+    assert n == 4 and agree[0] == pytest.approx(0.75) and chance[0] == pytest.approx(5 / 16)
+    assert np.isnan(rs.favourite_agreement(a, b, np.zeros(5))[0]).all()
+
+
 def test_vocab_specialization_threshold():
     # Token 5: 10 occurrences, always (2, x) -> max expert 2 gets 10 of 20 assignments = 0.5.
     # Token 6: 10 occurrences, always (4, 7) -> 0.5 as well; token 7: 9 occurrences -> excluded.
