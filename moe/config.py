@@ -8,6 +8,7 @@ import math
 
 MASK_MODES = ("causal", "prefix", "bidirectional", "mixed")
 ROUTER_SCORES = ("sigmoid", "softmax")
+ROUTER_GROUP_SCORES = ("top2_sum", "max")
 QK_NORMS = ("none", "head", "full")
 ATTENTIONS = ("gqa", "mla")
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
@@ -56,6 +57,9 @@ class ModelConfig:
     qk_rope_head_dim: int = 0  # mla: per-head roped query dims and the one roped key all heads share (> 0, even)
     v_head_dim: int = 0  # mla: per-head value dims (> 0)
     rope_interleave: bool = False  # mla: RoPE on pairs (2i, 2i+1), DeepSeek checkpoints' layout; False: rotate-half
+    # mla: eps of the query and kv latent RMSNorms; 0: norm_eps. DeepSeek's and transformers' code fix it at 1e-6
+    # whatever rms_norm_eps is (Moonlight, GLM-4.7-Flash: 1e-5), so imports set it.
+    latent_norm_eps: float = 0.0
     # YaRN context extension (rope_scaling_factor > 1; 1.0: off): frequencies interpolated by the factor below
     # beta_slow rotations over rope_original_max_position, kept above beta_fast; cos/sin scaled by HF's
     # attention_factor from yarn_mscale / yarn_mscale_all_dim (0: unset, as HF's missing keys), and with mla the
@@ -73,6 +77,9 @@ class ModelConfig:
     moe_d_ff: int = 256  # width of one (routed or shared) expert
     n_group: int = 1  # group-limited routing: experts form n_group groups ...
     topk_group: int = 1  # ... and only the best topk_group groups are eligible
+    # A group's score: top2_sum, the sum of its two best (score + bias) (DeepSeek-V3); max, its best score
+    # (DeepSeek-V2's group_limited_greedy).
+    router_group_score: str = "top2_sum"
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = True
     # sigmoid: DeepSeek-V3 affinities. softmax: over all routed experts, then top-k (Mixtral, Qwen-MoE, OLMoE; they
@@ -190,6 +197,9 @@ def validate(c: ModelConfig) -> None:
     _validate_yarn(c, fail)
     if c.router_score not in ROUTER_SCORES:
         fail("router_score", f"unknown router score {c.router_score!r}; allowed: {', '.join(ROUTER_SCORES)}")
+    if c.router_group_score not in ROUTER_GROUP_SCORES:
+        fail("router_group_score", f"unknown group score {c.router_group_score!r}; allowed: "
+                                   f"{', '.join(ROUTER_GROUP_SCORES)}")
     if c.shared_expert_gate and not c.n_shared_experts:
         fail("shared_expert_gate", "needs a shared expert (n_shared_experts >= 1)")
     if not isinstance(c.dense_layers, str):
@@ -208,7 +218,7 @@ def validate(c: ModelConfig) -> None:
         fail("top_k", f"must be <= n_routed_experts ({c.n_routed_experts}), got {c.top_k}")
     if c.n_routed_experts % c.n_group:
         fail("n_group", f"n_routed_experts ({c.n_routed_experts}) must be divisible by n_group ({c.n_group})")
-    if c.n_group > 1 and c.n_routed_experts // c.n_group < 2:
+    if c.n_group > 1 and c.n_routed_experts // c.n_group < 2 and c.router_group_score == "top2_sum":
         fail("n_group", "each group needs >= 2 experts (a group's score is the sum of its two best)")
     if c.topk_group > c.n_group:
         fail("topk_group", f"must be <= n_group ({c.n_group}), got {c.topk_group}")
@@ -229,8 +239,11 @@ def _validate_mla(c: ModelConfig, fail) -> None:
             fail(field, f"must be a non-negative integer, got {v!r}")
     if not isinstance(c.rope_interleave, bool):
         fail("rope_interleave", f"must be true or false, got {c.rope_interleave!r}")
+    v = c.latent_norm_eps
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        fail("latent_norm_eps", f"must be a finite number >= 0 (0: norm_eps), got {v!r}")
     if c.attention == "gqa":
-        for field in MLA_FIELDS + ("rope_interleave",):
+        for field in MLA_FIELDS + ("rope_interleave", "latent_norm_eps"):
             if getattr(c, field):
                 fail(field, f"is a multi-head latent attention field; set model.attention='mla' or leave it at "
                             f"{getattr(ModelConfig, field)!r}")

@@ -7,6 +7,7 @@ Dn / Dr / Dv the per-head no-position / rotary / value dims, Dq = Dn + Dr.
   latent   [c (R) | k_rope (Dr)] = x W_kva; c = RMSNorm(c); k_rope roped, one key all heads share
   keys     per head [c W_uk (Dn) | k_rope]; values c W_uv (Dv); W_kvb = [W_uk | W_uv] per head
   scores   q.k * softmax_scale: 1/sqrt(Dq), times YaRN's mscale(factor, mscale_all_dim)^2 (moe/rope.py)
+Both RMSNorms use model.latent_norm_eps (0: norm_eps); DeepSeek checkpoints need 1e-6 there (the HF importer sets it).
 
 The cache holds c and the roped k_rope, R + Dr numbers per token and layer ({"latent": [B,S,R], "k_rope": [B,S,Dr]},
 moe/decode.py). Two forms compute the same function:
@@ -52,14 +53,15 @@ class MLA(nnx.Module):
     def __init__(self, cfg, rngs: nnx.Rngs):
         D, H, Q, R = cfg.d_model, cfg.n_heads, cfg.q_lora_rank, cfg.kv_lora_rank
         Dn, Dr, Dv, std = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.init_std
+        eps = cfg.latent_norm_eps or cfg.norm_eps
         if Q:
             self.wq_a = param(rngs, (D, Q), ("embed", "latent"), std)
-            self.q_norm = RMSNorm(Q, cfg.norm_eps)
+            self.q_norm = RMSNorm(Q, eps)
             self.wq_b = param(rngs, (Q, H, Dn + Dr), ("latent_in", "heads", "head_dim"), std)
         else:
             self.wq = param(rngs, (D, H, Dn + Dr), ("embed", "heads", "head_dim"), std)
         self.wkv_a = param(rngs, (D, R + Dr), ("embed", "latent"), std)
-        self.kv_norm = RMSNorm(R, cfg.norm_eps)
+        self.kv_norm = RMSNorm(R, eps)
         self.wkv_b = param(rngs, (R, H, Dn + Dv), ("latent_in", "heads", "head_dim"), std)
         self.wo = param(rngs, (H, Dv, D), ("heads", "head_dim", "embed"), cfg.out_init_std)
         self.cfg = cfg

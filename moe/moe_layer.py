@@ -70,7 +70,7 @@ class MoE(nnx.Module):
         scores_TxE, ids_TxK, gates_TxK = router.route(
             u_TxD, self.router[...], self.bias[...], top_k=cfg.top_k, n_group=cfg.n_group,
             topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor,
-            normalize=cfg.norm_topk_prob, score=cfg.router_score)
+            normalize=cfg.norm_topk_prob, score=cfg.router_score, group_score=cfg.router_group_score)
         # Kept under remat_policy="save_moe" with the experts' rows they index: a router rerun in the backward pass
         # (its bf16 inputs recomputed, maybe fused otherwise) could flip a choice and misalign every saved row.
         ids_TxK, gates_TxK = kernels.saved(ids_TxK), kernels.saved(gates_TxK)

@@ -6,8 +6,10 @@ Shapes: T tokens, E routed experts, K experts per token, G expert groups, B sequ
   chosen  = top-K of (s + b), among the best `topk_group` groups when G > 1
   g_{t,i} = s_{t,i} / sum_{j chosen} s_{t,j} * routed_scaling_factor   (the bias b never enters g)
 
-`score="softmax"` (Mixtral, Qwen-MoE, OLMoE) replaces the sigmoid by a softmax over all E experts; the rest is the
-same function (their routers have no bias, so b = 0; norm_topk_prob picks whether the chosen K are renormalized).
+`score="softmax"` (Mixtral, Qwen-MoE, OLMoE, DeepSeek-V2) replaces the sigmoid by a softmax over all E experts; the
+rest is the same function (their routers have no bias, so b = 0; norm_topk_prob picks whether the chosen K are
+renormalized). A group scores as the sum of its two best (s + b) (DeepSeek-V3), or `group_score="max"` as its best
+one (DeepSeek-V2's group_limited_greedy).
 """
 
 import jax
@@ -23,17 +25,21 @@ def affinity_scores(u_TxD: jax.Array, router_DxE: jax.Array, score: str = "sigmo
     return jax.nn.sigmoid(logits_TxE)
 
 
-def select_experts(scores_TxE, bias_E, top_k: int, n_group: int = 1, topk_group: int = 1):
+def select_experts(scores_TxE, bias_E, top_k: int, n_group: int = 1, topk_group: int = 1,
+                   group_score: str = "top2_sum"):
     """Top-K expert ids [T,K] by (score + bias), restricted to the best groups (node-limited routing).
 
-    A group's score is the sum of its two highest (s + b); experts outside the `topk_group` best groups are
-    masked to -inf, so they can never be chosen.
+    A group's score is the sum of its two highest (s + b) ("top2_sum"), or its highest ("max"); experts outside
+    the `topk_group` best groups are masked to -inf, so they can never be chosen.
     """
     choice_TxE = scores_TxE + bias_E.astype(jnp.float32)
     if n_group > 1:
         T, E = choice_TxE.shape
         grouped_TxGxS = choice_TxE.reshape(T, n_group, E // n_group)
-        group_score_TxG = jax.lax.top_k(grouped_TxGxS, 2)[0].sum(-1)
+        if group_score == "max":
+            group_score_TxG = grouped_TxGxS.max(-1)
+        else:
+            group_score_TxG = jax.lax.top_k(grouped_TxGxS, 2)[0].sum(-1)
         _, best_groups_TxKg = jax.lax.top_k(group_score_TxG, topk_group)
         keep_TxG = jnp.zeros((T, n_group), bool).at[jnp.arange(T)[:, None], best_groups_TxKg].set(True)
         keep_TxE = jnp.repeat(keep_TxG, E // n_group, axis=1)
@@ -94,9 +100,9 @@ def max_violation(load_xE):
 
 
 def route(u_TxD, router_DxE, bias_E, *, top_k, n_group=1, topk_group=1, routed_scaling_factor=1.0,
-          normalize=True, score="sigmoid"):
+          normalize=True, score="sigmoid", group_score="top2_sum"):
     """scores [T,E], chosen ids [T,K], gates [T,K] for a flat batch of tokens."""
     scores_TxE = affinity_scores(u_TxD, router_DxE, score)
-    ids_TxK = select_experts(scores_TxE, jax.lax.stop_gradient(bias_E), top_k, n_group, topk_group)
+    ids_TxK = select_experts(scores_TxE, jax.lax.stop_gradient(bias_E), top_k, n_group, topk_group, group_score)
     gates_TxK = gate_weights(scores_TxE, ids_TxK, routed_scaling_factor, normalize)
     return scores_TxE, ids_TxK, gates_TxK

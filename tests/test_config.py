@@ -27,6 +27,8 @@ from train.config import activation_bytes, causality_warning, check, model_confi
     (dict(moe_d_ff=0), "model.moe_d_ff"),
     (dict(first_k_dense=5, n_layers=4), "model.first_k_dense"),
     (dict(router_score="relu"), "model.router_score"),
+    (dict(router_group_score="sum"), "model.router_group_score"),
+    (dict(n_routed_experts=8, n_group=8, top_k=2, topk_group=2), "model.n_group"),  # top2_sum: >= 2 per group
     (dict(qk_norm="layer"), "model.qk_norm"),
     (dict(rope_fraction=0.0), "model.rope_fraction"),
     (dict(rope_fraction=0.3, head_dim=64), "model.rope_fraction"),  # int(19.2) = 19 rotated dims: odd

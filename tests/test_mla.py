@@ -45,6 +45,8 @@ YARN = dict(rope_scaling_factor=40.0, rope_original_max_position=8, yarn_mscale=
     (dict(kv_lora_rank=16), "model.kv_lora_rank"),  # an MLA field while attention is gqa
     (dict(rope_interleave=True), "model.rope_interleave"),
     (dict(rope_interleave=1), "model.rope_interleave"),
+    (dict(latent_norm_eps=1e-6), "model.latent_norm_eps"),  # an MLA field while attention is gqa
+    (dict(MLA_FIELDS, latent_norm_eps=-1.0), "model.latent_norm_eps"),
     (dict(rope_scaling_factor=0.5), "model.rope_scaling_factor"),
     (dict(rope_scaling_factor=float("nan")), "model.rope_scaling_factor"),
     (dict(rope_scaling_factor=4.0), "model.rope_original_max_position"),

@@ -74,6 +74,31 @@ def test_group_limited_never_picks_dropped_group():
         assert set((ids[t] // (E // G)).tolist()) <= set(best[t].tolist())
 
 
+def test_group_score_max_matches_deepseek_v2():
+    """DeepSeek-V2's group_limited_greedy, transcribed: softmax scores, a group scores as its best expert, top-K
+    inside the best groups, gates = the chosen probabilities x routed_scaling_factor (not renormalized). One expert
+    per group is allowed there; the default (sum of the two best) differs on these scores."""
+    rng = np.random.default_rng(5)
+    T, D, E, G, KG, K = 256, 16, 16, 4, 2, 3
+    u, w = rng.normal(size=(T, D)).astype(np.float32), rng.normal(size=(D, E)).astype(np.float32)
+    s, ids, gates = router.route(jnp.asarray(u), jnp.asarray(w), jnp.zeros(E), top_k=K, n_group=G, topk_group=KG,
+                                 routed_scaling_factor=1.5, normalize=False, score="softmax", group_score="max")
+    logits = u.astype(np.float64) @ w.astype(np.float64)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    best = np.argsort(-p.reshape(T, G, E // G).max(-1), -1)[:, :KG]
+    eligible = (np.arange(E)[None, None, :] // (E // G) == best[:, :, None]).any(1)  # [T, E]
+    masked = np.where(eligible, p, 0.0)  # transformers masks with 0: every kept probability is > 0
+    ids_ref = np.argsort(-masked, -1, kind="stable")[:, :K]
+    np.testing.assert_allclose(s, p, rtol=1e-5)
+    np.testing.assert_array_equal(np.sort(ids, -1), np.sort(ids_ref, -1))
+    np.testing.assert_allclose(np.sort(gates, -1), np.sort(np.take_along_axis(p, ids_ref, -1) * 1.5, -1), rtol=1e-5)
+    top2 = router.select_experts(s, jnp.zeros(E), K, G, KG)
+    assert not np.array_equal(np.sort(top2, -1), np.sort(ids, -1))
+    singles = router.select_experts(s, jnp.zeros(E), 2, E, 2, group_score="max")  # one expert per group
+    np.testing.assert_array_equal(np.sort(singles, -1), np.sort(np.argsort(-p, -1)[:, :2], -1))
+
+
 def test_load_counts_and_padding():
     ids = jnp.asarray(np.random.default_rng(3).integers(0, 8, size=(50, 3)))
     load = router.expert_load(ids, 8)

@@ -1,7 +1,9 @@
 """What every family shares: the one-line error, config.json fields, RoPE settings, reading safetensors.
 
-Each family module (glm4_moe.py, qwen_moe.py, olmoe.py, mixtral.py) turns its config.json into a ModelConfig that
-reproduces HF's forward exactly, refusing (HFImportError naming the field) whatever our model cannot reproduce.
+Each family module (glm4_moe.py, qwen_moe.py, olmoe.py, mixtral.py, deepseek.py) turns its config.json into a
+ModelConfig that reproduces HF's forward exactly, refusing (HFImportError naming the field) whatever our model
+cannot reproduce. RoPE: default only (rope_settings), or default and YaRN for multi-head latent attention
+(yarn_rope_fields: the DeepSeek families ship YaRN configs).
 """
 
 import json
@@ -65,6 +67,15 @@ def read_config(path_dir: str) -> tuple[dict, str]:
     return read_json(path_dir, "config.json"), path
 
 
+def rope_parameters(c: dict) -> dict:
+    """RoPE settings as transformers 5.x reads them: 4.x's `rope_scaling` wins over `rope_parameters`; rope_theta
+    from the dict, else the top level, else 10000; `rope_type` (4.x: `type`) defaults to "default"."""
+    rp = dict(c.get("rope_scaling") or c.get("rope_parameters") or {})
+    rp.setdefault("rope_theta", c.get("rope_theta") or 10000.0)
+    rp["rope_type"] = rp.get("rope_type") or rp.get("type") or "default"
+    return rp
+
+
 def rope_settings(c: dict, where: str, default_partial: float = 1.0) -> tuple[float, float]:
     """(rope_theta, partial_rotary_factor) from transformers 5.x `rope_parameters` or 4.x top-level fields;
     any rope scaling (yarn, linear, dynamic, llama3 ...) is refused: it changes the frequencies."""
@@ -76,6 +87,36 @@ def rope_settings(c: dict, where: str, default_partial: float = 1.0) -> tuple[fl
     theta = rp.get("rope_theta", c.get("rope_theta", 10000.0))
     partial = rp.get("partial_rotary_factor", c.get("partial_rotary_factor", default_partial))
     return float(theta), float(partial)
+
+
+def yarn_rope_fields(c: dict, where: str) -> dict:
+    """ModelConfig RoPE fields for default RoPE or YaRN, as transformers' `_compute_yarn_parameters` and DeepSeek's
+    `yarn_apply_mscale` read them (moe/rope.py computes the same); other scalings are refused. A factor of 1 is
+    plain RoPE (the frequencies and both mscales are then unchanged)."""
+    rp = rope_parameters(c)
+    kind, theta = rp["rope_type"], float(rp["rope_theta"])
+    partial = rp.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        refuse(where, "partial_rotary_factor", partial, "multi-head latent attention ropes all qk_rope_head_dim dims")
+    if kind == "default":
+        return dict(rope_theta=theta)
+    if kind != "yarn":
+        refuse(where, "rope_type", kind, "only default RoPE and YaRN; other scalings change the frequencies")
+    if rp.get("attention_factor") is not None:
+        refuse(where, "rope_parameters.attention_factor", rp["attention_factor"],
+               "YaRN's cos/sin factor is derived from factor, mscale and mscale_all_dim here")
+    if rp.get("truncate", True) is not True:
+        refuse(where, "rope_parameters.truncate", rp["truncate"], "only YaRN's truncated correction range")
+    # transformers: a top-level original_max_position_embeddings wins; without either, max_position_embeddings.
+    original = int(c.get("original_max_position_embeddings") or rp.get("original_max_position_embeddings")
+                   or c["max_position_embeddings"])
+    factor = float(rp["factor"] if rp.get("factor") is not None else c["max_position_embeddings"] / original)
+    if factor == 1.0:
+        return dict(rope_theta=theta)
+    return dict(rope_theta=theta, rope_scaling_factor=factor, rope_original_max_position=original,
+                yarn_beta_fast=float(rp.get("beta_fast") or 32.0), yarn_beta_slow=float(rp.get("beta_slow") or 1.0),
+                yarn_mscale=float(rp.get("mscale") or 0.0),
+                yarn_mscale_all_dim=float(rp.get("mscale_all_dim") or 0.0))
 
 
 def check_activation(c: dict, where: str) -> None:

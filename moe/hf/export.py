@@ -45,8 +45,8 @@ def unsupported_features(cfg: ModelConfig) -> list[str]:
     # Options for imported families (moe.hf/); the Glm4Moe config this export writes has none of them.
     defaults = ModelConfig()
     for field in ("moe_layer_step", "dense_layers", "rope_fraction", "qkv_bias", "attn_out_bias", "qk_norm",
-                  "router_score", "shared_d_ff", "shared_expert_gate", "attention", "rope_interleave",
-                  "rope_scaling_factor"):
+                  "router_score", "router_group_score", "shared_d_ff", "shared_expert_gate", "attention",
+                  "rope_interleave", "rope_scaling_factor"):
         if getattr(cfg, field) != getattr(defaults, field):
             out.append(f"model.{field}={getattr(cfg, field)!r}")
     return out

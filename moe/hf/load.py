@@ -1,7 +1,9 @@
 """`load_hf_moe(DIR)`: a HuggingFace MoE directory -> (our moe.Transformer, tokenizers.Tokenizer or None).
 
-Dispatches on config.json `model_type`; each family module maps config.json to a ModelConfig that reproduces
-HF's forward exactly and says where its tensors live. Params are fp32 (the checkpoint's dtype is upcast).
+Dispatches on config.json `model_type` (FAMILIES: glm4_moe, qwen2_moe, qwen3_moe, olmoe, mixtral, and with
+multi-head latent attention deepseek_v2, deepseek_v3, glm4_moe_lite); each family module maps config.json to a
+ModelConfig that reproduces HF's forward exactly and says where its tensors live. Params are fp32 (the checkpoint's
+dtype is upcast).
 """
 
 import os
@@ -9,18 +11,21 @@ import os
 import tokenizers
 
 from moe.config import ConfigError
-from moe.hf import glm4_moe, mixtral, olmoe, qwen_moe
+from moe.hf import deepseek, glm4_moe, mixtral, olmoe, qwen_moe
 from moe.hf.common import HFImportError, inside, read_config, read_tensors
 from moe.hf.safetensors_io import model_from_flat
 from moe.hf.weights import our_tensors
 from moe.model import Transformer
 
-FAMILIES = {t: m for m in (glm4_moe, qwen_moe, olmoe, mixtral) for t in m.MODEL_TYPES}
+FAMILIES = {t: m for m in (glm4_moe, qwen_moe, olmoe, mixtral, deepseek) for t in m.MODEL_TYPES}
 # Known MoE families we cannot reproduce exactly: model_type -> (field, why).
 REFUSED = {
-    "deepseek_v3": ("kv_lora_rank", "DeepSeek-V3 uses multi-head latent attention (MLA), which our model does not "
-                                    "implement; its routing is glm4_moe's, which is supported"),
-    "deepseek_v2": ("kv_lora_rank", "DeepSeek-V2 uses multi-head latent attention (MLA)"),
+    "deepseek_v32": ("index_topk", "DeepSeek-V3.2's sparse attention (a lightning indexer picks the keys) is not "
+                                   "implemented; deepseek_v3, its dense predecessor, is supported"),
+    "glm_moe_dsa": ("index_topk", "GLM's DeepSeek sparse attention (a lightning indexer picks the keys) is not "
+                                  "implemented"),
+    "deepseek_v4": ("compress_rates", "DeepSeek-V4's compressed sparse attention, hyper-connections and hash routing "
+                                      "are not implemented"),
 }
 
 
@@ -61,5 +66,5 @@ def load_tokenizer(path_dir: str):
 
 
 def load_hf_moe(path_dir: str):
-    """(model, tokenizer or None) for a glm4_moe / qwen2_moe / qwen3_moe / olmoe / mixtral directory."""
+    """(model, tokenizer or None) for a directory of any model_type in FAMILIES."""
     return load_model(path_dir), load_tokenizer(path_dir)

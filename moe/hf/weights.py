@@ -1,6 +1,7 @@
 """HF tensor names ([out, in] Linear layouts) -> our flat variable names (moe.hf.safetensors_io layouts).
 
-Shared by every family; a `Layout` says where a family keeps its MoE pieces. Routed experts are read in either
+Shared by every family; a `Layout` says where a family keeps its MoE pieces. Attention is grouped-query
+(q/k/v/o_proj) or multi-head latent (`_mla`, DeepSeek-V2/V3 and GLM-4.7-Flash). Routed experts are read in either
 layout found in the wild: per expert (`experts.E.gate_proj.weight`, what the Hub stores and save_pretrained
 writes) or fused (`experts.gate_up_proj` [E, 2F, D] + `experts.down_proj` [E, D, F], transformers 5.x in memory).
 """
@@ -22,7 +23,7 @@ class Layout:
     shared: str | None = None  # shared SwiGLU under the MoE block: "shared_experts" (GLM), "shared_expert" (Qwen2)
     shared_gate: str | None = None  # "shared_expert_gate" (Qwen2-MoE)
     routing_bias: str | None = None  # "gate.e_score_correction_bias" (GLM / DeepSeek-V3)
-    drop_layers_from: int | None = None  # GLM MTP layers (index >= num_hidden_layers): HF's forward skips them
+    drop_layers_from: int | None = None  # MTP layers (index >= num_hidden_layers): HF's forward skips them
 
 
 def our_tensors(cfg: ModelConfig, layout: Layout, sd: dict[str, np.ndarray], where: str) -> dict[str, np.ndarray]:
@@ -53,10 +54,13 @@ def our_tensors(cfg: ModelConfig, layout: Layout, sd: dict[str, np.ndarray], whe
         out[q + "attn_norm.scale"] = take(p + "input_layernorm.weight")
         out[q + "ffn_norm.scale"] = take(p + "post_attention_layernorm.weight")
         a = p + "self_attn."
-        out[q + "attn.wq"] = shaped(a + "q_proj.weight", D, H, Dh)
-        out[q + "attn.wk"] = shaped(a + "k_proj.weight", D, N, Dh)
-        out[q + "attn.wv"] = shaped(a + "v_proj.weight", D, N, Dh)
-        out[q + "attn.wo"] = shaped(a + "o_proj.weight", H, Dh, D)
+        if cfg.attention == "mla":
+            out.update(_mla(cfg, a, q + "attn.", take, shaped))
+        else:
+            out[q + "attn.wq"] = shaped(a + "q_proj.weight", D, H, Dh)
+            out[q + "attn.wk"] = shaped(a + "k_proj.weight", D, N, Dh)
+            out[q + "attn.wv"] = shaped(a + "v_proj.weight", D, N, Dh)
+            out[q + "attn.wo"] = shaped(a + "o_proj.weight", H, Dh, D)
         if cfg.qkv_bias:
             out[q + "attn.bq"] = shaped(a + "q_proj.bias", H, Dh, transpose=False)
             out[q + "attn.bk"] = shaped(a + "k_proj.bias", N, Dh, transpose=False)
@@ -85,6 +89,24 @@ def our_tensors(cfg: ModelConfig, layout: Layout, sd: dict[str, np.ndarray], whe
         raise HFImportError(f"{where}: unexpected tensor(s) {', '.join(sorted(sd)[:4])} for the config in "
                             "config.json (a feature this importer does not know)")
     return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
+
+
+def _mla(cfg, a, q, take, shaped):
+    """Multi-head latent attention (DeepseekV2/V3Attention): the mapping moe/mla.py's docstring lists. Per head
+    the query is [nope | rope] and kv_b's output [k_nope | v], as transformers splits them."""
+    D, H, Q, R = cfg.d_model, cfg.n_heads, cfg.q_lora_rank, cfg.kv_lora_rank
+    Dn, Dr, Dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    out = {q + "wkv_a": shaped(a + "kv_a_proj_with_mqa.weight", D, R + Dr),
+           q + "kv_norm.scale": take(a + "kv_a_layernorm.weight"),
+           q + "wkv_b": shaped(a + "kv_b_proj.weight", R, H, Dn + Dv),
+           q + "wo": shaped(a + "o_proj.weight", H, Dv, D)}
+    if Q:
+        out[q + "wq_a"] = shaped(a + "q_a_proj.weight", D, Q)
+        out[q + "q_norm.scale"] = take(a + "q_a_layernorm.weight")
+        out[q + "wq_b"] = shaped(a + "q_b_proj.weight", Q, H, Dn + Dr)
+    else:
+        out[q + "wq"] = shaped(a + "q_proj.weight", D, H, Dn + Dr)
+    return out
 
 
 def _dropped(layout: Layout, name: str) -> bool:

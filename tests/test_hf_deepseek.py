@@ -1,0 +1,244 @@
+"""HF import parity for the multi-head latent attention families (moe/hf/deepseek.py): a tiny random transformers
+deepseek_v2 (greedy, and group_limited_greedy; no query LoRA as V2-Lite), deepseek_v3 (query LoRA, 4 groups, YaRN,
+interleaved RoPE, an MTP layer in the checkpoint) and glm4_moe_lite (rotate-half RoPE, a dense layer after a MoE one),
+saved with save_pretrained, loads with the same logits (fp32), the same experts in every MoE layer, and decodes with
+our latent KV cache the same 32 greedy tokens as transformers' generate; what it cannot reproduce is refused naming
+the field."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from safetensors.numpy import save_file
+
+torch = pytest.importorskip("torch", reason="torch builds the reference models")
+transformers = pytest.importorskip("transformers", reason="transformers builds the reference models")
+
+transformers.utils.logging.disable_progress_bar()  # save_pretrained's bar on stderr
+
+from moe import param_counts  # noqa: E402
+from moe.decode import generate  # noqa: E402
+from moe.hf import HFImportError, load_hf_moe, model_config  # noqa: E402
+from moe.hf.common import read_config, read_tensors, rope_parameters  # noqa: E402
+from moe.hf.load import FAMILIES as LAYOUTS  # noqa: E402
+from moe.hf.weights import our_tensors  # noqa: E402
+
+V = 128
+# No special tokens: transformers' generate would stop at an EOS that our fixed-length decode runs past.
+STACK = dict(vocab_size=V, hidden_size=64, num_attention_heads=4, num_key_value_heads=4, rms_norm_eps=1e-5,
+             max_position_embeddings=64, hidden_act="silu", intermediate_size=96, moe_intermediate_size=32,
+             n_routed_experts=8, num_experts_per_tok=2, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8,
+             v_head_dim=10, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+# YaRN past its original 16 positions (the decode runs to 37); mscale != mscale_all_dim: cos/sin scaled too.
+YARN = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.7}
+# transformers' latent RMSNorms (q_a_layernorm, kv_a_layernorm) keep eps 1e-6 whatever rms_norm_eps is: a large one
+# makes taking rms_norm_eps there visible in the logits.
+LARGE_EPS = dict(STACK, rms_norm_eps=0.25)
+TOKENS = np.random.RandomState(0).randint(0, V, (2, 12))
+N_NEW = 32
+
+FAMILIES = {
+    "deepseek_v2_greedy": lambda: transformers.DeepseekV2Config(
+        **STACK, num_hidden_layers=3, first_k_dense_replace=1, q_lora_rank=None, n_shared_experts=1,
+        topk_method="greedy", routed_scaling_factor=1.5, rope_parameters=dict(YARN, mscale=0.707, mscale_all_dim=0.707)),
+    "deepseek_v2_group_limited": lambda: transformers.DeepseekV2Config(
+        **STACK, num_hidden_layers=3, first_k_dense_replace=1, q_lora_rank=None, n_shared_experts=2,
+        topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **LARGE_EPS, num_hidden_layers=3, first_k_dense_replace=1, q_lora_rank=24, n_shared_experts=1, n_group=4,
+        topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, rope_interleave=True, rope_parameters=YARN,
+        num_nextn_predict_layers=1),
+    "glm4_moe_lite": lambda: transformers.Glm4MoeLiteConfig(
+        **LARGE_EPS, num_hidden_layers=4, mlp_layer_types=["dense", "sparse", "dense", "sparse"], q_lora_rank=24,
+        n_shared_experts=1, n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.8,
+        rope_interleave=False, rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
+}
+
+
+def _random_hf(name, seed=0):
+    """A tiny transformers model with every weight random (norm scales near 1, routing biases non-zero)."""
+    torch.manual_seed(seed)
+    hf = transformers.AutoModelForCausalLM.from_config(FAMILIES[name](), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for pname, p in hf.named_parameters():
+            if "norm" in pname or "layernorm" in pname:
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.3)
+        for bname, b in hf.named_buffers():
+            if bname.endswith("e_score_correction_bias"):
+                b.uniform_(-0.5, 0.5)  # the size of the score spread: it changes which experts win
+    return hf
+
+
+def _hf_forward(hf, tokens):
+    """(logits, per MoE layer the chosen expert ids [B*L, K]), ids read by a hook on each router (mlp.gate)."""
+    ids, hooks = [], []
+    for name, mod in hf.named_modules():
+        if name.endswith("mlp.gate"):
+            hooks.append(mod.register_forward_hook(lambda _m, _i, out: ids.append(out[2].numpy())))
+    with torch.no_grad():
+        logits = hf(torch.tensor(tokens)).logits.float().numpy()
+    for h in hooks:
+        h.remove()
+    return logits, ids
+
+
+def _hf_generate(hf, prompt):
+    with torch.no_grad():
+        out = hf.generate(torch.tensor(prompt), attention_mask=torch.ones_like(torch.tensor(prompt)),
+                          do_sample=False, max_new_tokens=N_NEW)
+    return out[:, prompt.shape[1]:].numpy()
+
+
+def _add_mtp_layer(path, sd, n_layers):
+    """What DeepSeek-V3 checkpoints hold after the last layer (transformers' save_pretrained writes none): a copy of
+    the last decoder layer plus the MTP projections, as model.layers.{n_layers}.*."""
+    last, mtp = f"model.layers.{n_layers - 1}.", f"model.layers.{n_layers}."
+    extra = {mtp + k[len(last):]: v for k, v in sd.items() if k.startswith(last)}
+    D = STACK["hidden_size"]
+    extra.update({mtp + "enorm.weight": np.ones(D, np.float32), mtp + "hnorm.weight": np.ones(D, np.float32),
+                  mtp + "eh_proj.weight": np.zeros((D, 2 * D), np.float32),
+                  mtp + "shared_head.norm.weight": np.ones(D, np.float32)})
+    save_file({**sd, **extra}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return sorted(extra)
+
+
+@nnx.jit
+def _forward(model, tokens):
+    logits, aux = model(tokens, return_routing=True)
+    return logits, [r["expert_ids"] for r in aux["routing"]]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """name -> dict(path, hf logits, hf expert ids, hf greedy tokens, our model, hf parameter count); once per
+    module per family, on first use."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            hf = _random_hf(name)
+            path = tmp_path_factory.mktemp(name)
+            hf.save_pretrained(str(path))
+            mtp = []
+            if hf.config.to_dict().get("num_nextn_predict_layers"):
+                mtp = _add_mtp_layer(path, read_tensors(str(path)), hf.config.num_hidden_layers)
+            logits, ids = _hf_forward(hf, TOKENS)
+            model, tokenizer = load_hf_moe(str(path))
+            assert tokenizer is None  # save_pretrained of a bare model writes no tokenizer
+            cache[name] = dict(path=str(path), logits=logits, ids=ids, tokens=_hf_generate(hf, TOKENS[:, :5]),
+                               model=model, n_params=sum(p.numel() for p in hf.parameters()), mtp=mtp)
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(params=list(FAMILIES))
+def family(request, built):
+    return request.param, built(request.param)
+
+
+def test_logits_and_expert_ids_match(family):
+    name, f = family
+    model = f["model"]
+    ours, our_ids = _forward(model, jnp.asarray(TOKENS))
+    scale = np.abs(f["logits"]).max()
+    err = np.abs(np.asarray(ours) - f["logits"]).max() / scale
+    assert len(our_ids) == len(f["ids"]) == model.cfg.n_moe_layers > 0
+    agree = [np.mean(np.sort(np.asarray(a).reshape(-1, a.shape[-1]), -1) == np.sort(b, -1)) for a, b in
+             zip(our_ids, f["ids"])]
+    print(f"{name}: max |logit diff| = {err * scale:.2e}, / max |logit| = {err:.2e} (scale {scale:.2f}); "
+          f"expert-id agreement {[float(a) for a in agree]}")
+    assert err <= 1e-4, (name, err)
+    assert all(a == 1.0 for a in agree), (name, agree)
+    assert param_counts(model.cfg)["total"] == sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert param_counts(model.cfg)["total"] == f["n_params"]
+
+
+def test_greedy_decoding_matches_generate(family):
+    """32 new tokens from a 5-token prompt, 2 rows: our prefill + one-token steps over the latent cache (the
+    absorbed form) against transformers' generate(do_sample=False) with its own cache."""
+    name, f = family
+    ours = np.asarray(generate(f["model"], jnp.asarray(TOKENS[:, :5]), jax.random.key(0), max_new_tokens=N_NEW,
+                               temperature=0.0))
+    assert f["tokens"].shape == (2, N_NEW)
+    np.testing.assert_array_equal(ours, f["tokens"], err_msg=name)
+
+
+def test_what_each_family_maps_to(built):
+    """The distinguishing fields land where they should (the parity tests above would pass vacuously otherwise)."""
+    cfgs = {name: built(name)["model"].cfg for name in FAMILIES}
+    v2, v2g, v3, lite = (cfgs[k] for k in FAMILIES)
+    assert v2.router_score == v2g.router_score == "softmax" and not v2.norm_topk_prob and v2.n_group == 1
+    assert (v2g.n_group, v2g.topk_group, v2g.router_group_score) == (4, 2, "max")
+    assert v2.q_lora_rank == 0 and v2.rope_interleave and v2.rope_scaling_factor == 4.0
+    assert v2.yarn_mscale == v2.yarn_mscale_all_dim == 0.707 and v2g.rope_scaling_factor == 1.0
+    assert v3.router_score == "sigmoid" and (v3.n_group, v3.topk_group, v3.router_group_score) == (4, 2, "top2_sum")
+    assert v3.q_lora_rank == 24 and v3.rope_interleave and v3.rope_original_max_position == 16
+    assert (lite.first_k_dense, lite.dense_layers, lite.moe_layer_ids) == (1, "2", (1, 3))
+    assert not lite.rope_interleave and lite.attention == "mla"
+    assert lite.norm_eps == 0.25 and all(c.latent_norm_eps == 1e-6 for c in cfgs.values())
+
+
+def test_mtp_layer_is_in_the_checkpoint_and_skipped(built):
+    f = built("deepseek_v3")
+    assert "model.layers.3.eh_proj.weight" in f["mtp"] and "model.layers.3.self_attn.kv_b_proj.weight" in f["mtp"]
+    c, where = read_config(f["path"])
+    sd = read_tensors(f["path"])
+    assert set(f["mtp"]) <= set(sd)
+    c["num_nextn_predict_layers"] = 0  # without the field the extra layer is an unknown feature: refused
+    with pytest.raises(HFImportError, match="unexpected tensor.*model.layers.3"):
+        our_tensors(model_config(c), LAYOUTS["deepseek_v3"].layout(c), sd, where)
+
+
+def _config_dict(name, **changes):
+    c = FAMILIES[name]().to_dict()
+    c.update(changes)
+    return {k: v for k, v in c.items() if v != "DELETE"}
+
+
+def test_rope_parameters_read_as_transformers_reads_them():
+    """4.x configs (DeepSeek-V2-Lite, Moonlight: `rope_scaling` with `type`, top-level rope_theta) map to the same
+    model as the 5.x `rope_parameters` that transformers converts them to."""
+    for name in FAMILIES:
+        new = _config_dict(name)
+        rp = dict(new["rope_parameters"])
+        rope_type = rp.pop("rope_type")
+        old = _config_dict(name, rope_parameters="DELETE", rope_theta=rp.pop("rope_theta"),
+                           rope_scaling=dict(rp, type=rope_type) if rope_type != "default" else None)
+        assert model_config(old) == model_config(new), name
+        hf_rp = type(FAMILIES[name]()).from_dict(old).rope_parameters
+        assert rope_parameters(old) == {**hf_rp, "rope_type": rope_type}, name
+
+
+@pytest.mark.parametrize("name,changes,field", [
+    ("deepseek_v3", dict(quantization_config={"quant_method": "fp8", "fmt": "e4m3"}), "quantization_config"),
+    ("deepseek_v3", dict(rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0}), "rope_type"),
+    ("deepseek_v2_greedy", dict(rope_parameters="DELETE", rope_theta=500.0,
+                                rope_scaling={"type": "dynamic", "factor": 2.0}), "rope_type"),
+    ("deepseek_v3", dict(rope_parameters=dict(YARN, attention_factor=1.2)), "attention_factor"),
+    ("deepseek_v3", dict(rope_parameters={"rope_type": "default", "rope_theta": 500.0,
+                                          "partial_rotary_factor": 0.5}), "partial_rotary_factor"),
+    ("deepseek_v3", dict(model_type="deepseek_v32", index_topk=64), "index_topk"),
+    ("deepseek_v3", dict(index_topk=64, index_n_heads=2, index_head_dim=8), "index_topk"),
+    ("deepseek_v3", dict(attention_bias=True), "attention_bias"),
+    ("deepseek_v2_greedy", dict(mlp_bias=True), "mlp_bias"),
+    ("glm4_moe_lite", dict(hidden_act="gelu"), "hidden_act"),
+    ("deepseek_v3", dict(num_key_value_heads=2), "num_key_value_heads"),
+    ("deepseek_v3", dict(scoring_func="softmax"), "scoring_func"),
+    ("deepseek_v3", dict(topk_method="group_limited_greedy"), "topk_method"),
+    ("deepseek_v2_greedy", dict(topk_method="noaux_tc"), "topk_method"),
+    ("deepseek_v2_greedy", dict(norm_topk_prob=True), "norm_topk_prob"),
+    ("deepseek_v2_greedy", dict(moe_layer_freq=2), "moe_layer_freq"),
+    ("glm4_moe_lite", dict(first_k_dense_replace=2), "first_k_dense_replace"),
+    ("glm4_moe_lite", dict(head_dim=16), "head_dim"),
+    ("deepseek_v3", dict(qk_rope_head_dim="DELETE"), "qk_rope_head_dim"),
+])
+def test_refused_configs_name_the_field(name, changes, field):
+    with pytest.raises(HFImportError, match=field) as e:
+        model_config(_config_dict(name, **changes))
+    assert "\n" not in str(e.value) and isinstance(e.value, ValueError)
