@@ -14,7 +14,7 @@ from flax import nnx
 
 from moe import ConfigError, Execution, ModelConfig, param_counts, sharding, train_flops_per_token
 from moe.accounting import kv_cache_bytes_per_token
-from moe.hf.export import unsupported_features
+from moe.hf.export import architecture, glm4_moe_unsupported_features, unsupported_features
 from moe.masks import attention_mask
 from moe.mla import MLA
 from moe.model import abstract_model
@@ -264,6 +264,8 @@ def test_sharded_parameters_follow_the_rules():
 
 
 def test_the_glm4_moe_export_refuses_mla_and_yarn():
-    """Glm4MoeForCausalLM has neither: an export would load into a model computing something else."""
-    assert "model.attention='mla'" in unsupported_features(ModelConfig(**MLA_MODEL))
+    """Glm4MoeForCausalLM has neither: an export would load into a model computing something else. MLA models
+    export as DeepseekV3ForCausalLM instead (tests/test_hf_export_mla.py)."""
+    assert "model.attention='mla'" in glm4_moe_unsupported_features(ModelConfig(**MLA_MODEL))
     assert "model.rope_scaling_factor=40.0" in unsupported_features(ModelConfig(**YARN))
+    assert architecture(ModelConfig(**MLA_MODEL)) == "DeepseekV3ForCausalLM"

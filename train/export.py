@@ -1,7 +1,8 @@
 """Export a trained run: `python -m train.export --workdir DIR --out EXPORT_DIR [--step N]
 [--dtype float32|bfloat16] [--format hf|safetensors|orbax] [--overwrite]`.
 
-  hf           HuggingFace Glm4MoeForCausalLM (config.json, safetensors, tokenizer, model card): exact logits
+  hf           HuggingFace (config.json, safetensors, tokenizer, model card), exact logits, in the architecture the
+               model is: Glm4MoeForCausalLM (grouped-query attention) or DeepseekV3ForCausalLM (model.attention=mla)
   safetensors  our lossless format (moe/hf/safetensors_io.py) + tokenizer.json: any config (prefix mask, NoPE ...)
   orbax        params + routing biases (no optimizer state) + moe_config.json + tokenizer.json, for JAX users:
                `model = train.export.load_orbax_export(EXPORT_DIR)`
@@ -245,7 +246,10 @@ def main(argv=None):
             raise
     except UserError as e:
         exit_with(e)
-    print(f"exported {args.workdir} ({args.format}, {args.dtype}) to {out}")
+    kind = args.format
+    if args.format == "hf":  # the architecture picked from the model (moe.hf.export.architecture)
+        kind = f"hf {json.loads((out / 'config.json').read_text())['architectures'][0]}"
+    print(f"exported {args.workdir} ({kind}, {args.dtype}) to {out}")
 
 
 if __name__ == "__main__":

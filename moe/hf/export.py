@@ -1,4 +1,6 @@
-"""Export to a HuggingFace `Glm4MoeForCausalLM` checkpoint (exact: same logits, see tests/test_hf_export.py).
+"""Export to a HuggingFace checkpoint, exact (same logits): `Glm4MoeForCausalLM` for grouped-query attention
+(tests/test_hf_export.py), `DeepseekV3ForCausalLM` for multi-head latent attention (export_deepseek.py,
+tests/test_hf_export_mla.py). `architecture(cfg)` says which.
 
   write_hf_checkpoint(model, "out/hf", "train/data/tokenizer.json", "bfloat16",
                       {"data": "...", "steps": 2000, "final_val_loss": 3.21})
@@ -8,7 +10,9 @@ GLM-4.5's architecture is ours: pre-norm RMSNorm, GQA with full rotate-half RoPE
 `first_k_dense` layers, then the DeepSeek-V3 MoE (sigmoid router, selection-only bias = e_score_correction_bias,
 group-limited top-k, shared experts). The checked mapping facts are in HF_EXPORT_NOTES.md; the ones that bite:
 partial_rotary_factor must be 1.0 (HF's default 0.5 rotates half the head), head_dim must be written, and
-num_nextn_predict_layers must be 0. Pure NumPy here: neither torch nor transformers is needed to export.
+num_nextn_predict_layers must be 0. deepseek_v3 names the embedding, norm and MoE tensors as glm4_moe does; its
+config.json, attention tensors and refusals are export_deepseek.py's. Pure NumPy here: neither torch nor
+transformers is needed to export.
 """
 
 import json
@@ -21,6 +25,7 @@ from safetensors.numpy import save_file
 
 from moe.accounting import param_counts
 from moe.config import ModelConfig
+from moe.hf import export_deepseek
 from moe.model import Transformer
 
 EOS_TOKEN = "<|endoftext|>"
@@ -30,10 +35,22 @@ EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class ExportError(ValueError):
-    """The model uses a feature Glm4MoeForCausalLM cannot reproduce exactly; the message names it."""
+    """The model uses a feature its HF architecture cannot reproduce exactly; the message names it."""
+
+
+def architecture(cfg: ModelConfig) -> str:
+    """The HF class an export of `cfg` is: DeepseekV3ForCausalLM (attention="mla") or Glm4MoeForCausalLM."""
+    return export_deepseek.ARCHITECTURE if cfg.attention == "mla" else "Glm4MoeForCausalLM"
 
 
 def unsupported_features(cfg: ModelConfig) -> list[str]:
+    """Features of `cfg` with no exact equivalent in `architecture(cfg)` (empty: the export is exact)."""
+    if cfg.attention == "mla":
+        return export_deepseek.unsupported_features(cfg)
+    return glm4_moe_unsupported_features(cfg)
+
+
+def glm4_moe_unsupported_features(cfg: ModelConfig) -> list[str]:
     """Features of `cfg` with no exact Glm4MoeForCausalLM equivalent (empty: the export is exact)."""
     out = []
     if cfg.mask != "causal":
@@ -55,16 +72,21 @@ def unsupported_features(cfg: ModelConfig) -> list[str]:
 def check_exportable(cfg: ModelConfig) -> None:
     bad = unsupported_features(cfg)
     if bad:
-        raise ExportError(f"cannot export to HuggingFace Glm4MoeForCausalLM: {'; '.join(bad)} has no exact "
+        raise ExportError(f"cannot export to HuggingFace {architecture(cfg)}: {'; '.join(bad)} has no exact "
                           "equivalent there; use moe.hf.safetensors_io.save_safetensors for our own format instead")
 
 
 def hf_config(cfg: ModelConfig, *, eos_token_id: int, pad_token_id: int, bos_token_id: int | None = None,
               dtype: str = "float32", max_position_embeddings: int = 4096) -> dict:
-    """config.json for `glm4_moe`; every field that changes the math is written explicitly."""
+    """config.json for `glm4_moe` (or `deepseek_v3`, attention="mla"); every field that changes the math is
+    written explicitly."""
     check_exportable(cfg)
     if dtype not in EXPORT_DTYPES:
         raise ExportError(f"dtype {dtype!r} is not an export dtype; use one of {', '.join(EXPORT_DTYPES)}")
+    if cfg.attention == "mla":
+        return export_deepseek.hf_config(cfg, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                                         bos_token_id=bos_token_id, dtype=dtype,
+                                         max_position_embeddings=max_position_embeddings)
     return {
         "architectures": ["Glm4MoeForCausalLM"],
         "model_type": "glm4_moe",
@@ -125,16 +147,22 @@ def hf_state_dict(model: Transformer, dtype: str = "float32") -> dict[str, np.nd
         a = block.attn
         sd[p + "input_layernorm.weight"] = c(block.attn_norm.scale)
         sd[p + "post_attention_layernorm.weight"] = c(block.ffn_norm.scale)
-        sd[p + "self_attn.q_proj.weight"] = c(np.asarray(a.wq.get_value()).reshape(D, H * Dh).T)
-        sd[p + "self_attn.k_proj.weight"] = c(np.asarray(a.wk.get_value()).reshape(D, N * Dh).T)
-        sd[p + "self_attn.v_proj.weight"] = c(np.asarray(a.wv.get_value()).reshape(D, N * Dh).T)
-        sd[p + "self_attn.o_proj.weight"] = c(np.asarray(a.wo.get_value()).reshape(H * Dh, D).T)
+        if cfg.attention == "mla":
+            sd.update({p + "self_attn." + k: v for k, v in export_deepseek.attention_tensors(a, cfg, c).items()})
+        else:
+            sd[p + "self_attn.q_proj.weight"] = c(np.asarray(a.wq.get_value()).reshape(D, H * Dh).T)
+            sd[p + "self_attn.k_proj.weight"] = c(np.asarray(a.wk.get_value()).reshape(D, N * Dh).T)
+            sd[p + "self_attn.v_proj.weight"] = c(np.asarray(a.wv.get_value()).reshape(D, N * Dh).T)
+            sd[p + "self_attn.o_proj.weight"] = c(np.asarray(a.wo.get_value()).reshape(H * Dh, D).T)
         f = block.ffn
         if not block.is_moe:
             sd.update(_swiglu(p + "mlp.", f, c))
             continue
-        sd[p + "mlp.gate.weight"] = c(np.asarray(f.router.get_value()).T)  # [D,E] -> [E,D]
-        # HF keeps this buffer in fp32 whatever the model dtype (_keep_in_fp32_modules_strict).
+        # HF keeps the router (and its bias) in fp32 whatever the model dtype (_keep_in_fp32_modules_strict):
+        # deepseek_v3 exports write it so; glm4_moe exports write the weight in the export dtype, unchanged
+        # (transformers upcasts it on load).
+        router = np.asarray(f.router.get_value()).T  # [D,E] -> [E,D]
+        sd[p + "mlp.gate.weight"] = _cast(router, "float32") if cfg.attention == "mla" else c(router)
         sd[p + "mlp.gate.e_score_correction_bias"] = _cast(f.bias.get_value(), "float32")
         wg, wu, wd = (np.asarray(w.get_value()) for w in (f.w_gate, f.w_up, f.w_down))
         for e in range(cfg.n_routed_experts):
@@ -221,10 +249,18 @@ def model_card_text(cfg: ModelConfig, model_card: dict, dtype: str) -> str:
     counts = param_counts(cfg)
     info = dict(model_card)
     name = info.pop("name", "moe-lm")
-    rows = [("Architecture", "Glm4MoeForCausalLM (decoder-only MoE, DeepSeek-V3 routing)"),
-            ("Layers", f"{cfg.n_layers} ({cfg.first_k_dense} dense, {cfg.n_moe_layers} MoE)"),
-            ("d_model / heads / kv heads / head_dim", f"{cfg.d_model} / {cfg.n_heads} / {cfg.n_kv_heads} / "
-                                                       f"{cfg.head_dim}"),
+    if cfg.attention == "mla":
+        kind = "decoder-only MoE, multi-head latent attention, DeepSeek-V3 routing"
+        attn = ("d_model / heads / q, kv latent / nope, rope, value head dims",
+                f"{cfg.d_model} / {cfg.n_heads} / {cfg.q_lora_rank or 'none'}, {cfg.kv_lora_rank} / "
+                f"{cfg.qk_nope_head_dim}, {cfg.qk_rope_head_dim}, {cfg.v_head_dim}")
+    else:
+        kind = "decoder-only MoE, DeepSeek-V3 routing"
+        attn = ("d_model / heads / kv heads / head_dim", f"{cfg.d_model} / {cfg.n_heads} / {cfg.n_kv_heads} / "
+                                                         f"{cfg.head_dim}")
+    rows = [("Architecture", f"{architecture(cfg)} ({kind})"),
+            ("Layers", f"{cfg.n_layers} ({cfg.n_layers - cfg.n_moe_layers} dense, {cfg.n_moe_layers} MoE)"),
+            attn,
             ("Routed experts / top-k / shared", f"{cfg.n_routed_experts} / {cfg.top_k} / {cfg.n_shared_experts}"),
             ("Expert groups / groups kept", f"{cfg.n_group} / {cfg.topk_group}"),
             ("Expert width / dense FFN width", f"{cfg.moe_d_ff} / {cfg.d_ff}"),
