@@ -142,29 +142,59 @@ def dense_layer_text(layers) -> str:
 FLOAT_DTYPES = ("F32", "F16", "BF16")  # safetensors' names of the dtypes fp32 holds exactly
 
 
-def read_tensors(path_dir: str) -> dict[str, np.ndarray]:
-    """All tensors of model.safetensors or of the shards in model.safetensors.index.json, as fp32 NumPy. Every
-    file opened resolves inside DIR (moe.hf.paths); nothing is unpickled."""
-    index = "model.safetensors.index.json"
-    if os.path.isfile(os.path.join(path_dir, index)):
-        weight_map = read_json(path_dir, index).get("weight_map")
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise HFImportError(f"{os.path.join(path_dir, index)}: no weight_map; re-download the checkpoint")
-        files = sorted({str(v) for v in weight_map.values()})
-    elif os.path.isfile(os.path.join(path_dir, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise HFImportError(f"{path_dir}: no model.safetensors or model.safetensors.index.json "
-                            "(.bin checkpoints are not read; convert them to safetensors)")
-    out = {}
-    for name in files:
+class SafetensorsFiles:
+    """The tensors of DIR's model.safetensors or of the shards in model.safetensors.index.json, read one at a time.
+
+    Opening reads only the headers: every file resolves inside DIR (moe.hf.paths) and every tensor is F32, F16 or
+    BF16 (else HFImportError naming it); `shapes` is name -> shape. `read(name)` returns one tensor as fp32 NumPy
+    (nothing is unpickled); it keeps one file mapped until the next file is needed or `release()`, so a caller that
+    releases between layers keeps at most a layer's pages of the checkpoint resident."""
+
+    def __init__(self, path_dir: str):
+        index = "model.safetensors.index.json"
+        if os.path.isfile(os.path.join(path_dir, index)):
+            weight_map = read_json(path_dir, index).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise HFImportError(f"{os.path.join(path_dir, index)}: no weight_map; re-download the checkpoint")
+            files = sorted({str(v) for v in weight_map.values()})
+        elif os.path.isfile(os.path.join(path_dir, "model.safetensors")):
+            files = ["model.safetensors"]
+        else:
+            raise HFImportError(f"{path_dir}: no model.safetensors or model.safetensors.index.json "
+                                "(.bin checkpoints are not read; convert them to safetensors)")
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self._file: dict[str, str] = {}
+        self._open = None  # (path, safe_open handle) of the one file mapped now
+        for name in files:
+            path = inside(path_dir, name, f"{index} weight_map entry")
+            with safe_open(path, framework="flax") as f:
+                for k in f.keys():
+                    tensor = f.get_slice(k)
+                    if tensor.get_dtype() not in FLOAT_DTYPES:
+                        raise HFImportError(f"{os.path.join(path_dir, name)}: tensor {k!r} is {tensor.get_dtype()}; "
+                                            f"only {', '.join(FLOAT_DTYPES)} weights are read exactly (convert "
+                                            "quantized, integer or float64 weights to bf16/fp32 first)")
+                    self.shapes[k], self._file[k] = tuple(tensor.get_shape()), path
+
+    def read(self, name: str) -> np.ndarray:
+        path = self._file[name]
+        if self._open is None or self._open[0] != path:
+            self.release()
+            self._open = (path, safe_open(path, framework="flax"))
         # framework="flax": NumPy has no bfloat16, jax arrays do; everything becomes fp32 host arrays here.
-        with safe_open(inside(path_dir, name, f"{index} weight_map entry"), framework="flax") as f:
-            for k in f.keys():
-                dtype = f.get_slice(k).get_dtype()
-                if dtype not in FLOAT_DTYPES:
-                    raise HFImportError(f"{os.path.join(path_dir, name)}: tensor {k!r} is {dtype}; only "
-                                        f"{', '.join(FLOAT_DTYPES)} weights are read exactly (convert "
-                                        "quantized, integer or float64 weights to bf16/fp32 first)")
-                out[k] = np.asarray(f.get_tensor(k).astype("float32"))
-    return out
+        return np.asarray(self._open[1].get_tensor(name).astype("float32"))
+
+    def release(self) -> None:
+        """Unmap the file read last (its pages leave this process's resident memory)."""
+        if self._open is not None:
+            self._open[1].__exit__(None, None, None)
+            self._open = None
+
+
+def read_tensors(path_dir: str) -> dict[str, np.ndarray]:
+    """All tensors of DIR at once, as fp32 NumPy (SafetensorsFiles' checks); the loader streams them instead."""
+    files = SafetensorsFiles(path_dir)
+    try:
+        return {k: files.read(k) for k in files.shapes}
+    finally:
+        files.release()

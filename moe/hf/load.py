@@ -12,9 +12,9 @@ import tokenizers
 
 from moe.config import ConfigError
 from moe.hf import deepseek, glm4_moe, mixtral, olmoe, qwen_moe
-from moe.hf.common import HFImportError, inside, read_config, read_tensors
-from moe.hf.safetensors_io import model_from_flat
-from moe.hf.weights import our_tensors
+from moe.hf.common import HFImportError, SafetensorsFiles, inside, read_config
+from moe.hf.safetensors_io import model_from_items
+from moe.hf.weights import variables
 from moe.model import Transformer
 
 FAMILIES = {t: m for m in (glm4_moe, qwen_moe, olmoe, mixtral, deepseek) for t in m.MODEL_TYPES}
@@ -46,10 +46,16 @@ def model_config(c: dict, where: str = "config.json"):
 
 
 def load_model(path_dir: str) -> Transformer:
+    """The model, streamed: each variable is filled from the safetensors it needs, read when its layer is reached,
+    so host memory peaks near the fp32 model's bytes plus one layer's (benchmarks/hf_import_memory.py)."""
     c, where = read_config(path_dir)
     cfg = model_config(c, where)
-    tensors = our_tensors(cfg, FAMILIES[c["model_type"]].layout(c), read_tensors(path_dir), path_dir)
-    return model_from_flat(cfg, tensors, path_dir, "config.json")
+    files = SafetensorsFiles(path_dir)
+    try:
+        return model_from_items(cfg, variables(cfg, FAMILIES[c["model_type"]].layout(c), files, path_dir), path_dir,
+                                "config.json")
+    finally:
+        files.release()
 
 
 def load_tokenizer(path_dir: str):

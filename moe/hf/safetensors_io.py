@@ -88,22 +88,31 @@ def load_safetensors(path_dir: str) -> Transformer:
 def model_from_flat(cfg: ModelConfig, tensors: dict, where: str, config_name: str = "the config") -> Transformer:
     """The model for `cfg` from flat arrays keyed like `flat_variables`; names, shapes and dtypes must match
     exactly (ValueError naming the tensor and `where` otherwise)."""
+    return model_from_items(cfg, tensors.items(), where, config_name)
+
+
+def model_from_items(cfg: ModelConfig, items, where: str, config_name: str = "the config") -> Transformer:
+    """As model_from_flat, from (name, array) pairs taken one at a time: each array is checked against the abstract
+    model (nnx.eval_shape, no memory) and becomes the model's own before the next is taken, so a streaming source
+    keeps no more than the model and one array alive here."""
     abstract = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
-    flat = []
-    expected = set()
-    for p, var in nnx.to_flat_state(state):
-        k = _key(p)
-        expected.add(k)
-        if k not in tensors:
-            raise ValueError(f"{where}: tensor {k!r} missing for {config_name}")
+    expected = {_key(p): (p, var) for p, var in nnx.to_flat_state(state)}
+    filled, unexpected = {}, []
+    for k, arr in items:
+        if k not in expected:
+            unexpected.append(k)
+            continue
+        p, var = expected[k]
         want = var.get_value()
-        arr = tensors[k]
         if tuple(arr.shape) != tuple(want.shape) or arr.dtype != np.dtype(want.dtype):
             raise ValueError(f"{where}: tensor {k!r} is {arr.dtype}{list(arr.shape)}, {config_name} "
                              f"needs {np.dtype(want.dtype)}{list(want.shape)}")
-        flat.append((p, var.replace(jnp.asarray(arr))))
-    unexpected = sorted(set(tensors) - expected)
+        filled[k] = (p, var.replace(jnp.asarray(arr)))
+        del arr
+    missing = [k for k in expected if k not in filled]
+    if missing:
+        raise ValueError(f"{where}: tensor {missing[0]!r} missing for {config_name}")
     if unexpected:
-        raise ValueError(f"{where}: unexpected tensor(s) {', '.join(unexpected[:5])} for {config_name}")
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+        raise ValueError(f"{where}: unexpected tensor(s) {', '.join(sorted(unexpected)[:5])} for {config_name}")
+    return nnx.merge(graphdef, nnx.from_flat_state([filled[k] for k in expected]))

@@ -27,28 +27,78 @@ class Layout:
 
 
 def our_tensors(cfg: ModelConfig, layout: Layout, sd: dict[str, np.ndarray], where: str) -> dict[str, np.ndarray]:
-    sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq") and not _dropped(layout, k)}
+    """All our variables at once from HF tensors already in memory (`sd` is not changed)."""
+    return dict(variables(cfg, layout, InMemory(sd), where))
+
+
+class InMemory:
+    """HF tensors already in memory, read as moe.hf.common.SafetensorsFiles reads them from disk."""
+
+    def __init__(self, sd: dict[str, np.ndarray]):
+        self._sd = dict(sd)
+        self.shapes = {k: tuple(np.shape(v)) for k, v in sd.items()}
+
+    def read(self, name: str) -> np.ndarray:
+        return self._sd.pop(name)
+
+    def release(self) -> None:
+        pass
+
+
+def variables(cfg: ModelConfig, layout: Layout, src, where: str):
+    """(our variable name, contiguous fp32 array) for every variable of `cfg`, from the HF tensors of `src` (`shapes`:
+    name -> shape, `read(name)`, `release()`: moe.hf.common.SafetensorsFiles or InMemory), a group at a time (a
+    layer's norms and attention, each [E, ...] expert array, the rest of the layer): a group's tensors are read when
+    it is reached, `src` is released, and its variables are handed out one by one and dropped here. A projection's or
+    expert's shape is checked against the config from `shapes` before it is read; missing and left-over tensors are
+    refused (HFImportError naming them)."""
+    names = {k: v for k, v in src.shapes.items() if not k.endswith("rotary_emb.inv_freq") and not _dropped(layout, k)}
+
+    def shape(name):
+        if name not in names:
+            raise HFImportError(f"{where}: tensor {name!r} missing for the config in config.json")
+        return names[name]
 
     def take(name):
-        if name not in sd:
-            raise HFImportError(f"{where}: tensor {name!r} missing for the config in config.json")
-        return sd.pop(name)
+        shape(name)
+        del names[name]
+        return src.read(name)
 
-    def shaped(name, *shape, transpose=True):
+    def disagree(name, got, shape):
+        raise HFImportError(f"{where}: tensor {name!r} is {list(got)}, the config in config.json needs "
+                            f"{math.prod(shape)} numbers {list(shape)}; the config and the weights disagree")
+
+    def shaped(name, *shape_, transpose=True):
         """HF's [out, in] tensor as our [in, ...] layout; a size the config does not predict names the tensor."""
+        got = shape(name)[::-1] if transpose else shape(name)
+        if math.prod(got) != math.prod(shape_):
+            disagree(name, got, shape_)
         arr = take(name)
-        arr = arr.T if transpose else arr
-        if arr.size != math.prod(shape):
-            raise HFImportError(f"{where}: tensor {name!r} is {list(arr.shape)}, the config in config.json needs "
-                                f"{math.prod(shape)} numbers {list(shape)}; the config and the weights disagree")
-        return arr.reshape(shape)
+        return (arr.T if transpose else arr).reshape(shape_)
+
+    def stacked(hf_names, *shape_):
+        """[E, in, out] from E HF [out, in] tensors, filled one expert at a time."""
+        out = np.empty((len(hf_names), *shape_), np.float32)
+        for e, name in enumerate(hf_names):
+            got = shape(name)[::-1]
+            if got != shape_:
+                disagree(name, got, shape_)
+            out[e] = take(name).T
+        return out
+
+    def emit(out):
+        src.release()
+        while out:
+            k = next(iter(out))
+            yield k, np.ascontiguousarray(out.pop(k), np.float32)
 
     H, N, Dh, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
     out = {"embed": take("model.embed_tokens.weight"), "final_norm.scale": take("model.norm.weight")}
     if not cfg.tie_embeddings:
         out["lm_head"] = take("lm_head.weight").T
     else:
-        sd.pop("lm_head.weight", None)  # some tied checkpoints store the (identical) head too; HF ignores it
+        names.pop("lm_head.weight", None)  # some tied checkpoints store the (identical) head too; HF ignores it
+    yield from emit(out)
     for i in range(cfg.n_layers):
         p, q = f"model.layers.{i}.", f"blocks.{i}."
         out[q + "attn_norm.scale"] = take(p + "input_layernorm.weight")
@@ -73,22 +123,27 @@ def our_tensors(cfg: ModelConfig, layout: Layout, sd: dict[str, np.ndarray], whe
         if not cfg.is_moe_layer(i):
             for w in ("gate", "up", "down"):
                 out[f"{q}ffn.w_{w}"] = take(f"{p}mlp.{w}_proj.weight").T
+            yield from emit(out)
             continue
-        m = p + next((name for name in layout.moe if p + name + ".gate.weight" in sd), layout.moe[0]) + "."
+        m = p + next((name for name in layout.moe if p + name + ".gate.weight" in names), layout.moe[0]) + "."
         out[q + "ffn.router"] = take(m + "gate.weight").T
         bias = take(m + layout.routing_bias) if layout.routing_bias else np.zeros(cfg.n_routed_experts)
         out[q + "ffn.bias"] = bias
-        out.update(_experts(cfg, layout, m, q, sd, take, where))
+        yield from emit(out)
+        for k, make in _experts(cfg, layout, m, q, names, shape, take, stacked, where).items():
+            out[k] = make()  # one [E, ...] array at a time: handed out before the next is read
+            yield from emit(out)
         if layout.shared:
             shared = {w: take(f"{m}{layout.shared}.{w}_proj.weight").T for w in ("gate", "up", "down")}
             if cfg.n_shared_experts:  # else HF's zero-width shared MLP (GLM with n_shared_experts 0): dropped
                 out.update({f"{q}ffn.shared.w_{w}": v for w, v in shared.items()})
+            del shared
         if cfg.shared_expert_gate:
             out[q + "ffn.shared_gate"] = shaped(f"{m}{layout.shared_gate}.weight", D, transpose=False)
-    if sd:
-        raise HFImportError(f"{where}: unexpected tensor(s) {', '.join(sorted(sd)[:4])} for the config in "
+        yield from emit(out)
+    if names:
+        raise HFImportError(f"{where}: unexpected tensor(s) {', '.join(sorted(names)[:4])} for the config in "
                             "config.json (a feature this importer does not know)")
-    return {k: np.ascontiguousarray(v, np.float32) for k, v in out.items()}
 
 
 def _mla(cfg, a, q, take, shaped):
@@ -116,18 +171,19 @@ def _dropped(layout: Layout, name: str) -> bool:
     return m is not None and int(m.group(1)) >= layout.drop_layers_from
 
 
-def _experts(cfg, layout, m, q, sd, take, where):
-    """Routed experts [E, D, F] / [E, F, D] from the per-expert or the fused layout."""
+def _experts(cfg, layout, m, q, names, shape, take, stacked, where):
+    """Routed experts [E, D, F] / [E, F, D] from the per-expert or the fused layout: name -> a function reading it."""
     E, F, D = cfg.n_routed_experts, cfg.moe_d_ff, cfg.d_model
     gate, up, down = layout.experts
-    if m + f"experts.0.{gate}.weight" in sd:
-        return {f"{q}ffn.w_gate": np.stack([take(f"{m}experts.{e}.{gate}.weight").T for e in range(E)]),
-                f"{q}ffn.w_up": np.stack([take(f"{m}experts.{e}.{up}.weight").T for e in range(E)]),
-                f"{q}ffn.w_down": np.stack([take(f"{m}experts.{e}.{down}.weight").T for e in range(E)])}
-    gate_up = take(m + "experts.gate_up_proj")
-    w_down = take(m + "experts.down_proj")
-    if gate_up.shape != (E, 2 * F, D) or w_down.shape != (E, D, F):
-        raise HFImportError(f"{where}: fused experts {m}experts.* are {list(gate_up.shape)} / {list(w_down.shape)}, "
+    if m + f"experts.0.{gate}.weight" in names:
+        return {f"{q}ffn.w_gate": lambda: stacked([f"{m}experts.{e}.{gate}.weight" for e in range(E)], D, F),
+                f"{q}ffn.w_up": lambda: stacked([f"{m}experts.{e}.{up}.weight" for e in range(E)], D, F),
+                f"{q}ffn.w_down": lambda: stacked([f"{m}experts.{e}.{down}.weight" for e in range(E)], F, D)}
+    gate_up, w_down = shape(m + "experts.gate_up_proj"), shape(m + "experts.down_proj")
+    if gate_up != (E, 2 * F, D) or w_down != (E, D, F):
+        raise HFImportError(f"{where}: fused experts {m}experts.* are {list(gate_up)} / {list(w_down)}, "
                             f"expected [{E}, {2 * F}, {D}] / [{E}, {D}, {F}]")
-    return {f"{q}ffn.w_gate": gate_up[:, :F].transpose(0, 2, 1), f"{q}ffn.w_up": gate_up[:, F:].transpose(0, 2, 1),
-            f"{q}ffn.w_down": w_down.transpose(0, 2, 1)}
+    gate_up = take(m + "experts.gate_up_proj")
+    return {f"{q}ffn.w_gate": lambda: gate_up[:, :F].transpose(0, 2, 1),
+            f"{q}ffn.w_up": lambda: gate_up[:, F:].transpose(0, 2, 1),
+            f"{q}ffn.w_down": lambda: take(m + "experts.down_proj").transpose(0, 2, 1)}

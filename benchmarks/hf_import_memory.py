@@ -1,0 +1,116 @@
+"""Peak host memory of the HuggingFace import (moe.hf.load_model) against the imported model's fp32 bytes.
+
+    python -m benchmarks.hf_import_memory [--gb 1.0] [--dtype float32] [--shard_mb 100]
+    # against the loader of another tree (e.g. `git archive HEAD | tar -x -C /tmp/moe_head`), same checkpoint:
+    python -m benchmarks.hf_import_memory --src /tmp/moe_head,.
+
+Writes a random glm4_moe checkpoint (moe.hf.write_hf_checkpoint of a freshly initialized moe.Transformer: d_model
+1024, 16 routed experts of width 384 top-2 + 1 shared, one dense first layer, vocabulary 8192, as many layers as
+reach --gb GB of fp32 parameters) as sharded safetensors in --dtype, then loads it once per --src tree, each in a
+fresh subprocess: the growth of its resident memory (VmHWM, the high-water mark, minus VmRSS after importing jax
+and moe.hf and starting the CPU backend) over the model's fp32 bytes is the ratio (1.0: nothing but the model).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks.common import host_cpu, table
+
+SHAPE = dict(d_model=1024, n_heads=8, n_kv_heads=8, head_dim=128, d_ff=2816, first_k_dense=1, vocab_size=8192,
+             n_routed_experts=16, n_shared_experts=1, top_k=2, moe_d_ff=384)
+
+# Run in the subprocess with PYTHONPATH=<src>: argv[1] the checkpoint; prints one JSON line.
+MEASURE = """
+import json, sys, time
+import jax
+import numpy as np
+from flax import nnx
+from moe.hf import load_model
+
+def kib(field):
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":"))
+
+jax.devices()  # the CPU backend started: its buffers are not the loader's
+before = kib("VmRSS")
+t0 = time.perf_counter()
+model = load_model(sys.argv[1])
+seconds = time.perf_counter() - t0
+fp32 = sum(4 * np.size(x) for x in jax.tree.leaves(nnx.state(model)))
+print(json.dumps(dict(rss_before=before * 1024, peak=kib("VmHWM") * 1024, fp32_bytes=fp32, seconds=seconds)))
+"""
+
+
+def model_config(gb: float):
+    """SHAPE with as many layers as make `gb` GB (1e9 bytes) of fp32 parameters."""
+    from moe import ModelConfig
+    from moe.accounting import param_counts
+
+    one, two = (param_counts(ModelConfig(**SHAPE, n_layers=n))["total"] for n in (2, 3))
+    n_layers = max(2, 2 + round((gb * 1e9 / 4 - one) / (two - one)))
+    return ModelConfig(**SHAPE, n_layers=n_layers)
+
+
+def write_checkpoint(out: str, gb: float, dtype: str, shard_mb: int) -> None:
+    import jax
+    from flax import nnx
+
+    from moe import Transformer
+    from moe.hf import write_hf_checkpoint
+    from train.data.tokenizer import DEFAULT_TOKENIZER
+
+    model = Transformer(model_config(gb), nnx.Rngs(0))
+    jax.block_until_ready(nnx.state(model))
+    write_hf_checkpoint(model, out, str(DEFAULT_TOKENIZER), dtype, max_shard_bytes=shard_mb * 2**20)
+
+
+def measure(src: str, checkpoint: str) -> dict:
+    """One load of `checkpoint` by the moe.hf of tree `src`, in a fresh process."""
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(src), JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", MEASURE, checkpoint], env=env, capture_output=True, text=True,
+                          cwd=os.path.abspath(src))
+    if done.returncode:
+        raise SystemExit(f"loading with {src} failed:\n{done.stderr[-2000:]}")
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    growth = r["peak"] - r["rss_before"]
+    return {"src": src, "fp32 model MB": r["fp32_bytes"] / 1e6, "RSS before MB": r["rss_before"] / 1e6,
+            "peak RSS MB": r["peak"] / 1e6, "growth MB": growth / 1e6, "ratio": growth / r["fp32_bytes"],
+            "load s": r["seconds"]}
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="python -m benchmarks.hf_import_memory", description=__doc__.splitlines()[0])
+    p.add_argument("--gb", type=float, default=1.0, help="the model's fp32 parameter bytes, in GB (1e9)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the checkpoint's dtype")
+    p.add_argument("--shard_mb", type=int, default=100, help="largest safetensors shard, MiB")
+    p.add_argument("--src", default=".", help="comma-separated source trees whose moe.hf loads the checkpoint")
+    p.add_argument("--json", default="", help="also write the rows here")
+    args = p.parse_args(argv)
+    if args.gb <= 0 or args.shard_mb < 1:
+        p.exit(2, "error: --gb and --shard_mb must be positive\n")
+    srcs = [s for s in args.src.split(",") if s]
+    for s in srcs:
+        if not os.path.isfile(os.path.join(s, "moe", "hf", "load.py")):
+            p.exit(2, f"error: --src {s} has no moe/hf/load.py\n")
+    with tempfile.TemporaryDirectory(prefix="hf_import_memory_") as tmp:
+        t0 = time.perf_counter()
+        write_checkpoint(tmp, args.gb, args.dtype, args.shard_mb)
+        shards = sorted(f for f in os.listdir(tmp) if f.endswith(".safetensors"))
+        size = sum(os.path.getsize(os.path.join(tmp, f)) for f in shards)
+        print(f"checkpoint: glm4_moe, {model_config(args.gb).n_layers} layers, {args.dtype}, {len(shards)} shards, "
+              f"{size / 1e6:.0f} MB on disk, written in {time.perf_counter() - t0:.0f} s")
+        rows = [measure(s, tmp) for s in srcs]
+    print(f"{time.strftime('%Y-%m-%d')} | {host_cpu()}\n")
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "host": host_cpu(), "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

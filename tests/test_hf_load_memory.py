@@ -1,0 +1,47 @@
+"""The HF import streams (moe.hf.load_model): each tensor of the checkpoint is read once, when its layer is reached,
+and dropped once copied into the model, so no more than one layer's tensors are ever alive at a time (the whole
+checkpoint was, before). Counted, not measured: benchmarks/hf_import_memory.py measures the resident memory."""
+
+import collections
+import re
+import weakref
+
+import numpy as np
+
+from moe.hf import load_model
+from moe.hf.common import SafetensorsFiles
+from moe.hf.export import write_hf_checkpoint
+from moe.hf.safetensors_io import flat_variables
+from tests.model_fixtures import tiny_model
+from train.data.tokenizer import DEFAULT_TOKENIZER
+
+
+def test_the_import_holds_at_most_one_layers_tensors_at_a_time(tmp_path, monkeypatch):
+    model = tiny_model(n_layers=4)
+    write_hf_checkpoint(model, str(tmp_path), str(DEFAULT_TOKENIZER), max_shard_bytes=20_000)
+    shapes = SafetensorsFiles(str(tmp_path)).shapes
+    group = lambda name: (re.match(r"model\.layers\.(\d+)\.", name) or [None, "rest"])[1]
+    per_group = collections.Counter()
+    for name, shape in shapes.items():
+        per_group[group(name)] += 4 * int(np.prod(shape))
+    assert len(per_group) == 5
+
+    live, peak, reads = [0], [0], []
+    read = SafetensorsFiles.read
+
+    def counted(self, name):
+        arr = read(self, name)
+        reads.append(name)
+        live[0] += arr.nbytes
+        peak[0] = max(peak[0], live[0])
+        weakref.finalize(arr, lambda n: live.__setitem__(0, live[0] - n), arr.nbytes)
+        return arr
+
+    monkeypatch.setattr(SafetensorsFiles, "read", counted)
+    loaded = load_model(str(tmp_path))
+    assert sorted(reads) == sorted(shapes)  # every tensor read, once
+    assert live[0] == 0
+    assert 0 < peak[0] <= max(per_group.values()) < sum(per_group.values()) / 2, (peak[0], per_group)
+    ours = flat_variables(model)
+    for k, v in flat_variables(loaded).items():
+        np.testing.assert_array_equal(v, ours[k], err_msg=k)
