@@ -5,18 +5,23 @@ saved with save_pretrained, loads with the same logits (fp32), the same experts 
 our latent KV cache the same 32 greedy tokens as transformers' generate; what it cannot reproduce is refused naming
 the field."""
 
+import json
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from safetensors.numpy import save_file
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 torch = pytest.importorskip("torch", reason="torch builds the reference models")
 transformers = pytest.importorskip("transformers", reason="transformers builds the reference models")
 
 transformers.utils.logging.disable_progress_bar()  # save_pretrained's bar on stderr
 
+from analysis import routing  # noqa: E402
 from moe import param_counts  # noqa: E402
 from moe.decode import generate  # noqa: E402
 from moe.hf import HFImportError, load_hf_moe, model_config  # noqa: E402
@@ -242,3 +247,29 @@ def test_refused_configs_name_the_field(name, changes, field):
     with pytest.raises(HFImportError, match=field) as e:
         model_config(_config_dict(name, **changes))
     assert "\n" not in str(e.value) and isinstance(e.value, ValueError)
+
+
+WORDS = "the quick brown fox jumps over lazy dog def return print x y again".split()
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2_group_limited", "deepseek_v3", "glm4_moe_lite"])
+def test_routing_analysis_runs_on_each_family(built, name, tmp_path):
+    """analysis.routing --hf on each MLA family's checkpoint, with a word-level tokenizer inside its vocabulary."""
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(built(name)["path"], hf_dir)
+    vocab = {w: i for i, w in enumerate(["<|endoftext|>", "<|pad|>", "[UNK]", *WORDS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(hf_dir / "tokenizer.json"))
+    (tmp_path / "prose.txt").write_text("the quick brown fox jumps over the lazy dog again\n" * 20)
+    (tmp_path / "code.txt").write_text("def x return y print x\n" * 20)
+    out = tmp_path / "out"
+    a, _ = routing.run(routing.parse_args([
+        "--hf", str(hf_dir), "--text", str(tmp_path / "prose.txt"), "--text", str(tmp_path / "code.txt"),
+        "--out", str(out), "--seq_len", "16", "--batch_size", "4", "--no_progress", "--token", "the", "--token", "x"]),
+        log=lambda *_: None)
+    doc = json.loads((out / "routing.json").read_text())
+    model = built(name)["model"]
+    assert doc["model_type"] == name.removesuffix("_group_limited") and doc["domains"] == ["prose", "code"]
+    assert doc["layer_ids"] == list(model.cfg.moe_layer_ids) and a.n_tokens > 0
+    np.testing.assert_allclose(a.result["share_LxDxE"].sum(-1), 2.0, atol=1e-5)  # top-2 of the imported router
