@@ -1,6 +1,8 @@
 """Every config validation error names the field and what is allowed."""
 
 import dataclasses
+import importlib
+from pathlib import Path
 
 import pytest
 
@@ -157,3 +159,11 @@ def test_activation_bound_follows_attention_impl_and_loss_chunks():
     assert bound(attention_impl="einsum", loss_chunks=1) == logits + square
     assert bound(attention_impl="blockwise", loss_chunks=1) == logits + square * 5 // 8
     assert bound(attention_impl="xla") == logits // 8  # the default: 8 chunks
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "configs").glob("*.py")
+                                        if p.stem not in ("__init__", "base")))
+def test_every_bundled_config_passes_the_trainers_checks(name):
+    """Each configs/NAME.py builds a config the trainer accepts (types, ranges, a valid ModelConfig)."""
+    c = importlib.import_module(f"configs.{name}").get_config()
+    check(c)
