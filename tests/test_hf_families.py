@@ -15,6 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 torch = pytest.importorskip("torch", reason="torch builds the reference models")
 transformers = pytest.importorskip("transformers", reason="transformers builds the reference models")
+from tests.hf_random import random_hf  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()  # save_pretrained's bar on stderr
 
@@ -57,19 +58,7 @@ FAMILIES = {
 
 
 def _random_hf(name, seed=0):
-    """A tiny transformers model with every weight random (norm scales near 1, GLM's routing bias non-zero)."""
-    torch.manual_seed(seed)
-    hf = transformers.AutoModelForCausalLM.from_config(FAMILIES[name](), dtype=torch.float32).eval()
-    with torch.no_grad():
-        for pname, p in hf.named_parameters():
-            if "norm" in pname or "layernorm" in pname:
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.3)
-        for bname, b in hf.named_buffers():
-            if bname.endswith("e_score_correction_bias"):
-                b.uniform_(-0.5, 0.5)  # the size of the score spread: it changes which experts win
-    return hf
+    return random_hf(FAMILIES[name](), seed)
 
 
 def _hf_forward(hf, tokens):
