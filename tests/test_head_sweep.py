@@ -1,5 +1,5 @@
 """The head-size sweep (experiments.head_sweep) on synthetic results: configs with equal parameters across d_head,
-the per-d_head contrasts with Holm over the sweep and the gate, the trend's slope, the report from finished runs."""
+one family (docs/inference.md) of the per-d_head tests and the seed-clustered slope, the report from finished runs."""
 
 import json
 
@@ -38,33 +38,41 @@ def test_head_configs_keep_parameters_and_group_ratio():
         head_sweep.head_config(base, 128)  # one head: not a multiple of the group of 2
 
 
-def test_slope_recovers_a_line_and_refuses_one_point():
-    x = np.log2([2, 2, 4, 4, 8, 8])
-    fit = sweep_report.slope(x, 0.03 * x - 0.01 + np.array([1, -1, 1, -1, 1, -1]) * 1e-3)
-    assert fit["slope"] == pytest.approx(0.03, abs=1e-3) and fit["lo"] > 0 and fit["n"] == 6
-    assert sweep_report.slope([1, 1, 1], [0.1, 0.2, 0.3]) is None
-
-
-def cell(d, shift, passed=True, seeds=4):
+def cell(d, shift, causal=3.5, seeds=4, slope_noise=0.0):
     rs = []
     for s in range(seeds):
         o = 0.01 * (s - 1.5)
-        rs += [fake_result("causal", s, 3.5 + o), fake_result("prefix", s, 3.5 + o + shift + o / 4)]
+        rs += [fake_result("causal", s, causal + o),
+               fake_result("prefix", s, causal + o + shift + o / 4 + slope_noise * s * np.log2(128 / d))]
     return {"d_head": d, "n_over_d": 128 / d, "results": rs, "ranks": {"causal": [0.3], "prefix": [0.2, 0.4]},
-            "gate": {"passed": passed, "verdict": "interpretable" if passed else "not interpretable"}}
+            "bigram": REFS["bigram"]}
 
 
-def test_rows_holm_over_the_sweep_gate_and_trend():
-    cells = [cell(64, 0.0), cell(32, 0.05), cell(16, 0.10), cell(8, 0.5, passed=False)]
+def test_one_family_over_the_d_heads_and_the_seed_clustered_slope():
+    cells = [cell(64, 0.0), cell(32, 0.05), cell(16, 0.10), cell(8, 0.15, causal=4.9)]
     rows = sweep_report.sweep_rows(cells)
-    by_d = {r["d_head"]: r for r in rows}
-    assert by_d[8]["verdict"] == "not interpretable"
+    by_d = {r["d_head"]: r for r in rows if "d_head" in r}
+    assert len(rows) == 5 and rows[-1]["contrast"] == sweep_report.SLOPE
+    assert by_d[8]["verdict"] == "not interpretable"  # its causal arm is 0.1 below the bigram
     assert by_d[16]["verdict"] == "prefix worse" and by_d[16]["p_holm"] >= by_d[16]["p"]
     assert by_d[64]["verdict"] == "equivalent"
     assert by_d[32]["erank"] == {"causal": pytest.approx(0.3), "prefix": pytest.approx(0.3)}
-    fit = sweep_report.trend(rows)  # d_head 8 (gate failed) left out: 3 d_heads x 4 seeds
-    assert fit["n"] == 12 and fit["verdict"] == "rises with n/d_head"
-    assert fit["slope"] == pytest.approx(0.05, abs=0.01)
+    # one slope per seed (0.05 per doubling, the seeds' offsets cancel): 4 values, not 16 differences; the gate
+    # fails on d_head 8, so the slope is not interpreted
+    trend = rows[-1]
+    assert trend["n"] == 4 and trend["mean"] == pytest.approx(0.05, abs=1e-3)
+    assert trend["verdict"] == "not interpretable"
+    trend = sweep_report.sweep_rows(cells[:3])[-1]
+    assert trend["verdict"] == "rises with n_in / d_head"
+
+
+def test_slope_interval_is_over_seeds_when_seeds_disagree():
+    """Seeds whose slopes differ widen the interval: the seed, not the seed x d_head point, is the unit."""
+    cells = [cell(d, 0.0, slope_noise=0.02) for d in (64, 32, 16)]
+    trend = sweep_report.sweep_rows(cells)[-1]
+    per_seed = trend["diffs"]
+    assert per_seed == pytest.approx([0.02 * s * 1.0 + 0.0 for s in range(4)], abs=1e-9)  # slope 0.02 s per doubling
+    assert trend["lo"] < trend["mean"] < trend["hi"] and trend["n"] == 4
 
 
 def test_sweep_report_from_finished_runs(tmp_path):
@@ -92,7 +100,8 @@ def test_sweep_report_from_finished_runs(tmp_path):
                                   rank_fn=rank_fn)
     assert sorted(ranks) == sorted([(a, a) for a in head_sweep.ARMS] * 2 * len(dims))
     text = report.read_text()
-    assert "| 64 | 2 | interpretable |" in text and "| 16 | 8 | interpretable |" in text
+    assert "| prefix - causal at d_head 64 | passes (2 / 2) |" in text and "| prefix - causal at d_head 16 | passes" in text
+    assert sweep_report.SLOPE in text
     saved = json.loads((tmp_path / "head_sweep.json").read_text())
     assert [r["mean"] for r in saved["rows"]] == pytest.approx([0.001, 0.081])
     assert saved["rows"][0]["erank"] == {"causal": pytest.approx(0.3), "prefix": pytest.approx(0.6)}

@@ -54,13 +54,20 @@ def test_config_masks_for_mlm(mask, ok):
             check(c)
 
 
-def test_verdict_gate_and_equivalence():
+def test_verdict_gate_on_the_strongest_baseline_and_equivalence():
     from experiments.mlm.runner import verdict
 
+    def runs(losses):
+        return {s: {"val_loss": v} for s, v in enumerate(losses)}
+
+    bl = {"unigram": 7.0, "left_bigram": 6.2, "right_bigram": 6.3, "neighbour_bigram": 6.0, "strongest":
+          "neighbour_bigram", "targets": 10}
     bidir = [5.0, 5.1, 4.9, 5.05]
-    assert verdict(bidir, [b + 0.001 * (-1) ** i for i, b in enumerate(bidir)], 6.0)["verdict"] == "equivalent"
-    assert verdict(bidir, [b - 0.1 + 0.001 * i for i, b in enumerate(bidir)], 6.0)["verdict"] == "mixed better"
-    v = verdict(bidir, [b - 0.1 for b in bidir], 5.2)
+    v = verdict(runs(bidir), runs([b + 0.001 * (-1) ** i for i, b in enumerate(bidir)]), bl)
+    assert v["verdict"] == "equivalent" and v["margin"] == pytest.approx(0.1 * (6.0 - 5.0125))
+    assert verdict(runs(bidir), runs([b - 0.1 + 0.001 * i for i, b in enumerate(bidir)]), bl)["verdict"] == "mixed better"
+    # 0.3 below the unigram but not below the neighbour bigram: the gate is on the strongest baseline
+    v = verdict(runs(bidir), runs([b - 0.1 for b in bidir]), dict(bl, neighbour_bigram=5.2))
     assert not v["gate_passed"] and v["verdict"] == "not interpretable"
 
 

@@ -11,8 +11,9 @@ from analysis.figures import grid, plt, save
 def _refs(ax, refs, with_unigram=True):
     if with_unigram:
         ax.axhline(refs["unigram"], color="0.4", linestyle=":", linewidth=1.2, label=f"unigram {refs['unigram']:.2f}")
-    if "bigram" in refs:  # the masked-LM comparison has no bigram reference
-        ax.axhline(refs["bigram"], color="0.2", linestyle="--", linewidth=1.2, label=f"bigram {refs['bigram']:.2f}")
+    if "bigram" in refs:  # "bigram_name": the masked LM's is the bigram of both neighbours
+        name = refs.get("bigram_name", "bigram")
+        ax.axhline(refs["bigram"], color="0.2", linestyle="--", linewidth=1.2, label=f"{name} {refs['bigram']:.2f}")
 
 
 CURVES_TITLE = ("Validation loss per seed during training (output half of the first 16 validation windows per "

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.common.inference import SLOW_MARGIN, equivalence_margin, family, seed_slopes, slow_seeds
-from experiments.common.stats import GATE_BIGRAM_MARGIN, GATE_INPUT_GAP, sign_test
+from experiments.common.inference import SLOW_MARGIN, family, seed_slopes
+from experiments.common.stats import sign_test
+from experiments.common.verdicts import LOSS, cell_gate, member
 from rundir.atomic import write_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +26,7 @@ HS = ROOT / "head_sweep/results/head-sweep-cpu"
 ED = ROOT / "encdec/results/encdec-cpu"
 MLM = ROOT / "mlm/results/mlm-r2"
 HEAD_DIMS = (64, 32, 16, 8)  # n_in / d_head = 128 / d_head
-LOSS, ACC = ("a better", "a worse"), ("a worse", "a better")
+ACC = ("a worse", "a better")  # an accuracy: higher is better
 
 
 
@@ -42,44 +43,13 @@ def runs(folder: Path) -> dict:
     return out
 
 
-def gate(cell: dict, baseline: float) -> dict:
-    """The gate on one cell (mean over its seeds), each seed's own gate counted beside it, and its stall rate."""
-    loss = {s: r["val_loss"] for s, r in cell.items()}
-    gaps = {s: r["input_replacement_gap"] for s, r in cell.items() if "input_replacement_gap" in r}
-    beats = baseline - float(np.mean(list(loss.values())))
-    gap = float(np.mean(list(gaps.values()))) if gaps else None
-    ok = beats >= GATE_BIGRAM_MARGIN and (gap is None or gap >= GATE_INPUT_GAP)
-    per_seed = sum(baseline - loss[s] >= GATE_BIGRAM_MARGIN and gaps.get(s, math.inf) >= GATE_INPUT_GAP
-                   for s in loss)
-    return {"baseline": baseline, "beats_baseline_by": beats, "input_gap": gap, "passed": bool(ok),
-            "seeds_passing": f"{per_seed} / {len(loss)}", "slow_seeds": slow_seeds(loss),
-            "stall_rate": f"{len(slow_seeds(loss))} / {len(loss)}"}
-
-
-def member(study, name, old, a, b, baseline, key="val_loss", labels=LOSS, an="a") -> dict:
-    """One contrast a - b over the seeds both cells have (`an`: a's name in the verdict), gated on b, the
-    reference, with its equivalence margin; `old`: the verdict the page gave it before these rules."""
-    seeds = sorted(set(a) & set(b))
-    g = gate(b, baseline)
-    if key == "val_loss":
-        effect = g["beats_baseline_by"]
-    else:  # an accuracy: the reference's accuracy above chance
-        effect = float(np.mean([b[s][key] - b[s]["choice_chance"] for s in seeds]))
-    slow = set(slow_seeds({s: a[s]["val_loss"] for s in seeds})) | set(g["slow_seeds"])
-    fast = [a[s][key] - b[s][key] for s in seeds if s not in slow]
-    return {"study": study, "contrast": name, "old": old, "seeds": seeds, "diffs": [a[s][key] - b[s][key] for s in seeds],
-            "gate_passed": g["passed"], "gate": g, "margin": equivalence_margin(effect), "effect_above_chance": effect,
-            "labels": tuple(x.replace("a ", f"{an} ", 1) for x in labels), "slow_seeds": sorted(slow),
-            "mean_without_slow_seeds": float(np.mean(fast)) if fast else None}
-
-
 def head_sweep_slope(cells: dict, baseline: float) -> dict:
     """The trend of prefix - causal on log2(n_in / d_head) with the seed as the unit: one slope per seed."""
     x = [math.log2(128 / d) for d in HEAD_DIMS]
     seeds = sorted(set.intersection(*(set(cells[d]["prefix"]) & set(cells[d]["causal"]) for d in HEAD_DIMS)))
     y = {s: [cells[d]["prefix"][s]["val_loss"] - cells[d]["causal"][s]["val_loss"] for d in HEAD_DIMS] for s in seeds}
     slopes = seed_slopes(x, y)
-    gates = [gate(cells[d]["causal"], baseline) for d in HEAD_DIMS]
+    gates = [cell_gate(cells[d]["causal"], baseline) for d in HEAD_DIMS]
     return {"study": "head_sweep", "contrast": "slope of prefix - causal per doubling of n_in / d_head",
             "old": "null", "seeds": seeds, "diffs": [slopes[s] for s in seeds],
             "gate_passed": all(g["passed"] for g in gates), "gate": {"per_d_head": gates}, "margin": None,
@@ -112,7 +82,7 @@ def members() -> tuple[list[dict], dict]:
                    r2["causal"], bigram, an="the causal mask's NoPE cost")
     inter["diffs"] = [r2["causal_nope"][s]["val_loss"] - r2["causal"][s]["val_loss"]
                       - (r2["prefix_nope"][s]["val_loss"] - r2["prefix"][s]["val_loss"]) for s in inter["seeds"]]
-    inter["gate_passed"] = inter["gate_passed"] and gate(r2["prefix"], bigram)["passed"]
+    inter["gate_passed"] = inter["gate_passed"] and cell_gate(r2["prefix"], bigram)["passed"]
     inter["slow_seeds"], inter["mean_without_slow_seeds"] = [], None
     inter["labels"] = ("causal mask's NoPE cost smaller", "causal mask's NoPE cost larger")
     out.append(inter)
@@ -128,11 +98,11 @@ def members() -> tuple[list[dict], dict]:
     mlm, nb = runs(MLM / "finished"), json.loads((MLM / "neighbour_bigram.json").read_text())
     out.append(member("mlm", "mixed - bidirectional", "mixed worse", mlm["mixed"], mlm["bidirectional"],
                       nb[nb["strongest"]], an="mixed"))
-    cells = {"masks_round2": {c: gate(r2[c], bigram) for c in sorted(r2)},
-             "masks_round2 (6 seeds)": {c: gate(half6[c], bigram) for c in sorted(half6)},
-             "head_sweep": {f"d{d}/{c}": gate(hs[d][c], bigram) for d in HEAD_DIMS for c in sorted(hs[d])},
-             "encdec": {c: gate(ed[c], ed_bigram) for c in sorted(ed)},
-             "mlm": {c: gate(mlm[c], nb[nb["strongest"]]) for c in sorted(mlm)}}
+    cells = {"masks_round2": {c: cell_gate(r2[c], bigram) for c in sorted(r2)},
+             "masks_round2 (6 seeds)": {c: cell_gate(half6[c], bigram) for c in sorted(half6)},
+             "head_sweep": {f"d{d}/{c}": cell_gate(hs[d][c], bigram) for d in HEAD_DIMS for c in sorted(hs[d])},
+             "encdec": {c: cell_gate(ed[c], ed_bigram) for c in sorted(ed)},
+             "mlm": {c: cell_gate(mlm[c], nb[nb["strongest"]]) for c in sorted(mlm)}}
     return out, {"cells": cells, "mlm_baselines": nb, "first_cpu_round": first_round(), "round_one": round_one()}
 
 
@@ -140,7 +110,7 @@ def first_round() -> dict:
     """The 60-step first CPU round of masks_round2: its gate (no contrast is read when it fails)."""
     r = json.loads((R2 / "study-cpu/results.json").read_text())
     causal = {x["seed"]: x for x in r["results"] if x["arm"] == "causal"}
-    return gate(causal, r["references"]["bigram"])
+    return cell_gate(causal, r["references"]["bigram"])
 
 
 def round_one() -> dict:
@@ -150,7 +120,7 @@ def round_one() -> dict:
     out = {}
     for name in ("compare-masks", "compare-masks-400", "compare-masks-default"):
         rs = json.loads((R1 / name / "results.json").read_text())
-        out[name] = gate({r["seed"]: r for r in rs if r["mask"] == "causal" and r["rope"]}, bigram)
+        out[name] = cell_gate({r["seed"]: r for r in rs if r["mask"] == "causal" and r["rope"]}, bigram)
     return out
 
 

@@ -1,38 +1,47 @@
 """The encoder-decoder 2x2's report (experiments.encdec.runner writes it): the mask study's gate on decoder_P, the
-cells with their parameters and compute, paired contrasts with Holm, the loss by output position, and figures.
-A pure function of the runs' result.json files and the references, so --report_only rebuilds it without training."""
+cells with their learning rates, parameters, compute and stall rates, the declared family of paired contrasts under
+docs/inference.md's rules, the loss by output position, and figures. A pure function of the runs' result.json files,
+the references and the learning-rate selection, so --report_only rebuilds it without training."""
 
 import json
 from pathlib import Path
 
 import numpy as np
 
-from experiments.common import plots
-from experiments.common.stats import gate, holm, paired_t_interval, paired_t_p, sign_test
+from experiments.common import lr_select, plots
+from experiments.common.inference import family
+from experiments.common.stats import gate, sign_test
+from experiments.common.verdicts import cell_gate, member
 from experiments.encdec import task as encdec_task
 from rundir.atomic import write_text
 
 CELLS = ("decoder_P", "decoder_2P", "encdec_P", "encdec_2P")
-# (name, a, b): a - b, negative = a has the lower loss. The question is the third: at equal parameters, and
-# against a decoder-only model with as many parameters as the larger encoder-decoder.
+# The report's declared family (docs/inference.md rules 1-2), fixed before any run: each a - b (negative = a has
+# the lower loss), gated on b. The question is the first three: at equal parameters, and against a decoder-only
+# model with as many parameters as the larger encoder-decoder.
 CONTRASTS = (("encdec_P", "decoder_P"), ("encdec_2P", "decoder_2P"), ("encdec_P", "decoder_2P"),
              ("decoder_2P", "decoder_P"), ("encdec_2P", "encdec_P"))
 
 
-def contrast_rows(results) -> list[dict]:
-    by = {(r["cell"], r["seed"]): r["val_loss"] for r in results}
-    rows = []
+def groups(results) -> dict:
+    """{cell: {seed: result}} of the cells present."""
+    out = {}
+    for r in results:
+        out.setdefault(r["cell"], {})[r["seed"]] = r
+    return out
+
+
+def contrast_rows(results, bigram: float) -> list[dict]:
+    """The family's members with two paired seeds or more, Holm across them (inference.family): the contrasts of
+    the cells present, since a --cells subset reports its own, smaller family."""
+    g = groups(results)
+    members = []
     for a, b in CONTRASTS:
-        seeds = sorted(s for (c, s) in by if c == a and (b, s) in by)
-        d = [by[(a, s)] - by[(b, s)] for s in seeds]
-        if len(d) < 2:
-            continue
-        mean, lo, hi = paired_t_interval(d)
-        rows.append({"contrast": f"{a} - {b}", "n": len(d), "diffs": d, "mean": mean, "lo": lo, "hi": hi,
-                     "better": sum(x < 0 for x in d), "sign_p": sign_test(d), "t_p": paired_t_p(d)})
-    for r, p in zip(rows, holm([r["t_p"] for r in rows])):
-        r["holm_p"] = p
-    return rows
+        if a in g and b in g and len(set(g[a]) & set(g[b])) >= 2:
+            m = member("encdec", f"{a} - {b}", None, g[a], g[b], bigram, an=a)
+            m["better"], m["sign_p"] = sum(x < 0 for x in m["diffs"]), sign_test(m["diffs"])
+            members.append(m)
+    return family(members)
 
 
 def position_labels(edges) -> list[str]:
@@ -95,7 +104,8 @@ def block_passes(result, seq_len: int, prefix_frac: float) -> int:
     return result["encoder_layers"] * S + result["n_layers"] * T
 
 
-def write_report(results, refs, out: Path, base, decoder_mask: str) -> Path:
+def write_report(results, refs, out: Path, base, decoder_mask: str, lr_choice=None) -> Path:
+    """lr_choice: experiments.common.lr_select's per-cell selection, when the cells ran at their own rates."""
     L, frac = int(base.data.seq_len), float(base.data.prefix_frac)
     S, T = encdec_task.lengths(L, frac)
     reference = int(base.model.n_layers) * L  # decoder_P
@@ -107,7 +117,8 @@ def write_report(results, refs, out: Path, base, decoder_mask: str) -> Path:
              f"{base.model.d_model}, {base.model.n_routed_experts} routed experts top-{base.model.top_k} + "
              f"{base.model.n_shared_experts} shared; {base.data.seq_len}-token windows, input = first "
              f"{base.data.prefix_frac:.0%}, loss on the output; batch {base.train.batch_size}, "
-             f"{results[0]['steps']} steps ({results[0]['tokens_seen']:,} tokens per run), lr {base.train.lr}.",
+             f"{results[0]['steps']} steps ({results[0]['tokens_seen']:,} tokens per run), "
+             + ("each cell at its own learning rate (below)." if lr_choice else f"lr {base.train.lr}."),
              "", "## Gate (the mask study's, on decoder_P)", "",
              "| quantity | value |", "|---|---|",
              f"| bigram reference | {refs['bigram']:.4f} |",
@@ -115,34 +126,46 @@ def write_report(results, refs, out: Path, base, decoder_mask: str) -> Path:
              f"| beats bigram by | {g['beats_bigram_by']:+.4f} (need >= 0.3) |",
              f"| input-replacement gap | {g['input_replacement_gap']:+.4f} (need >= 0.1) |",
              f"| **verdict** | **{'interpretable' if g['passed'] else 'not interpretable'}** |", "",
+             *lr_select.report_lines(lr_choice or {}),
              "## Cells", "",
              "Compute per window: token x block passes (a decoder-only block runs on all "
              f"{base.data.seq_len} tokens; the encoder's on the {S}-token source, the decoder's on the {T}-token "
              "output), relative to decoder_P: the encoder-decoder spends about half the compute of a decoder-only "
              "model with as many blocks.", "",
-             "| cell | layers (enc + dec) | params (non-embedding) | compute per window | val loss per seed | mean | "
-             "input-replacement gap | train s |", "|---|---|---|---|---|---|---|---|"]
+             f"Stalled: seeds more than 0.2 nats above the mean of the cell's faster half (docs/inference.md rule 6); "
+             f"gate: the cell's mean at least 0.3 below the bigram ({refs['bigram']:.4f}) and an input gap of 0.1.", "",
+             "| cell | lr | layers (enc + dec) | params (non-embedding) | compute per window | val loss per seed | mean | "
+             "input-replacement gap | gate (seeds passing) | stalled | train s |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for cell in CELLS:
         rs = sorted((r for r in results if r["cell"] == cell), key=lambda r: r["seed"])
         if not rs:
             continue
         r0, per_seed = rs[0], ", ".join(f"{r['val_loss']:.4f}" for r in rs)
-        lines.append(f"| {cell} | {r0['encoder_layers']} + {r0['n_layers']} | {r0['params']:,} "
+        cg = cell_gate({r["seed"]: r for r in rs}, refs["bigram"])
+        lr = r0.get("lr", float(base.train.lr))
+        lines.append(f"| {cell} | {lr:g} | {r0['encoder_layers']} + {r0['n_layers']} | {r0['params']:,} "
                      f"({r0['params_non_embedding']:,}) | x{block_passes(r0, L, frac) / reference:.2f} | {per_seed} | "
                      f"{np.mean([r['val_loss'] for r in rs]):.4f} | "
                      f"{np.mean([r['input_replacement_gap'] for r in rs]):+.4f} | "
+                     f"{'passes' if cg['passed'] else 'fails'} ({cg['seeds_passing']}) | {cg['stall_rate']} | "
                      f"{np.mean([r['train_seconds'] for r in rs]):.0f} |")
-    lines += ["", "## Contrasts (validation loss, paired by seed; Holm over these contrasts)", "",
-              "Negative = the first cell has the lower loss. A difference is claimed only when the gate passes and "
-              "the Holm-adjusted paired t-test p < 0.05.", "",
-              "| contrast | mean [95% paired t-interval] | better / n | sign p | Holm p | verdict |",
-              "|---|---|---|---|---|---|"]
-    contrasts = contrast_rows(results)
+    contrasts = contrast_rows(results, refs["bigram"])
+    lines += ["", "## Contrasts under docs/inference.md's rules", "",
+              f"The family, declared in experiments/encdec/report.py before any run: the {len(contrasts)} contrasts "
+              "below (a - b, validation loss, paired by seed; negative = a has the lower loss), Holm across them. "
+              "Each is gated on its reference cell b. \"a better\" / \"a worse\": Holm p < 0.05, the gate passes "
+              "and the Hodges-Lehmann estimate agrees in sign; \"equivalent\": Holm-corrected TOST p < 0.05 within "
+              "the margin (a tenth of b's distance below the bigram); \"null\": neither.", "",
+              "| contrast | mean [95% paired t] | a better / n | t p | Holm p | Wilcoxon p | HL | without stalled "
+              "seeds | margin | equiv Holm p | gate on b | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in contrasts:
-        verdict = ("not interpretable" if not g["passed"] else
-                   "difference" if r["holm_p"] < 0.05 else "inconclusive")
+        fast = "-" if r["mean_without_slow_seeds"] is None or not r["slow_seeds"] else \
+            f"{r['mean_without_slow_seeds']:+.4f} (without {', '.join(map(str, r['slow_seeds']))})"
+        margin = f"{r['margin']:.3f}" if r["margin"] else "-"
         lines.append(f"| {r['contrast']} | {r['mean']:+.4f} [{r['lo']:+.4f}, {r['hi']:+.4f}] | {r['better']} / "
-                     f"{r['n']} | {r['sign_p']:.3f} | {r['holm_p']:.3f} | **{verdict}** |")
+                     f"{r['n']} | {r['p']:.4f} | {r['p_holm']:.3f} | {r['wilcoxon_p']:.3f} | "
+                     f"{r['hodges_lehmann']:+.4f} | {fast} | {margin} | {r['p_equiv_holm']:.3f} | "
+                     f"{'passes' if r['gate_passed'] else 'fails'} | **{r['verdict']}** |")
     lines += ["", *position_lines(results)]
     lines += ["## Figures", "", "Every seed's validation curve per cell, with the unigram and bigram references:",
               "", "![validation curves](val_curves.png)", ""]
@@ -152,7 +175,9 @@ def write_report(results, refs, out: Path, base, decoder_mask: str) -> Path:
     lines += ["Final loss per domain against that domain's references:", "", "![per-domain loss](domains.png)"]
     out.mkdir(parents=True, exist_ok=True)
     write_figures(results, refs, contrasts, out)
-    write_text(out / "results.json", json.dumps({"results": results, "references": refs, "gate": g}, indent=1))
+    doc = {"results": results, "references": refs, "gate": g, "lr_selection": lr_choice or None,
+           "family": [{**r, "labels": list(r["labels"])} for r in contrasts]}
+    write_text(out / "results.json", json.dumps(doc, indent=1))
     path = out / "report.md"
     write_text(path, "\n".join(lines) + "\n")
     return path

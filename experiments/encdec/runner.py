@@ -3,7 +3,7 @@ on an input->output task only its extra parameters?
 
     python -m experiments.encdec --out runs/encdec_study [--config experiments/masks_round2/config.py]
         [--seeds 2] [--steps N] [--decoder_mask causal|prefix] [--cells decoder_P,encdec_P,...] [--report_only]
-        [--config.KEY=VALUE ...]
+        [--lr_grid 1.5e-3,3e-3,6e-3] [--config.KEY=VALUE ...]
 
 Cells, from the study config's model (L = model.n_layers, even; every layer MoE, model.first_k_dense = 0):
   decoder_P    decoder-only, L layers                      decoder_2P   decoder-only, 2L layers
@@ -15,6 +15,8 @@ Every cell trains with the same step (train.step.make_train_step), optimizer, sc
 on the same targets (experiments.encdec.task: the output half of every window), and is scored on every validation
 window, also by output position (the first output token depends most on the input's end); the input-replacement
 gap says whether it uses its input. Exact parameter counts go in the report.
+With --lr_grid every cell first trains once per rate on a held-out seed and runs its comparison seeds at the best
+one (experiments.common.lr_select, docs/inference.md rule 10); without it every cell runs at train.lr.
 
 A run is minutes (no checkpoints): OUT/<cell>/seed<k>/result.json is written atomically when it ends, and a
 finished run is skipped when the same command runs again; a stopped run starts over. The report is
@@ -34,6 +36,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from experiments.common import lr_select
 from experiments.common.cli import seeds_and_steps, study_parser, use_compilation_cache
 from experiments.common.probes import replace_inputs
 from experiments.common.refs import study_references
@@ -64,9 +67,9 @@ class Cell:
     encoder_layers: int  # 0: decoder-only; else model.n_layers is the decoder's depth
 
 
-def cell_config(base, cell: str, seed: int, steps: int, decoder_mask: str):
+def cell_config(base, cell: str, seed: int, steps: int, decoder_mask: str, lr: float | None = None):
     """(config, Cell) of one run: model.n_layers is the decoder-only depth, or the encoder-decoder's decoder
-    depth (its encoder has as many layers)."""
+    depth (its encoder has as many layers); lr: the cell's learning rate (default train.lr)."""
     c = copy.deepcopy(base)
     kind, scale = cell.split("_")
     depth = int(base.model.n_layers) * (2 if scale == "2P" else 1)
@@ -76,6 +79,8 @@ def cell_config(base, cell: str, seed: int, steps: int, decoder_mask: str):
     c.model.first_k_dense = 0
     c.model.mask = decoder_mask if kind == "decoder" else "causal"
     c.train.seed, c.train.steps, c.train.prefix_loss = seed, steps, False
+    if lr is not None:
+        c.train.lr = lr
     return c, Cell(cell, 0 if kind == "decoder" else depth // 2)
 
 
@@ -151,7 +156,7 @@ def train_cell(c, cell: Cell, log=print) -> dict:
     own = row_losses(loss_fn, state, to_batch, gap_rows, eb)
     other = row_losses(loss_fn, state, to_batch, replace_inputs(gap_rows, seed=int(t.seed)), eb)
     names = task_cache(c.data, c.data.eval_split).domain_names
-    return {"cell": cell.name, "seed": int(t.seed), "steps": int(t.steps), "key": run_key(c, cell),
+    return {"cell": cell.name, "seed": int(t.seed), "steps": int(t.steps), "lr": float(t.lr), "key": run_key(c, cell),
             "decoder_mask": None if cell.encoder_layers else c.model.mask,
             "n_layers": int(c.model.n_layers), "encoder_layers": cell.encoder_layers,
             **_counts(build, mcfg), "train_seconds": seconds,
@@ -176,22 +181,41 @@ def run_cell(c, cell: Cell, workdir: Path, log=print) -> dict:
     return result
 
 
+def cached_result(c, cell: Cell, workdir: Path) -> dict | None:
+    """The finished run's result when it was made with this config, else None (--report_only trains nothing)."""
+    cache = workdir / "result.json"
+    res = json.loads(cache.read_text()) if cache.exists() else None
+    return res if res is not None and res.get("key") == run_key(c, cell) else None
+
+
 def run_study(base, seeds: int, steps: int, out, decoder_mask: str, log=print, report_only=False,
-              cells=CELLS) -> Path:
+              cells=CELLS, lr_grid=None) -> Path:
+    """Train (or reuse) every cell x seed and write the report; lr_grid: select each cell's rate first."""
     out = Path(out)
-    runs = [(cell, s) for s in range(seeds) for cell in cells]  # seed-major: a cut-short study stays paired
-    configs = {(cell, s): cell_config(base, cell, s, steps, decoder_mask) for cell, s in runs}
-    for c, _ in configs.values():
-        check(c)
+    for cell in cells:
+        for lr in lr_grid or (None,):
+            check(cell_config(base, cell, 0, steps, decoder_mask, lr)[0])
     out.mkdir(parents=True, exist_ok=True)
     refs = study_references(cell_config(base, "decoder_P", 0, steps, "causal")[0], out, log)
+    chosen = {}
+    if lr_grid:
+        def sweep_run(cell, lr, seed, workdir):
+            c, cl = cell_config(base, cell, seed, steps, decoder_mask, lr)
+            res = cached_result(c, cl, workdir) if report_only else run_cell(c, cl, workdir, log)
+            if res is None:
+                raise UserError(f"the learning-rate sweep has no finished run in {workdir}; run without "
+                                "--report_only first")
+            return res
+        chosen = lr_select.select(cells, lr_grid, sweep_run, out, log)
+    runs = [(cell, s) for s in range(seeds) for cell in cells]  # seed-major: a cut-short study stays paired
+    configs = {(cell, s): cell_config(base, cell, s, steps, decoder_mask, chosen.get(cell, {}).get("lr"))
+               for cell, s in runs}
     results = []
     for i, (cell, s) in enumerate(runs):
         workdir = out / cell / f"seed{s}"
         if report_only:
-            cache = workdir / "result.json"
-            res = json.loads(cache.read_text()) if cache.exists() else None
-            if res is not None and res.get("key") == run_key(*configs[(cell, s)]):
+            res = cached_result(*configs[(cell, s)], workdir)
+            if res is not None:
                 results.append(res)
             continue
         log(f"[{i + 1}/{len(runs)}] {cell} seed {s}")
@@ -200,7 +224,7 @@ def run_study(base, seeds: int, steps: int, out, decoder_mask: str, log=print, r
         raise UserError(f"no finished decoder_P runs in {out} for these settings; run without --report_only first")
     # A subset of the cells reports beside the full 2x2, never over it (Holm runs over the contrasts present).
     name = "report" if tuple(cells) == CELLS else "report_" + "+".join(cells)
-    return write_report(results, refs, out / name, base, decoder_mask)
+    return write_report(results, refs, out / name, base, decoder_mask, chosen)
 
 
 def parser() -> ArgParser:
@@ -208,8 +232,10 @@ def parser() -> ArgParser:
     cells = (("--cells",), {"default": ",".join(CELLS),
                             "help": "comma-separated cells to train and report (decoder_P, which the gate is "
                                     "measured on, always among them)"})
+    grid = (("--lr_grid",), {"default": None, "help": "comma-separated learning rates: choose each cell's rate on a "
+                                                     f"held-out seed ({lr_select.HELD_OUT_SEED}) first"})
     return study_parser("python -m experiments.encdec", __doc__, DEFAULT_CONFIG, "runs/encdec_study", 2,
-                        "paired seeds per cell (train.seed = 0 .. seeds-1)", extra=(mask, cells))
+                        "paired seeds per cell (train.seed = 0 .. seeds-1)", extra=(mask, cells, grid))
 
 
 def parse_flags(argv):
@@ -224,6 +250,7 @@ def parse_flags(argv):
         raise UserError(f"--cells takes a comma-separated subset of {','.join(CELLS)} that includes decoder_P "
                         f"(the gate's cell), got {args.cells!r}")
     args.cells = tuple(c for c in CELLS if c in cells)
+    args.lr_grid = lr_select.parse_grid(args.lr_grid) if args.lr_grid is not None else None
     if config.data.task != "prefix":
         raise UserError("the 2x2 needs input->output rows: set --config.data.task=prefix")
     if config.model.tie_embeddings:
@@ -244,7 +271,7 @@ def main(argv=None):
         config, args, steps = parse_flags(argv)
         use_compilation_cache(args.out)  # the seeds of a cell compile the same programs
         report = run_study(config, args.seeds, steps, args.out, args.decoder_mask, report_only=args.report_only,
-                           cells=args.cells)
+                           cells=args.cells, lr_grid=args.lr_grid)
     except (UserError, ConfigError) as e:
         exit_with(e)
     except KeyboardInterrupt:

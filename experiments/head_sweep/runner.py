@@ -13,9 +13,9 @@ a two-arm study (causal, prefix) in OUT/d<d_head> by experiments.masks_round2's 
 report (runs finished there are reused: copy runs/study_masks/{causal,prefix} into OUT/d32 to reuse a mask
 round's). Then the trained logits' rank (analysis.rank_logits) of every run is measured and
 OUT/head_sweep.{json,md,png} (experiments.head_sweep.report) give, per
-n_in / d_head (n_in: the input block, seq_len * prefix_frac), the paired prefix - causal loss difference (Holm over
-the d_heads), the effective rank of each model's input block under its own mask, and the slope of the difference
-on log2(n_in / d_head) over the gate-passing d_heads.
+n_in / d_head (n_in: the input block, seq_len * prefix_frac), the paired prefix - causal loss difference (one family
+with the slope, docs/inference.md), the effective rank of each model's input block under its own mask,
+and the slope of the difference on log2(n_in / d_head), one per seed.
 """
 
 import copy
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from analysis.rank_logits import measure_run
 from experiments.common.cli import run_cli, seeds_and_steps, study_parser, use_compilation_cache
-from experiments.head_sweep.report import ARMS, sweep_rows, trend, write_report
+from experiments.head_sweep.report import ARMS, sweep_rows, write_report
 from experiments.masks_round2.runner import DEFAULT_CONFIG, DEFAULT_PROBE_ROWS, probe_sizes, run_study
 from moe.cli import ArgParser
 from moe.errors import UserError
@@ -69,10 +69,9 @@ def run_sweep(base, head_dims, seeds: int, steps: int, out, log=print, run_fn=No
         ranks = {a: [rank_fn(cell_out / a / f"seed{r['seed']}", a) for r in saved["results"] if r["arm"] == a]
                  for a in ARMS}
         ranks = {a: [v for v in vs if v is not None] for a, vs in ranks.items()}
-        cells.append({"d_head": d, "n_over_d": n_in / d, "results": saved["results"], "gate": saved["gate"],
-                      "ranks": ranks})
-    rows = sweep_rows(cells)
-    return write_report(rows, trend(rows), out, steps)
+        cells.append({"d_head": d, "n_over_d": n_in / d, "results": saved["results"],
+                      "bigram": saved["references"]["bigram"], "ranks": ranks})
+    return write_report(sweep_rows(cells), out, steps)
 
 
 def parser() -> ArgParser:

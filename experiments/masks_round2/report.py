@@ -3,8 +3,10 @@
     python -m experiments.masks_round2.report --out runs/study_masks
 
 reads OUT/<arm>/seed<k>/result.json, OUT/references.json and OUT/study.json (the base config) and writes
-OUT/report/report.md, results.json and PNGs. Every conclusion passes through experiments.common.verdicts: the gate
-first ("not interpretable" when it fails), then paired t-intervals, sign counts, Holm and the equivalence test.
+OUT/report/report.md, results.json and PNGs. Every conclusion passes through experiments.common.verdicts under
+docs/inference.md's rules: the study's family declared in code (verdicts.masks_family), each test gated on its
+reference arm against the bigram, Holm across the whole family, the rank test beside the t-interval, stall rates,
+equivalence margins relative to the reference's distance below the bigram.
 """
 
 import json
@@ -13,24 +15,13 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.common import plots
+from experiments.common import lr_select, plots
+from experiments.common.inference import equivalence_margin
 from experiments.common.stats import GATE_BIGRAM_MARGIN, GATE_INPUT_GAP, paired_t_interval
-from experiments.common.verdicts import (
-    ALPHA,
-    EQUAL_TARGETS,
-    EQUIVALENCE_MARGIN,
-    NOPE_TWINS,
-    by_arm,
-    contrasts,
-    nope_interaction,
-    study_gate,
-)
+from experiments.common.verdicts import PRIMARY, by_arm, cell_gate, decide, masks_family, study_gate
 from moe.cli import ArgParser
 from moe.errors import UserError, exit_with, os_error
 from rundir.atomic import write_text
-
-ACCURACY_MARGIN = 0.05  # equivalence margin for continuation accuracy (pre-registered with the study)
-
 
 def _ci(m, lo, hi, d=4):
     return f"{m:+.{d}f} [{lo:+.{d}f}, {hi:+.{d}f}]"
@@ -66,38 +57,23 @@ def order_gap_cell(rs) -> str:
     return f"{np.mean(v):+.4f}" + ("" if len(v) == len(rs) else f" ({len(v)} of {len(rs)} seeds)")
 
 
-def contrast_table(rows, digits=4) -> list[str]:
-    out = ["| contrast | mean [95% paired t-interval] | seeds better / n | sign p | t p | Holm p | "
-           "equivalent | verdict |", "|---|---|---|---|---|---|---|---|"]
+def family_table(rows) -> list[str]:
+    out = ["| test (a - b) | n | mean [95% paired t] | a lower / n | t p | Holm p | Wilcoxon p | HL | without stalled "
+           "seeds | margin | equiv Holm p | gate on b | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        if "mean" not in r:
-            out.append(f"| {r['contrast']} | - | - | - | - | - | - | {r['verdict']} |")
-            continue
-        out.append(f"| {r['contrast']} | {_ci(r['mean'], r['lo'], r['hi'], digits)} | {r['wins']} / {r['n']} | "
-                   f"{r['sign_p']:.3f} | {r['p']:.3f} | {r['p_holm']:.3f} | {'yes' if r['equivalent'] else 'no'} | "
+        d = 3 if "accuracy" in r["contrast"] else 4
+        fast = "-" if r["mean_without_slow_seeds"] is None or not r["slow_seeds"] else \
+            f"{r['mean_without_slow_seeds']:+.{d}f} (without {', '.join(map(str, r['slow_seeds']))})"
+        margin = f"{r['margin']:.{d}f}" if r["margin"] else "-"
+        out.append(f"| {r['contrast']} | {r['n']} | {_ci(r['mean'], r['lo'], r['hi'], d)} | {r['wins']} / {r['n']} | "
+                   f"{r['p']:.4f} | {r['p_holm']:.3f} | {r['wilcoxon_p']:.3f} | {r['hodges_lehmann']:+.{d}f} | "
+                   f"{fast} | {margin} | {r['p_equiv_holm']:.3f} | {'passes' if r['gate_passed'] else 'fails'} | "
                    f"**{r['verdict']}** |")
     return out
 
 
-def equal_targets_rows(groups, gate_passed: bool) -> list[dict]:
-    """The equal-targets control's contrasts (none without the causal_half arm): does causal_all win by its extra
-    targets or by where they sit?"""
-    family = [(a, ref) for a, ref in EQUAL_TARGETS if a in groups and ref in groups]
-    return contrasts(groups, gate_passed, family=family) if family else []
-
-
-def equal_targets_lines(rows) -> list[str]:
-    if not rows:
-        return []
-    lines = ["", "## Equal-targets control for causal_all (own Holm family; added after the round)", "",
-             "causal_half: causal mask, loss on a random subset of every window's targets as large as its output "
-             "half (so as many targets per step as causal, spread over input and output like causal_all's). "
-             "causal_all - causal = (causal_all - causal_half: the extra targets) + (causal_half - causal: moving half "
-             "of the targets onto the input). Negative = the first arm has the lower loss.", ""]
-    return lines + contrast_table(rows)
-
-
-def write_report(results, refs, out, base, missing=()) -> Path:
+def write_report(results, refs, out, base, missing=(), lr_choice=None) -> Path:
+    """lr_choice: experiments.common.lr_select's per-arm selection, when the arms ran at their own rates."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     base = base.to_dict() if hasattr(base, "to_dict") else base
@@ -105,15 +81,14 @@ def write_report(results, refs, out, base, missing=()) -> Path:
     if "causal" not in groups:
         raise UserError("no finished causal run: the gate and every contrast need the causal arm")
     g = study_gate(groups, refs)
-    loss_rows = contrasts(groups, g["passed"])
-    acc_rows = contrasts(groups, g["passed"], "choice_accuracy", lower_is_better=False, margin=ACCURACY_MARGIN)
-    eq_rows = equal_targets_rows(groups, g["passed"])
+    rows = decide(masks_family(groups, refs["bigram"]))
     write_text(out / "results.json", json.dumps({"results": results, "references": refs, "gate": g,
-                                                 "loss_contrasts": loss_rows, "accuracy_contrasts": acc_rows,
-                                                 **({"equal_targets_contrasts": eq_rows} if eq_rows else {})}))
+                                                 "family": rows, "lr_selection": lr_choice or None}))
+    primary = [r for r in rows if r["contrast"] in {f"{a} - causal" for a in PRIMARY}]
+    plots.plot_contrasts(primary, out / "paired_loss.png", "validation loss difference (nats)",
+                         "arm - causal, paired by seed; < 0: arm better",
+                         equivalence_margin(g["beats_bigram_by"]))
     plots.plot_curves(groups, refs, out / "val_curves.png")
-    plots.plot_contrasts(loss_rows, out / "paired_loss.png", "validation loss difference (nats)",
-                               "arm - causal, paired by seed; < 0: arm better", EQUIVALENCE_MARGIN)
     plots.plot_domains(groups, refs, out / "domains.png")
     plots.plot_probes(groups, out / "probes.png")
 
@@ -124,10 +99,11 @@ def write_report(results, refs, out, base, missing=()) -> Path:
     if missing:
         lines += [f"**Partial study**: not finished: {', '.join(missing)}.", ""]
     lines += setup_lines(base, results) + [""]
-    lines += ["## Gate (pre-registered)", "",
+    lines += ["## Gate on the causal arm", "",
               f"The causal arm must beat the interpolated bigram reference by >= {GATE_BIGRAM_MARGIN} nats and "
               f"replacing each validation window's input by another same-domain window's must cost >= "
-              f"{GATE_INPUT_GAP} nats (mean over causal seeds). Otherwise no contrast below is interpreted.", "",
+              f"{GATE_INPUT_GAP} nats (mean over causal seeds). Otherwise no test against causal is interpreted; "
+              "every other reference arm's gate is in the table below.", "",
               "| quantity | value |", "|---|---|",
               f"| unigram reference (scored targets) | {refs['unigram']:.4f} |",
               f"| bigram reference (lambda {refs['bigram_lambda']:.2f}, chosen on training text) | "
@@ -137,45 +113,37 @@ def write_report(results, refs, out, base, missing=()) -> Path:
               f"| input-replacement gap | {g['input_replacement_gap']:+.4f} (need >= {GATE_INPUT_GAP}) |",
               f"| per-seed gate | {', '.join(f'seed {s}: {p}' for s, p in g['per_seed'].items())} |",
               f"| **verdict** | **{g['verdict']}** |", ""]
-    lines += ["## Validation loss per arm", "", "| arm | mean [95% t-interval over seeds] | per seed | "
+    lines += lr_select.report_lines(lr_choice or {})
+    lines += ["## Validation loss per arm", "",
+              f"Stalled: seeds more than 0.2 nats above the mean of the arm's faster half (docs/inference.md rule 6). "
+              f"Gate: the arm's mean at least {GATE_BIGRAM_MARGIN} below the bigram and an input gap of "
+              f"{GATE_INPUT_GAP}; it gates every test that has the arm as its reference b.", "",
+              "| arm | lr | mean [95% t-interval over seeds] | per seed | gate (seeds passing) | stalled | "
               "input-replacement gap | input-shuffle gap | input-order gap | 4-way choice accuracy | train s/run |",
-              "|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for arm, runs in groups.items():
         rs = [runs[s] for s in sorted(runs)]
         m, lo, hi = _mean_t(r["val_loss"] for r in rs)
         per_seed = ", ".join(f"{r['val_loss']:.4f}" for r in rs)
-        lines.append(f"| {arm} | {m:.4f} [{lo:.4f}, {hi:.4f}] | {per_seed} | "
-                     f"{np.mean([r['input_replacement_gap'] for r in rs]):+.4f} | "
+        cg = cell_gate(runs, refs["bigram"])
+        lines.append(f"| {arm} | {rs[0].get('lr', base['train']['lr']):g} | {m:.4f} [{lo:.4f}, {hi:.4f}] | "
+                     f"{per_seed} | {'passes' if cg['passed'] else 'fails'} ({cg['seeds_passing']}) | "
+                     f"{cg['stall_rate']} | {np.mean([r['input_replacement_gap'] for r in rs]):+.4f} | "
                      f"{np.mean([r['input_shuffle_gap'] for r in rs]):+.4f} | {order_gap_cell(rs)} | "
                      f"{np.mean([r['choice_accuracy'] for r in rs]):.3f} (chance {rs[0]['choice_chance']:.2f}, "
                      f"n {rs[0]['choice_n']}) | {np.mean([r['train_seconds'] for r in rs]):.0f} |")
     lines += ["", "![validation curves](val_curves.png)", "",
-              "## Primary contrasts: validation loss, arm - causal (Holm over these contrasts)", "",
-              f"Negative = the arm has the lower loss. A difference is claimed when the Holm-adjusted paired t-test "
-              f"p < {ALPHA}; \"equivalent\" only when the whole 95% interval lies inside +-{EQUIVALENCE_MARGIN} "
-              "nats; anything else is inconclusive. With n seeds the sign test cannot go below p = 2/2^n "
-              f"({2 / 2 ** n_seeds:.3f} here).", ""]
-    lines += contrast_table(loss_rows)
-    lines += ["", "![paired loss differences](paired_loss.png)", "",
-              "## Secondary contrasts: 4-way continuation accuracy, arm - causal (own Holm family)", "",
-              f"Positive = the arm picks the true continuation more often; equivalence margin +-{ACCURACY_MARGIN}.", ""]
-    lines += contrast_table(acc_rows, 3)
-    lines += equal_targets_lines(eq_rows)
-    nope = [(a, ref) for a, ref in NOPE_TWINS.items() if a in groups and ref in groups]
-    if nope:
-        lines += ["", "## NoPE (no position encoding) against its RoPE twin (own Holm family)", "",
-                  "Validation loss, NoPE - RoPE (negative = NoPE better). The input-order gap of each arm is in the "
-                  "table above: the loss change when the input is shuffled but its last token kept, exactly 0 for a "
-                  "prefix-LM without positions (the input-shuffle gap is not: the first output token loses its true "
-                  "predecessor).",
-                  ""]
-        lines += contrast_table(contrasts(groups, g["passed"], family=nope))
-        inter = nope_interaction(groups, g["passed"])
-        if inter is not None:
-            lines += ["", "Mask x position interaction (added after the NoPE arms were designed, so not pre-registered): "
-                      "does dropping positions cost the causal model less than the prefix-LM, as \"the causal mask "
-                      "carries position information\" predicts? Negative = it does.", ""]
-            lines += contrast_table([inter])
+              "## The family under docs/inference.md's rules", "",
+              f"Declared in experiments/common/verdicts.py (masks_family) before any run, on the arms present: "
+              f"{len(rows)} tests, Holm across all of them. Loss: negative = a has the lower loss; accuracy: "
+              "positive = a picks the true continuation more often. Each test is gated on its reference arm b. "
+              "\"a better\" / \"a worse\": Holm p < 0.05, the gate passes and the Hodges-Lehmann estimate agrees in "
+              "sign; \"equivalent\": Holm-corrected TOST p < 0.05 within the margin (a tenth of b's distance below "
+              "the bigram, or of its accuracy above chance); \"null\": neither. The exact rank test cannot go below "
+              f"p = 2/2^n ({2 / 2 ** n_seeds:.3f} here). The NoPE arms' input-order gap is in the table above: exactly "
+              "0 for a prefix-LM without positions.", ""]
+    lines += family_table(rows)
+    lines += ["", "![paired loss differences](paired_loss.png)", ""]
     lines += ["", "![probes](probes.png)", "", "## Per domain (final validation loss, mean over seeds)", "",
               "| domain | unigram | bigram | " + " | ".join(groups) + " |", "|---" * (3 + len(groups)) + "|"]
     for name, ref in refs["by_domain"].items():

@@ -2,7 +2,7 @@
 
     python -m experiments.masks_round2 --out runs/study_masks [--config experiments/masks_round2/config.py]
         [--seeds 4] [--steps 60] [--arms causal,prefix,mixed,causal_all] [--probe_rows 24,8,8] [--report_only]
-        [--config.KEY=VALUE ...]
+        [--lr_grid 1.5e-3,3e-3,6e-3] [--config.KEY=VALUE ...]
 
 Arms (ARMS): causal (GPT, loss on the output half), prefix (UniLM: bidirectional input), mixed (Su's
 triangular heads), causal_all (causal, loss on every token: the decoder-only model's practical advantage); opt-in
@@ -11,6 +11,8 @@ causal), causal_nope and prefix_nope (no position encoding; compared with their 
 gap).
 Every arm is validated on the output half of every validation window (eval.output_only) every eval.every steps.
 For seed k every arm has the same data order and initial weights (train.seed = k), so arms compare paired by seed.
+With --lr_grid every arm first trains once per rate on a held-out seed and runs its comparison seeds at the best one
+(experiments.common.lr_select, docs/inference.md rule 10; OUT/lr_sweep/<arm>/lr<rate>); without it, at train.lr.
 
 Each run lives in OUT/<arm>/seed<k> (train.loop.run: resumable); a finished run leaves result.json (curves,
 per-domain losses, the input-replacement, input-shuffle and input-order gaps, 4-way continuation choice) and is
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from experiments.common import lr_select
 from experiments.common.cli import Interrupted, run_cli, seeds_and_steps, study_parser, use_compilation_cache
 from experiments.common.probes import continuation_choice, replace_inputs, row_losses, shuffle_inputs
 from experiments.common.refs import study_references
@@ -61,10 +64,13 @@ CHOICE_ROWS_PER_DOMAIN = 8  # 4-way continuation choice (x4 candidate rows)
 DEFAULT_PROBE_ROWS = f"{GAP_ROWS_PER_DOMAIN},{SHUFFLE_ROWS_PER_DOMAIN},{CHOICE_ROWS_PER_DOMAIN}"
 
 
-def arm_config(base, arm: str, seed: int, steps: int):
+def arm_config(base, arm: str, seed: int, steps: int, lr: float | None = None):
+    """One run's config; lr: the arm's learning rate (default train.lr)."""
     c = copy.deepcopy(base)
     c.model.mask, c.train.prefix_loss, c.model.rope, c.train.equal_targets = ARMS[arm]
     c.train.seed, c.train.steps = seed, steps
+    if lr is not None:
+        c.train.lr = lr
     return c
 
 
@@ -124,7 +130,8 @@ def summarize(config, arm: str, workdir, seconds: float, sizes=None) -> dict:
     names = task_cache(config.data, config.data.eval_split).domain_names
     return {"arm": arm, "mask": config.model.mask, "prefix_loss": bool(config.train.prefix_loss),
             "equal_targets": bool(config.train.get("equal_targets", False)),
-            "seed": int(config.train.seed), "steps": int(config.train.steps), "fingerprint": fingerprint(config),
+            "seed": int(config.train.seed), "steps": int(config.train.steps), "lr": float(config.train.lr),
+            "fingerprint": fingerprint(config),
             "train_seconds": seconds, "tokens_seen": int(config.train.steps * config.train.batch_size
                                                            * config.data.seq_len),
             "val_loss": p.pop("val_loss_all"),
@@ -157,30 +164,48 @@ def train_one(config, arm: str, workdir, log=print, run_fn=None, sizes=None) -> 
     return result
 
 
+def cached_result(config, workdir) -> dict | None:
+    """The finished run's result when it was made with this config, else None (--report_only trains nothing)."""
+    cache = Path(workdir) / "result.json"
+    res = json.loads(cache.read_text()) if cache.exists() else None
+    return res if res is not None and res.get("fingerprint") == fingerprint(config) else None
+
+
 def run_study(base, arms, seeds: int, steps: int, out, log=print, run_fn=None, report_only=False,
-              sizes=None) -> Path:
+              sizes=None, lr_grid=None) -> Path:
+    """Train (or reuse) every arm x seed and write the report; lr_grid: select each arm's rate first."""
     out = Path(out)
-    runs = [(a, s) for s in range(seeds) for a in arms]  # seed-major: a cut-short study stays paired
-    for a, s in runs:
-        check(arm_config(base, a, s, steps))
+    for a in arms:
+        for lr in lr_grid or (None,):
+            check(arm_config(base, a, 0, steps, lr))
     out.mkdir(parents=True, exist_ok=True)
     write_text(out / "study.json", json.dumps({"arms": list(arms), "seeds": seeds, "steps": steps,
+                                               "lr_grid": list(lr_grid) if lr_grid else None,
                                                "config": base.to_dict()}, indent=1))
     refs = study_references(arm_config(base, "causal", 0, steps), out, log)
+    chosen = {}
+    if lr_grid:
+        def sweep_run(arm, lr, seed, workdir):
+            c = arm_config(base, arm, seed, steps, lr)
+            res = cached_result(c, workdir) if report_only else train_one(c, arm, workdir, log, run_fn, sizes)
+            if res is None:
+                raise UserError(f"the learning-rate sweep has no finished run in {workdir}; run without "
+                                "--report_only first")
+            return res
+        chosen = lr_select.select(arms, lr_grid, sweep_run, out, log)
+    runs = [(a, s) for s in range(seeds) for a in arms]  # seed-major: a cut-short study stays paired
     results, missing = [], []
     for i, (a, s) in enumerate(runs):
-        workdir = out / a / f"seed{s}"
+        workdir, config = out / a / f"seed{s}", arm_config(base, a, s, steps, chosen.get(a, {}).get("lr"))
         if report_only:
-            cache = workdir / "result.json"
-            res = json.loads(cache.read_text()) if cache.exists() else None
-            ok = res is not None and res.get("fingerprint") == fingerprint(arm_config(base, a, s, steps))
-            (results if ok else missing).append(res if ok else f"{a} seed {s}")
+            res = cached_result(config, workdir)
+            (results if res is not None else missing).append(res if res is not None else f"{a} seed {s}")
             continue
         log(f"[{i + 1}/{len(runs)}] {a} seed {s}")
-        results.append(train_one(arm_config(base, a, s, steps), a, workdir, log, run_fn, sizes))
+        results.append(train_one(config, a, workdir, log, run_fn, sizes))
     if not results:
         raise UserError(f"no finished runs in {out} for these settings; run without --report_only first")
-    return write_report(results, refs, out / "report", base, missing)
+    return write_report(results, refs, out / "report", base, missing, chosen)
 
 
 def parser() -> ArgParser:
@@ -188,6 +213,8 @@ def parser() -> ArgParser:
                                                                     f"(default {','.join(DEFAULT_ARMS)})"})
     p = study_parser("python -m experiments.masks_round2", __doc__, DEFAULT_CONFIG, "runs/study_masks", 4,
                      "paired seeds per arm (train.seed = 0 .. seeds-1)", extra=(arms,))
+    p.add_argument("--lr_grid", default=None, help="comma-separated learning rates: choose each arm's rate on a "
+                                                    f"held-out seed ({lr_select.HELD_OUT_SEED}) first")
     p.add_argument("--probe_rows", default=DEFAULT_PROBE_ROWS,
                    help="validation windows per domain for the input-replacement gap, the input-shuffle gap and "
                         "continuation choice (default: the CPU round's)")
@@ -204,7 +231,8 @@ def parse_flags(argv):
     steps = seeds_and_steps(args, config, min_seeds=2)
     if config.data.task != "prefix":
         raise UserError("the study needs input->output rows: set --config.data.task=prefix")
-    return config, arms, args.seeds, steps, args.out, args.report_only, probe_sizes(args.probe_rows)
+    grid = lr_select.parse_grid(args.lr_grid) if args.lr_grid is not None else None
+    return config, arms, args.seeds, steps, args.out, args.report_only, probe_sizes(args.probe_rows), grid
 
 
 def probe_sizes(text: str) -> tuple[int, int, int]:
@@ -220,8 +248,8 @@ def probe_sizes(text: str) -> tuple[int, int, int]:
 
 def main(argv=None):
     def run(argv):
-        config, arms, seeds, steps, out, report_only, sizes = parse_flags(argv)
+        config, arms, seeds, steps, out, report_only, sizes, grid = parse_flags(argv)
         use_compilation_cache(out)
-        return run_study(config, arms, seeds, steps, out, report_only=report_only, sizes=sizes)
+        return run_study(config, arms, seeds, steps, out, report_only=report_only, sizes=sizes, lr_grid=grid)
 
     run_cli(sys.argv if argv is None else argv, parser, run)
