@@ -39,6 +39,23 @@ def test_fingerprint_ignores_what_does_not_change_a_run():
     assert fingerprint(c) != fingerprint(tiny_config(**{"execution.dtype": "bfloat16"}))
 
 
+
+def test_committed_results_keep_their_fingerprint():
+    """A config field added later at its default (MLA, YaRN, MTP: rundir.config_layout.ADDED_KEYS) must not change
+    the fingerprint of a run finished before it, or re-running a study into its folder refuses its own results."""
+    import json
+    from pathlib import Path
+
+    from experiments.encdec import runner as encdec
+    from experiments.masks_round2.config import get_config
+    from experiments.masks_round2.runner import arm_config
+
+    root = Path(__file__).resolve().parents[1] / "experiments"
+    r = json.loads((root / "masks_round2/results/study-cpu-r2/finished/causal/seed0/result.json").read_text())
+    assert r["fingerprint"] == fingerprint(arm_config(get_config(), "causal", 0, r["steps"]))
+    r = json.loads((root / "encdec/results/encdec-cpu/finished/decoder_P/seed0/result.json").read_text())
+    assert r["key"] == encdec.run_key(*encdec.cell_config(get_config(), "decoder_P", 0, r["steps"], "causal"))
+
 def test_parse_flags():
     config, masks, seeds, steps, nope, out, report_only = parse_flags(
         ["x", "compare-masks", "--masks", "causal,prefix", "--seeds", "2", "--steps", "7", "--nope",
