@@ -57,6 +57,12 @@ def base_config() -> ml_collections.ConfigDict:
         # equal-targets control: loss on every token's *positions* but no more targets per step than output-only)
         equal_targets=False,
         balance_loss_weight=1e-4,  # alpha of the sequence-wise balance loss; 0 turns it off
+        # lambda of the multi-token prediction loss (model.mtp_depth > 0): lambda / D * sum of the depths' losses;
+        # mtp_weight until the mtp_weight_switch fraction of the run, mtp_weight_late after (DeepSeek-V3: 0.3, then
+        # 0.1 for the last third); validation reports the main loss alone
+        mtp_weight=0.3,
+        mtp_weight_late=0.1,
+        mtp_weight_switch=1.0,
         # JAX's persistent compilation cache (rundir/compile_cache.py): a run that builds the same programs (a
         # resume, another seed) loads them from here; "" turns it off. JAX_COMPILATION_CACHE_DIR, when set, wins.
         # The run's readers cache in the default directory (or nowhere when this is "").

@@ -22,33 +22,45 @@ def attention_params(cfg: ModelConfig) -> tuple[int, int]:
     return attn, matmul
 
 
+def _ffn_params(cfg: ModelConfig, layer: int) -> tuple[int, int, int]:
+    """(parameters, of them active per token, matmul weights active per token) of layer `layer`'s FFN (layer >=
+    n_layers: an MTP module's block)."""
+    D = cfg.d_model
+    if not cfg.is_moe_layer(layer):
+        return (3 * D * cfg.d_ff,) * 3
+    expert, router = 3 * D * cfg.moe_d_ff, D * cfg.n_routed_experts
+    shared = 3 * D * cfg.shared_width + cfg.shared_expert_gate * D
+    active = router + shared + cfg.top_k * expert
+    return router + shared + cfg.n_routed_experts * expert, active, active - cfg.shared_expert_gate * D
+
+
+def _blocks(cfg: ModelConfig) -> range:
+    """Every Block: the main model's layers, then the MTP modules' (layer n_layers + k - 1)."""
+    return range(cfg.n_layers + cfg.mtp_depth)
+
+
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
-    """total: every parameter; active: parameters one token touches (embedding row excluded from neither)."""
+    """total: every parameter; active: parameters one token touches (embedding row excluded from neither). An MTP
+    module adds its block, eh_proj [2D, D] and three norms (it shares the embedding and head)."""
     D, V = cfg.d_model, cfg.vocab_size
     attn = attention_params(cfg)[0]
     norms = 2 * D
-    dense_ffn = 3 * D * cfg.d_ff
-    expert = 3 * D * cfg.moe_d_ff
-    router = D * cfg.n_routed_experts
-    shared = 3 * D * cfg.shared_width + cfg.shared_expert_gate * D
     embed = V * D * (1 if cfg.tie_embeddings else 2) + D  # + final norm
-    n_moe = cfg.n_moe_layers
-    n_dense = cfg.n_layers - n_moe
-    total = embed + cfg.n_layers * (attn + norms) + n_dense * dense_ffn + n_moe * (
-        router + shared + cfg.n_routed_experts * expert)
-    active = embed + cfg.n_layers * (attn + norms) + n_dense * dense_ffn + n_moe * (
-        router + shared + cfg.top_k * expert)
+    total = active = embed + cfg.mtp_depth * (2 * D * D + 3 * D)
+    for i in _blocks(cfg):
+        ffn_total, ffn_active, _ = _ffn_params(cfg, i)
+        total += attn + norms + ffn_total
+        active += attn + norms + ffn_active
     return {"total": total, "active": active}
 
 
 def matmul_params_per_token(cfg: ModelConfig) -> int:
-    """Weights in matmuls one token goes through (no embedding lookup, no norms, no routing bias)."""
+    """Weights in matmuls one token goes through (no embedding lookup, no norms, no routing bias); an MTP module's
+    block, eh_proj and the shared head once more per depth."""
     D = cfg.d_model
     attn = attention_params(cfg)[1]
-    expert = 3 * D * cfg.moe_d_ff
-    moe = D * cfg.n_routed_experts + cfg.top_k * expert + 3 * D * cfg.shared_width
-    n_dense = cfg.n_layers - cfg.n_moe_layers
-    return cfg.n_layers * attn + n_dense * 3 * D * cfg.d_ff + cfg.n_moe_layers * moe + D * cfg.vocab_size
+    blocks = sum(attn + _ffn_params(cfg, i)[2] for i in _blocks(cfg))
+    return blocks + (1 + cfg.mtp_depth) * D * cfg.vocab_size + cfg.mtp_depth * 2 * D * D
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -57,10 +69,11 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     The attention term counts the full L x L square (as PaLM's MFU does), not the causal half. MLA trains in the
     expanded form (per-head keys of qk_nope_head_dim + qk_rope_head_dim, values of v_head_dim; moe/mla.py).
     """
+    n = len(_blocks(cfg))
     if cfg.attention == "mla":
-        attention = 6 * cfg.n_layers * seq_len * cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim)
+        attention = 6 * n * seq_len * cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim)
     else:
-        attention = 6 * 2 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+        attention = 6 * 2 * n * seq_len * cfg.n_heads * cfg.head_dim
     return 6 * matmul_params_per_token(cfg) + attention
 
 

@@ -87,6 +87,10 @@ class ModelConfig:
     router_score: str = "sigmoid"
     shared_d_ff: int = 0  # width of the shared-expert SwiGLU; 0: moe_d_ff * n_shared_experts
     shared_expert_gate: bool = False  # Qwen2-MoE: shared output scaled by sigmoid(u . w_gate), per token
+    # Multi-token prediction (DeepSeek-V3 section 2.2, moe/mtp.py): mtp_depth modules after the main model, module
+    # k predicting the token k + 1 ahead; each is one more Block (layer n_layers + k - 1: MoE when that index is),
+    # sharing the embedding and LM head. Training only; 0: none.
+    mtp_depth: int = 0
     init_std: float = 0.02
 
     def __post_init__(self):
@@ -107,6 +111,16 @@ class ModelConfig:
     @property
     def n_moe_layers(self) -> int:
         return len(self.moe_layer_ids)
+
+    @property
+    def mtp_moe_layer_ids(self) -> tuple[int, ...]:
+        """Layer indices of the MoE blocks of the MTP modules (module k is layer n_layers + k - 1)."""
+        return tuple(i for i in range(self.n_layers, self.n_layers + self.mtp_depth) if self.is_moe_layer(i))
+
+    @property
+    def train_load_layer_ids(self) -> tuple[int, ...]:
+        """The rows of the train step's expert load and routing biases: the MoE layers, then the MTP modules'."""
+        return self.moe_layer_ids + self.mtp_moe_layer_ids
 
     @property
     def dense_layer_ids(self) -> tuple[int, ...]:
@@ -212,6 +226,11 @@ def validate(c: ModelConfig) -> None:
         fail("dense_layers", f"indices must lie in [0, n_layers) = [0, {c.n_layers}), got {c.dense_layers!r}")
     if c.mask not in MASK_MODES:
         fail("mask", f"unknown mask mode {c.mask!r}; allowed: {', '.join(MASK_MODES)}")
+    if c.mtp_depth < 0:
+        fail("mtp_depth", f"must be >= 0 (0: no multi-token prediction), got {c.mtp_depth}")
+    if c.mtp_depth and c.mask != "causal":
+        fail("mtp_depth", f"multi-token prediction needs mask 'causal' (a non-causal position would see the tokens "
+                          f"it predicts), got mask {c.mask!r}; set model.mtp_depth=0 or model.mask='causal'")
     if c.mask == "mixed" and c.n_heads % 2:
         fail("n_heads", f"mask 'mixed' splits heads in two halves, so n_heads must be even, got {c.n_heads}")
     if c.top_k > c.n_routed_experts:

@@ -17,6 +17,7 @@ from moe.lm_loss import cross_entropy, logits, weighted_cross_entropy
 from moe.masks import attention_mask
 from moe.mla import MLA
 from moe.moe_layer import MoE, RoutingBias
+from moe.mtp import MTPModule, mtp_forward
 
 DEFAULT_EXECUTION = Execution()
 
@@ -61,6 +62,9 @@ class Transformer(nnx.Module):
             self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
             if not cfg.tie_embeddings:
                 self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)
+            if cfg.mtp_depth:  # after the main model's parameters: its random init is the same with or without
+                self.mtp = nnx.List([MTPModule(cfg, Block(cfg, cfg.n_layers + k, rngs), rngs)
+                                     for k in range(cfg.mtp_depth)])
         self.cfg = cfg
 
     def __call__(self, tokens_BxL, *, execution: Execution = DEFAULT_EXECUTION, **options):
@@ -69,20 +73,55 @@ class Transformer(nnx.Module):
         return self.unembed(x_BxLxD, execution), aux
 
     def token_losses(self, tokens_BxL, targets_BxL, *, execution: Execution = DEFAULT_EXECUTION,
-                     loss_weights_BxL=None, **options):
+                     loss_weights_BxL=None, mtp: bool = False, **options):
         """Next-token cross-entropy [B,L] (fp32) against targets and `trunk`'s aux dict, without ever holding all
         [B,L,V] logits: the LM head runs in execution.loss_chunks sequence chunks (moe/lm_loss.py).
 
         loss_weights_BxL given (training): aux["objective"] = sum(weights * ce), its gradient computed in the
         forward pass (lm_loss.weighted_cross_entropy), and the returned ce carries values only, no gradient.
+
+        mtp (with model.mtp_depth > 0): also the multi-token prediction modules (moe/mtp.py): aux gets mtp_ce,
+        mtp_weights (and mtp_objective when fused); their MoE blocks' loads follow the main model's in
+        aux["expert_load"] and aux["dropped_frac"] (rows: cfg.train_load_layer_ids), their balance losses add to
+        aux["balance_loss"].
         """
         x_BxLxD, aux = self.trunk(tokens_BxL, execution=execution, **options)
-        args = (self.final_norm(x_BxLxD), self.head(), targets_BxL)
+        h_BxLxD = self.final_norm(x_BxLxD)
+        args = (h_BxLxD, self.head(), targets_BxL)
         if loss_weights_BxL is None:
-            return cross_entropy(*args, execution.loss_chunks, execution.constrain), aux
-        aux["objective"], ce_BxL = weighted_cross_entropy(*args, loss_weights_BxL, execution.loss_chunks,
-                                                          execution.constrain)
+            ce_BxL = cross_entropy(*args, execution.loss_chunks, execution.constrain)
+        else:
+            aux["objective"], ce_BxL = weighted_cross_entropy(*args, loss_weights_BxL, execution.loss_chunks,
+                                                              execution.constrain)
+        if mtp and self.cfg.mtp_depth:
+            out = self._mtp(h_BxLxD, tokens_BxL, targets_BxL, loss_weights_BxL, execution, **options)
+            routing = out.pop("mtp_routing")
+            aux.update(out)
+            if routing:
+                aux["balance_loss"] = aux["balance_loss"] + sum(r["balance_loss"] for r in routing)
+                aux["expert_load"] = jnp.concatenate([aux["expert_load"], jnp.stack([r["load"] for r in routing])])
+                aux["dropped_frac"] = jnp.concatenate([aux["dropped_frac"],
+                                                       jnp.stack([r["dropped_frac"] for r in routing])])
         return ce_BxL, aux
+
+    def _mtp(self, h_BxLxD, tokens_BxL, targets_BxL, loss_weights_BxL, execution, *, positions_BxL=None,
+             segment_ids_BxL=None, prefix_len_B=None):
+        ex = execution.resolved()
+        positions_BxL, mask, valid_BxL = self.attention_inputs(
+            tokens_BxL, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL, prefix_len_B=prefix_len_B)
+
+        def call(block, x_BxLxD, valid):
+            return block(x_BxLxD, positions_BxL, mask, valid, ex, None, None, False, True)
+
+        def call_block(block, x_BxLxD, valid):
+            f = _rematerialized(lambda b, x, _: call(b, x, valid), ex.remat_policy) if ex.remat else \
+                lambda b, x, _: call(b, x, valid)
+            x_BxLxD, _, _, routing = f(block, x_BxLxD, None)
+            return x_BxLxD, routing
+
+        fused = loss_weights_BxL is not None
+        weights = loss_weights_BxL if fused else jnp.ones(targets_BxL.shape, jnp.float32)
+        return mtp_forward(self, h_BxLxD, targets_BxL, weights, segment_ids_BxL, valid_BxL, ex, fused, call_block)
 
     def trunk(self, tokens_BxL, *, execution: Execution = DEFAULT_EXECUTION, positions_BxL=None,
               segment_ids_BxL=None, prefix_len_B=None, cache=None, cache_index=None, return_routing=False,

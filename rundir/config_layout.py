@@ -30,12 +30,13 @@ def migrate(config: dict) -> dict:
 # earlier runs scatter-added; experiments.common.runs.fingerprint leaves any value of the three out.)
 ADDED_KEYS = {"eval.dispatch": "", "execution.loss_chunks": 8, "execution.scan_layers": False,
               "execution.remat_policy": "full", "execution.permute_grad": "auto",
-              # issue 47: MLA, YaRN, DeepSeek-V2's group score
+              # issue 47: MLA, YaRN, DeepSeek-V2's group score, multi-token prediction
               "model.attention": "gqa", "model.q_lora_rank": 0, "model.kv_lora_rank": 0, "model.qk_nope_head_dim": 0,
               "model.qk_rope_head_dim": 0, "model.v_head_dim": 0, "model.rope_interleave": False,
               "model.latent_norm_eps": 0.0, "model.rope_scaling_factor": 1.0, "model.rope_original_max_position": 0,
               "model.yarn_beta_fast": 32.0, "model.yarn_beta_slow": 1.0, "model.yarn_mscale": 0.0,
-              "model.yarn_mscale_all_dim": 0.0, "model.router_group_score": "top2_sum"}
+              "model.yarn_mscale_all_dim": 0.0, "model.router_group_score": "top2_sum", "model.mtp_depth": 0,
+              "train.mtp_weight": 0.3, "train.mtp_weight_late": 0.1, "train.mtp_weight_switch": 1.0}
 
 
 # Recorded beside the config in config.json at a run's creation: the platform and what each `auto` execution choice

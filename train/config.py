@@ -17,7 +17,7 @@ from moe import ConfigError, Execution, ModelConfig, param_counts
 from moe.errors import UserError
 from moe.execution import DISPATCH_MODES, DROPPING_DISPATCH, check_model, check_tokens
 from moe.layers import causal_blocks, chunk_count
-from rundir.config_layout import RESOLVED_FIELDS, RESOLVED_KEY
+from rundir.config_layout import ADDED_KEYS, RESOLVED_FIELDS, RESOLVED_KEY
 from train.cli import all_keys, unknown_key_error
 
 POSITIVE, NON_NEGATIVE = (">", 0), (">=", 0)
@@ -36,7 +36,8 @@ RANGES = {
     "checkpoint.every": POSITIVE, "checkpoint.keep": POSITIVE, "log.every": POSITIVE,
     "log.peak_flops": NON_NEGATIVE, "eval.every": POSITIVE, "eval.rows_per_domain": POSITIVE,
     "eval.batch_size": POSITIVE, "eval.dispatch": ("in", ("",) + DISPATCH_MODES),
-    "train.balance_loss_weight": NON_NEGATIVE,
+    "train.balance_loss_weight": NON_NEGATIVE, "train.mtp_weight": NON_NEGATIVE, "train.mtp_weight_late": NON_NEGATIVE,
+    "train.mtp_weight_switch": ("[]", (0, 1)),
 }
 
 
@@ -120,8 +121,19 @@ def execution(c: ml_collections.ConfigDict, mesh=None, *, evaluation: bool = Fal
         raise UserError(str(e)) from None
 
 
+def fill_added_keys(c: ml_collections.ConfigDict) -> None:
+    """A config saved before a key existed (a run's config.json) gets that key at the default that reproduces it
+    (rundir.config_layout.ADDED_KEYS); nothing else is filled in."""
+    for key, default in ADDED_KEYS.items():
+        section, name = key.split(".")
+        if section in c and name not in c[section]:
+            c[section][name] = default
+
+
 def check(c: ml_collections.ConfigDict) -> ModelConfig:
-    """Validate the whole config; returns the model config. Raises UserError naming the bad key."""
+    """Validate the whole config (after fill_added_keys); returns the model config. Raises UserError naming the bad
+    key."""
+    fill_added_keys(c)
     check_types(c)
     mcfg = model_config(c)
     ex = execution(c)

@@ -146,7 +146,7 @@ def train(config, mcfg, mesh, run_dir, data, log) -> dict:
     say(header(config, mcfg, mesh, start))
     steps = StepLog(config, run_dir, start, tokens_per_step=tokens_per_step, peak=peak,
                     flops_per_step=train_flops_per_token(mcfg, config.data.seq_len) * tokens_per_step,
-                    moe_layer_ids=mcfg.moe_layer_ids, last_checkpoint=lambda: saver.last_saved, say=say)
+                    moe_layer_ids=mcfg.train_load_layer_ids, last_checkpoint=lambda: saver.last_saved, say=say)
     stopped_by, step = signals.requested(), start
     if stopped_by:
         say(f"{stopped_by} before the first step: nothing trained, nothing to save")

@@ -1,8 +1,10 @@
 """The jitted train and eval steps: one implementation for every mesh, with gradient accumulation.
 
 Loss = next-token cross-entropy over loss-masked targets (mean over the GLOBAL batch's masked tokens, so
-accumulation and sharding don't change it) + alpha * sequence-wise balance loss. After the optimizer update, the
-routing biases follow the expert load of the whole global batch: b += gamma * sign(mean_load - load).
+accumulation and sharding don't change it) + alpha * sequence-wise balance loss, + with model.mtp_depth = D > 0
+lambda / D * the D multi-token prediction losses (each normalized by the same target count; moe/mtp.py). After the
+optimizer update, the routing biases (the MTP modules' included) follow the expert load of the whole global batch:
+b += gamma * sign(mean_load - load).
 """
 
 import functools
@@ -15,20 +17,36 @@ from moe import Execution, router
 from moe.model import merge_model
 
 
-def forward(graphdef, params, bias, batch, ex: Execution, fused_loss: bool = False):
+def forward(graphdef, params, bias, batch, ex: Execution, fused_loss: bool = False, mtp: bool = False):
     """(masked ce [B, L], aux). fused_loss (the train step's, `train_forward`): the model computes the LM head's
     gradient in its forward pass (moe/lm_loss.py) and returns aux["objective"] = sum(loss_mask * ce),
     differentiable, and the ce are values only -- differentiate `objective`, never the ce. False: the per-token ce,
-    differentiable as they are (evaluation, and the reference: benchmarks.train_step --loss plain)."""
+    differentiable as they are (evaluation, and the reference: benchmarks.train_step --loss plain). mtp: run the
+    multi-token prediction modules too (training; validation scores the main head alone)."""
     model = merge_model(graphdef, params, bias)
     ce_BxL, aux = model.token_losses(batch["tokens"], batch["targets"], execution=ex,
-                                     loss_weights_BxL=batch["loss_mask"] if fused_loss else None,
+                                     loss_weights_BxL=batch["loss_mask"] if fused_loss else None, mtp=mtp,
                                      positions_BxL=batch["positions"],
                                      segment_ids_BxL=batch["segment_ids"], prefix_len_B=batch.get("prefix_len"))
     return ce_BxL * batch["loss_mask"], aux
 
 
-train_forward = functools.partial(forward, fused_loss=True)
+train_forward = functools.partial(forward, fused_loss=True, mtp=True)
+
+
+def mtp_weight(t, step):
+    """lambda of the multi-token prediction loss at `step`: train.mtp_weight, then train.mtp_weight_late from the
+    train.mtp_weight_switch fraction of the run on."""
+    return jnp.where(step < int(t.mtp_weight_switch * t.steps), t.mtp_weight, t.mtp_weight_late)
+
+
+def mtp_objective(aux):
+    """The MTP modules' summed objective (0 without them): what lambda / D multiplies."""
+    if "mtp_objective" in aux:
+        return aux["mtp_objective"].sum() / aux["mtp_objective"].shape[0]
+    if "mtp_ce" in aux:
+        return (aux["mtp_ce"] * aux["mtp_weights"]).sum() / aux["mtp_ce"].shape[0]
+    return jnp.float32(0)
 
 
 def objective(ce_BxL, aux):
@@ -50,25 +68,30 @@ def make_train_step(graphdef, tx, lr_schedule, t, ex: Execution, forward_fn=trai
 
     def train_step(state, batch):
         n_targets = jnp.maximum(batch["loss_mask"].sum(), 1.0)
+        lam = mtp_weight(t, state["step"])
 
         def loss_fn(params, bias, mb):
             ce_BxL, aux = forward_fn(graphdef, params, bias, mb, ex)
             balance = t.balance_loss_weight * aux["balance_loss"]
-            loss = objective(ce_BxL, aux) / n_targets + balance / t.grad_accum
-            return loss, (ce_BxL.sum(), balance, aux["expert_load"], aux["dropped_frac"])
+            loss = (objective(ce_BxL, aux) + lam * mtp_objective(aux)) / n_targets + balance / t.grad_accum
+            stats = {"ce": ce_BxL.sum(), "balance": balance, "load": aux["expert_load"], "drop": aux["dropped_frac"]}
+            if "mtp_ce" in aux:  # per depth: the weighted ce and its target count, for the depth's loss metric
+                stats["mtp_ce"] = (aux["mtp_ce"] * aux["mtp_weights"]).sum((1, 2))
+                stats["mtp_targets"] = aux["mtp_weights"].sum((1, 2))
+            return loss, stats
 
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        micro = _micro_batches(batch, t.grad_accum)
 
         def accumulate(carry, mb):
-            grads, ce, bal, load, drop = carry
-            (_, (ce_i, bal_i, load_i, drop_i)), g = grad_fn(state["params"], state["bias"], mb)
-            return (jax.tree.map(jnp.add, grads, g), ce + ce_i, bal + bal_i, load + load_i, drop + drop_i), None
+            (_, stats), g = grad_fn(state["params"], state["bias"], mb)
+            return jax.tree.map(jnp.add, carry, (g, stats)), None
 
-        zeros = jax.tree.map(jnp.zeros_like, state["params"])
-        n_moe = len(jax.tree.leaves(state["bias"]))
-        E = jax.tree.leaves(state["bias"])[0].shape[0] if n_moe else 0
-        init = (zeros, jnp.float32(0), jnp.float32(0), jnp.zeros((n_moe, E), jnp.float32), jnp.zeros((n_moe,)))
-        (grads, ce_sum, bal, load_MxE, dropped_M), _ = jax.lax.scan(accumulate, init, _micro_batches(batch, t.grad_accum))
+        first = jax.tree.map(lambda x: x[0], micro)
+        shapes = jax.eval_shape(lambda: grad_fn(state["params"], state["bias"], first))
+        init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (shapes[1], shapes[0][1]))
+        (grads, stats), _ = jax.lax.scan(accumulate, init, micro)
+        ce_sum, bal, load_MxE, dropped_M = stats["ce"], stats["balance"], stats["load"], stats["drop"]
 
         updates, opt = tx.update(grads, state["opt"], state["params"])
         params = optax.apply_updates(state["params"], updates)
@@ -89,8 +112,12 @@ def make_train_step(graphdef, tx, lr_schedule, t, ex: Execution, forward_fn=trai
             "maxvio": router.max_violation(load_MxE),
             "dead_experts": (load_MxE == 0).sum(-1),
             "dropped_frac": dropped_M / t.grad_accum,  # per MoE layer; 0 unless a capacity bound drops
-            "bias_range": jnp.stack([b.max() - b.min() for b in biases]) if n_moe else jnp.zeros((0,)),
+            "bias_range": jnp.stack([b.max() - b.min() for b in biases]) if biases else jnp.zeros((0,)),
         }
+        if "mtp_ce" in stats:
+            metrics["mtp_weight"] = lam
+            for k, (ce_k, n_k) in enumerate(zip(stats["mtp_ce"], stats["mtp_targets"]), start=1):
+                metrics[f"mtp/loss_{k}"] = ce_k / jnp.maximum(n_k, 1.0)
         return {"params": params, "bias": bias, "opt": opt, "step": state["step"] + 1}, metrics
 
     return train_step
