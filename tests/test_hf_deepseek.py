@@ -1,10 +1,11 @@
 """HF import parity for the multi-head latent attention families (moe/hf/deepseek.py): a tiny random transformers
 deepseek_v2 (greedy, and group_limited_greedy; no query LoRA as V2-Lite), deepseek_v3 (query LoRA, 4 groups, YaRN,
-interleaved RoPE, an MTP layer in the checkpoint) and glm4_moe_lite (rotate-half RoPE, a dense layer after a MoE one),
+interleaved RoPE, an MTP layer in the checkpoint, imported as our MTP module) and glm4_moe_lite (rotate-half RoPE, a dense layer after a MoE one),
 saved with save_pretrained, loads with the same logits (fp32), the same experts in every MoE layer, and decodes with
 our latent KV cache the same 32 greedy tokens as transformers' generate; what it cannot reproduce is refused naming
 the field."""
 
+import dataclasses
 import json
 import shutil
 
@@ -89,14 +90,20 @@ def _hf_generate(hf, prompt):
 
 
 def _add_mtp_layer(path, sd, n_layers):
-    """What DeepSeek-V3 checkpoints hold after the last layer (transformers' save_pretrained writes none): a copy of
-    the last decoder layer plus the MTP projections, as model.layers.{n_layers}.*."""
+    """What DeepSeek-V3 checkpoints hold after the last layer (transformers' save_pretrained writes none), as
+    model.layers.{n_layers}.*: a decoder layer (the last one's weights, perturbed), random enorm, hnorm, eh_proj and
+    shared_head.norm, and copies of the embedding and head."""
     last, mtp = f"model.layers.{n_layers - 1}.", f"model.layers.{n_layers}."
-    extra = {mtp + k[len(last):]: v for k, v in sd.items() if k.startswith(last)}
+    rng = np.random.default_rng(7)
+    extra = {mtp + k[len(last):]: (v * (1 + 0.1 * rng.standard_normal(v.shape))).astype(np.float32)
+             for k, v in sd.items() if k.startswith(last)}
     D = STACK["hidden_size"]
-    extra.update({mtp + "enorm.weight": np.ones(D, np.float32), mtp + "hnorm.weight": np.ones(D, np.float32),
-                  mtp + "eh_proj.weight": np.zeros((D, 2 * D), np.float32),
-                  mtp + "shared_head.norm.weight": np.ones(D, np.float32)})
+    extra.update({mtp + "enorm.weight": 1 + 0.3 * rng.standard_normal(D).astype(np.float32),
+                  mtp + "hnorm.weight": 1 + 0.3 * rng.standard_normal(D).astype(np.float32),
+                  mtp + "eh_proj.weight": 0.1 * rng.standard_normal((D, 2 * D)).astype(np.float32),
+                  mtp + "shared_head.norm.weight": 1 + 0.3 * rng.standard_normal(D).astype(np.float32),
+                  mtp + "embed_tokens.weight": sd["model.embed_tokens.weight"],
+                  mtp + "shared_head.head.weight": sd["lm_head.weight"]})
     save_file({**sd, **extra}, str(path / "model.safetensors"), metadata={"format": "pt"})
     return sorted(extra)
 
@@ -150,7 +157,8 @@ def test_logits_and_expert_ids_match(family):
     assert err <= 1e-4, (name, err)
     assert all(a == 1.0 for a in agree), (name, agree)
     assert param_counts(model.cfg)["total"] == sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-    assert param_counts(model.cfg)["total"] == f["n_params"]
+    main = dataclasses.replace(model.cfg, mtp_depth=0)  # transformers' model holds no MTP layer
+    assert param_counts(main)["total"] == f["n_params"]
 
 
 def test_greedy_decoding_matches_generate(family):
@@ -178,15 +186,53 @@ def test_what_each_family_maps_to(built):
     assert lite.norm_eps == 0.25 and all(c.latent_norm_eps == 1e-6 for c in cfgs.values())
 
 
-def test_mtp_layer_is_in_the_checkpoint_and_skipped(built):
+def test_mtp_layer_is_imported_and_equals_the_papers_module(built, tmp_path):
+    """DeepSeek-V3's layer num_hidden_layers becomes our MTP module: its depth-1 loss equals the paper's equations
+    computed in torch (transformers' own decoder layer for the block; h^0 the final-normed hidden state; the
+    embedding first in eh_proj's input)."""
     f = built("deepseek_v3")
     assert "model.layers.3.eh_proj.weight" in f["mtp"] and "model.layers.3.self_attn.kv_b_proj.weight" in f["mtp"]
+    model, sd = f["model"], read_tensors(f["path"])
+    assert model.cfg.mtp_depth == 1 and model.cfg.train_load_layer_ids == (1, 2, 3)
+    hf = _random_hf("deepseek_v3")
+    cfg4 = FAMILIES["deepseek_v3"]()
+    cfg4.num_hidden_layers = 4  # the same weights plus layer 3, the MTP layer's decoder layer
+    cfg4.save_pretrained(str(tmp_path))
+    save_file({k: v for k, v in sd.items() if not k.startswith("model.layers.3.") or "self_attn" in k or "mlp" in k
+               or "layernorm" in k}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    hf4 = transformers.DeepseekV3ForCausalLM.from_pretrained(str(tmp_path)).eval()
+    p = "model.layers.3."
+    rms = lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 0.25) * torch.tensor(sd[p + w])
+    tok = torch.tensor(TOKENS)
+    with torch.no_grad():
+        h0 = hf.model(tok).last_hidden_state[:, :-1]
+        emb = hf.model.embed_tokens(tok[:, 1:])
+        x = torch.cat([rms(emb, "enorm.weight"), rms(h0, "hnorm.weight")], -1) @ torch.tensor(sd[p + "eh_proj.weight"]).T
+        got = {}
+        pre = hf4.model.layers[3].register_forward_pre_hook(lambda _m, args, kw: ((x,), kw), with_kwargs=True)
+        post = hf4.model.layers[3].register_forward_hook(lambda _m, _a, out: got.update(h=out))
+        hf4.model(tok[:, :-1])
+        pre.remove(), post.remove()
+        h = got["h"][0] if isinstance(got["h"], tuple) else got["h"]
+        logits = rms(h, "shared_head.norm.weight") @ torch.tensor(sd["lm_head.weight"]).T
+        ref = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V), tok[:, 2:].reshape(-1),
+                                                reduction="none").reshape(2, -1).numpy()
+    _, aux = model.token_losses(jnp.asarray(TOKENS[:, :-1]), jnp.asarray(TOKENS[:, 1:]), mtp=True)
+    ours = np.asarray(aux["mtp_ce"][0])[:, :ref.shape[1]]
+    np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_mtp_copies_that_differ_from_the_main_embedding_are_refused(built):
+    f = built("deepseek_v3")
     c, where = read_config(f["path"])
     sd = read_tensors(f["path"])
-    assert set(f["mtp"]) <= set(sd)
+    cfg = dataclasses.replace(model_config(c), mtp_depth=1)
+    sd["model.layers.3.shared_head.head.weight"] = sd["model.layers.3.shared_head.head.weight"] + 1.0
+    with pytest.raises(HFImportError, match="shared_head.head.weight' differs from 'lm_head.weight'"):
+        our_tensors(cfg, LAYOUTS["deepseek_v3"].layout(c), sd, where)
     c["num_nextn_predict_layers"] = 0  # without the field the extra layer is an unknown feature: refused
     with pytest.raises(HFImportError, match="unexpected tensor.*model.layers.3"):
-        our_tensors(model_config(c), LAYOUTS["deepseek_v3"].layout(c), sd, where)
+        our_tensors(model_config(c), LAYOUTS["deepseek_v3"].layout(c), read_tensors(f["path"]), where)
 
 
 def _config_dict(name, **changes):

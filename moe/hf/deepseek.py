@@ -12,7 +12,9 @@
                  first_k_dense_replace.
 All three: shared experts of width moe_intermediate_size x n_shared_experts, dense SwiGLU (intermediate_size) in the
 dense layers, default RoPE or YaRN (common.yarn_rope_fields). MTP layers (num_nextn_predict_layers, stored after
-the last layer) are skipped: transformers' forward never runs them.
+the last layer: enorm, hnorm, eh_proj, a decoder layer, shared_head.norm, and copies of the embedding and head)
+become our MTP modules (moe/mtp.py; transformers' forward never runs them); copies that differ from the main
+embedding or head are refused.
 
 Refused, one line naming the field: quantized weights (quantization_config, FP8), DeepSeek-V3.2's sparse indexer
 (index_*), attention_bias, mlp_bias, hidden_act other than silu, num_key_value_heads != num_attention_heads,
@@ -72,7 +74,7 @@ def layout(c: dict) -> Layout:
     mtp = field(c, "num_nextn_predict_layers", "num_mtp_layers", default=0)
     bias = None if c["model_type"] == "deepseek_v2" else "gate.e_score_correction_bias"
     return Layout(shared="shared_experts", routing_bias=bias,
-                  drop_layers_from=c["num_hidden_layers"] if mtp else None)
+                  mtp_from=c["num_hidden_layers"] if mtp else None)
 
 
 def _dense_layers(c: dict, where: str, kind: str) -> dict:

@@ -4,7 +4,8 @@ Sigmoid router in fp32, e_score_correction_bias for selection only, group-limite
 (norm_topk_prob) x routed_scaling_factor, shared experts of width moe_intermediate_size x n_shared_experts, dense
 SwiGLU in the first first_k_dense_replace layers, partial rotary (partial_rotary_factor, HF's default 0.5,
 rotate-half within the rotated part), optional q/k bias (attention_bias) and per-head q/k RMSNorm (use_qk_norm).
-MTP layers (num_nextn_predict_layers) are not part of HF's forward either: their tensors are skipped.
+MTP layers (num_nextn_predict_layers; not part of HF's forward) are read into our MTP modules as DeepSeek-V3's are
+(moe/hf/weights.py).
 """
 
 from moe.config import ModelConfig
@@ -31,4 +32,4 @@ def model_config(c: dict, where: str) -> ModelConfig:
 def layout(c: dict) -> Layout:
     mtp = field(c, "num_nextn_predict_layers", "num_mtp_layers", default=0)
     return Layout(shared="shared_experts", routing_bias="gate.e_score_correction_bias",
-                  drop_layers_from=c["num_hidden_layers"] if mtp else None)
+                  mtp_from=c["num_hidden_layers"] if mtp else None)

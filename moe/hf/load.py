@@ -6,6 +6,7 @@ ModelConfig that reproduces HF's forward exactly and says where its tensors live
 dtype is upcast).
 """
 
+import dataclasses
 import os
 
 import tokenizers
@@ -14,7 +15,7 @@ from moe.config import ConfigError
 from moe.hf import deepseek, glm4_moe, mixtral, olmoe, qwen_moe
 from moe.hf.common import HFImportError, SafetensorsFiles, inside, read_config
 from moe.hf.safetensors_io import model_from_items
-from moe.hf.weights import variables
+from moe.hf.weights import mtp_depth, variables
 from moe.model import Transformer
 
 FAMILIES = {t: m for m in (glm4_moe, qwen_moe, olmoe, mixtral, deepseek) for t in m.MODEL_TYPES}
@@ -51,9 +52,12 @@ def load_model(path_dir: str) -> Transformer:
     c, where = read_config(path_dir)
     cfg = model_config(c, where)
     files = SafetensorsFiles(path_dir)
+    layout = FAMILIES[c["model_type"]].layout(c)
     try:
-        return model_from_items(cfg, variables(cfg, FAMILIES[c["model_type"]].layout(c), files, path_dir), path_dir,
-                                "config.json")
+        # the MTP layers the weights hold (num_nextn_predict_layers says how many the model had; tiny checkpoints
+        # saved by transformers keep none)
+        cfg = dataclasses.replace(cfg, mtp_depth=mtp_depth(layout, files.shapes))
+        return model_from_items(cfg, variables(cfg, layout, files, path_dir), path_dir, "config.json")
     finally:
         files.release()
 

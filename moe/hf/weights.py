@@ -7,6 +7,7 @@ writes) or fused (`experts.gate_up_proj` [E, 2F, D] + `experts.down_proj` [E, D,
 """
 
 import dataclasses
+import hashlib
 import math
 import re
 
@@ -23,7 +24,17 @@ class Layout:
     shared: str | None = None  # shared SwiGLU under the MoE block: "shared_experts" (GLM), "shared_expert" (Qwen2)
     shared_gate: str | None = None  # "shared_expert_gate" (Qwen2-MoE)
     routing_bias: str | None = None  # "gate.e_score_correction_bias" (GLM / DeepSeek-V3)
-    drop_layers_from: int | None = None  # MTP layers (index >= num_hidden_layers): HF's forward skips them
+    # Where MTP layers would start (num_hidden_layers, when config.json has num_nextn_predict_layers): as many as
+    # the weights hold become our MTP modules (mtp_depth); the rest of them are skipped, as HF's forward skips all.
+    mtp_from: int | None = None
+
+
+def mtp_depth(layout: Layout, names) -> int:
+    """How many MTP layers the checkpoint holds (layer mtp_from + k with an eh_proj, k = 0, 1, ...)."""
+    n = 0
+    while layout.mtp_from is not None and f"model.layers.{layout.mtp_from + n}.eh_proj.weight" in names:
+        n += 1
+    return n
 
 
 def our_tensors(cfg: ModelConfig, layout: Layout, sd: dict[str, np.ndarray], where: str) -> dict[str, np.ndarray]:
@@ -52,7 +63,8 @@ def variables(cfg: ModelConfig, layout: Layout, src, where: str):
     it is reached, `src` is released, and its variables are handed out one by one and dropped here. A projection's or
     expert's shape is checked against the config from `shapes` before it is read; missing and left-over tensors are
     refused (HFImportError naming them)."""
-    names = {k: v for k, v in src.shapes.items() if not k.endswith("rotary_emb.inv_freq") and not _dropped(layout, k)}
+    names = {k: v for k, v in src.shapes.items()
+             if not k.endswith("rotary_emb.inv_freq") and not _dropped(layout, cfg.mtp_depth, k)}
 
     def shape(name):
         if name not in names:
@@ -98,9 +110,9 @@ def variables(cfg: ModelConfig, layout: Layout, src, where: str):
         out["lm_head"] = take("lm_head.weight").T
     else:
         names.pop("lm_head.weight", None)  # some tied checkpoints store the (identical) head too; HF ignores it
-    yield from emit(out)
-    for i in range(cfg.n_layers):
-        p, q = f"model.layers.{i}.", f"blocks.{i}."
+
+    def layer(p, q, i):
+        """Block i from HF layer prefix p into our prefix q (a main block, or an MTP module's)."""
         out[q + "attn_norm.scale"] = take(p + "input_layernorm.weight")
         out[q + "ffn_norm.scale"] = take(p + "post_attention_layernorm.weight")
         a = p + "self_attn."
@@ -124,7 +136,7 @@ def variables(cfg: ModelConfig, layout: Layout, src, where: str):
             for w in ("gate", "up", "down"):
                 out[f"{q}ffn.w_{w}"] = take(f"{p}mlp.{w}_proj.weight").T
             yield from emit(out)
-            continue
+            return
         m = p + next((name for name in layout.moe if p + name + ".gate.weight" in names), layout.moe[0]) + "."
         out[q + "ffn.router"] = take(m + "gate.weight").T
         bias = take(m + layout.routing_bias) if layout.routing_bias else np.zeros(cfg.n_routed_experts)
@@ -141,6 +153,26 @@ def variables(cfg: ModelConfig, layout: Layout, src, where: str):
         if cfg.shared_expert_gate:
             out[q + "ffn.shared_gate"] = shaped(f"{m}{layout.shared_gate}.weight", D, transpose=False)
         yield from emit(out)
+    digests = {"model.embed_tokens.weight": _digest(out["embed"]),  # what MTP layers' copies must equal
+               "lm_head.weight": _digest(out["embed"] if cfg.tie_embeddings else out["lm_head"].T)} \
+        if cfg.mtp_depth else {}
+    yield from emit(out)
+    for i in range(cfg.n_layers):
+        yield from layer(f"model.layers.{i}.", f"blocks.{i}.", i)
+    for k in range(cfg.mtp_depth):  # DeepSeek-V3's MTP layer k: our mtp[k] (moe/mtp.py)
+        p, q = f"model.layers.{cfg.n_layers + k}.", f"mtp.{k}."
+        out[q + "enorm.scale"] = take(p + "enorm.weight")
+        out[q + "hnorm.scale"] = take(p + "hnorm.weight")
+        out[q + "eh_proj"] = shaped(p + "eh_proj.weight", 2 * D, D)
+        out[q + "head_norm.scale"] = take(p + "shared_head.norm.weight")
+        # the module's copies of the embedding and head: ours shares the main model's, so they must be equal
+        for name, main in ((p + "embed_tokens.weight", "model.embed_tokens.weight"),
+                           (p + "shared_head.head.weight", "lm_head.weight")):
+            if name in names and _digest(take(name)) != digests[main]:
+                raise HFImportError(f"{where}: tensor {name!r} differs from {main!r}; our MTP modules share the "
+                                    "main model's embedding and head (as DeepSeek-V3 trains them)")
+        yield from emit(out)
+        yield from layer(p, q + "block.", cfg.n_layers + k)
     if names:
         raise HFImportError(f"{where}: unexpected tensor(s) {', '.join(sorted(names)[:4])} for the config in "
                             "config.json (a feature this importer does not know)")
@@ -164,11 +196,18 @@ def _mla(cfg, a, q, take, shaped):
     return out
 
 
-def _dropped(layout: Layout, name: str) -> bool:
-    if layout.drop_layers_from is None:
+def _dropped(layout: Layout, imported: int, name: str) -> bool:
+    """An MTP layer past the `imported` ones (HF's forward runs none of them)."""
+    if layout.mtp_from is None:
         return False
     m = re.match(r"model\.layers\.(\d+)\.", name)
-    return m is not None and int(m.group(1)) >= layout.drop_layers_from
+    return m is not None and int(m.group(1)) >= layout.mtp_from + imported
+
+
+def _digest(arr) -> bytes:
+    """A fingerprint of a tensor's values: MTP layers store copies of the embedding and head, compared by it (the
+    streaming import does not keep the originals)."""
+    return hashlib.blake2b(np.ascontiguousarray(arr, np.float32).tobytes(), digest_size=16).digest()
 
 
 def _experts(cfg, layout, m, q, names, shape, take, stacked, where):
