@@ -172,6 +172,7 @@ def _refusing_open_run(**changes):
     ("foreign", "not an export written by train.export"),
     ("dtype", "--dtype 'float64' is not supported"),
     ("format", "--format 'onnx' is not supported"),
+    ("mtp", "--mtp 'maybe' is not supported; use keep or drop"),
     ("bf16_orbax", "applies to --format hf only"),
     ("prefix", "prefix mask"),
     ("nope", "no position encoding (NoPE)"),
@@ -193,6 +194,8 @@ def test_bad_input_exits_2_with_one_line(tiny_run, tmp_path, monkeypatch, capsys
         args["--dtype"] = "float64"
     elif case == "format":
         args["--format"] = "onnx"
+    elif case == "mtp":
+        args["--mtp"] = "maybe"
     elif case == "bf16_orbax":
         args.update({"--format": "orbax", "--dtype": "bfloat16"})
     else:

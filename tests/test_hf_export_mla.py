@@ -205,3 +205,31 @@ def test_what_mla_cannot_be_never_reaches_the_export(changes, field):
     unchecked = moe.ModelConfig(**MLA)
     object.__setattr__(unchecked, next(iter(changes)), next(iter(changes.values())))  # bypass the validation
     assert len(unsupported_features(unchecked)) == 1
+
+
+def test_mtp_modules_export_as_deepseek_stores_them(tmp_path, tokenizer_path):
+    """--mtp keep: layer n_layers holds the MTP module (num_nextn_predict_layers 1); transformers loads the main model
+    with our logits and lists only that layer as unexpected; importing it back gives every parameter, the MTP
+    module's included, bit for bit. --mtp drop: a plain DeepseekV3ForCausalLM, no unexpected keys."""
+    torch, transformers = test_hf_export._hf()
+    model = _model(dict(MLA, mtp_depth=1))
+    keep, drop = tmp_path / "keep", tmp_path / "drop"
+    write_hf_checkpoint(model, str(keep), tokenizer_path, "float32", CARD, max_position_embeddings=32)
+    write_hf_checkpoint(model, str(drop), tokenizer_path, "float32", CARD, max_position_embeddings=32, mtp=False)
+    assert json.loads((keep / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    assert json.loads((drop / "config.json").read_text())["num_nextn_predict_layers"] == 0
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(str(keep), output_loading_info=True)
+    assert not info["missing_keys"] and info["unexpected_keys"]
+    assert all(k.startswith("model.layers.3.") for k in info["unexpected_keys"])
+    with torch.no_grad():
+        theirs = hf(torch.tensor(TOKENS)).logits.float().numpy()
+    ours = np.asarray(_forward(model, jnp.asarray(TOKENS))[0], np.float32)
+    assert np.abs(ours - theirs).max() <= 1e-4 * np.abs(ours).max()
+    back, _ = load_hf_moe(str(keep))
+    assert back.cfg.mtp_depth == 1
+    a, b = flat_variables(model), flat_variables(back)
+    assert sorted(a) == sorted(b) and any(k.startswith("mtp.0.") for k in a)
+    for k in a:
+        assert np.array_equal(a[k], b[k]), k
+    test_hf_export._hf_logits(str(drop), TOKENS)  # asserts no missing / unexpected keys
+    assert load_hf_moe(str(drop))[0].cfg.mtp_depth == 0

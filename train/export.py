@@ -1,11 +1,16 @@
 """Export a trained run: `python -m train.export --workdir DIR --out EXPORT_DIR [--step N]
-[--dtype float32|bfloat16] [--format hf|safetensors|orbax] [--overwrite]`.
+[--dtype float32|bfloat16] [--format hf|safetensors|orbax] [--mtp keep|drop] [--overwrite]`.
 
   hf           HuggingFace (config.json, safetensors, tokenizer, model card), exact logits, in the architecture the
                model is: Glm4MoeForCausalLM (grouped-query attention) or DeepseekV3ForCausalLM (model.attention=mla)
   safetensors  our lossless format (moe/hf/safetensors_io.py) + tokenizer.json: any config (prefix mask, NoPE ...)
   orbax        params + routing biases (no optimizer state) + moe_config.json + tokenizer.json, for JAX users:
                `model = train.export.load_orbax_export(EXPORT_DIR)`
+
+A model with multi-token prediction (model.mtp_depth) keeps its MTP modules in every format. In hf, --mtp keep
+writes them as DeepSeek-V3 stores them (layer n_layers + k, num_nextn_predict_layers; what vLLM and SGLang read
+for speculative decoding; transformers loads the rest and lists them as unexpected keys); --mtp drop writes the
+plain HF model alone.
 
 The export is written into a temporary directory next to --out and renamed into place at the end: a failure
 never leaves a half export or touches an existing one. Bad input prints one line on stderr and exits 2.
@@ -44,8 +49,12 @@ def parse_args(argv):
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
     p.add_argument("--dtype", default="float32", help="weights dtype for --format hf: float32 | bfloat16")
     p.add_argument("--format", default="hf", help="hf | safetensors | orbax")
+    p.add_argument("--mtp", default="keep", help="--format hf: keep the MTP modules as DeepSeek-V3 stores them, or "
+                                                 "drop them (keep | drop)")
     p.add_argument("--overwrite", action="store_true", help="replace a previous export in --out (never anything else)")
     args = p.parse_args(argv)
+    if args.mtp not in ("keep", "drop"):
+        raise UserError(f"--mtp {args.mtp!r} is not supported; use keep or drop")
     if args.format not in FORMATS:
         raise UserError(f"--format {args.format!r} is not supported; use one of {', '.join(FORMATS)}")
     if args.dtype not in DTYPES:
@@ -148,15 +157,15 @@ def load_orbax_export(path_dir):
     return merge_model(graphdef, restored["params"], restored["bias"])
 
 
-def write_export(model, meta: dict, workdir, out_dir: Path, fmt: str, dtype: str) -> None:
-    """Write the export into `out_dir` (an existing empty directory)."""
+def write_export(model, meta: dict, workdir, out_dir: Path, fmt: str, dtype: str, mtp: bool = True) -> None:
+    """Write the export into `out_dir` (an existing empty directory); mtp: hf keeps the MTP modules."""
     if fmt == "hf":
 
         with tempfile.TemporaryDirectory() as tmp:
             tok = Path(tmp) / "tokenizer.json"
             tok.write_text(meta["tokenizer"], encoding="utf-8")
             write_hf_checkpoint(model, str(out_dir), str(tok), dtype, model_card(workdir, meta),
-                                max_position_embeddings=int(meta["config"]["data"]["seq_len"]))
+                                max_position_embeddings=int(meta["config"]["data"]["seq_len"]), mtp=mtp)
     elif fmt == "safetensors":
 
         save_safetensors(model, str(out_dir), extra_meta={"step": meta["step"], "workdir": str(workdir)})
@@ -195,8 +204,9 @@ def _swap_in(new: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def export(workdir, out, step=None, dtype="float32", fmt="hf", overwrite=False) -> Path:
-    """Export checkpoint `step` (default newest) of `workdir` to `out`; returns `out`. Raises UserError."""
+def export(workdir, out, step=None, dtype="float32", fmt="hf", overwrite=False, mtp=True) -> Path:
+    """Export checkpoint `step` (default newest) of `workdir` to `out`; returns `out`. Raises UserError. mtp: hf
+    keeps the MTP modules (--mtp keep)."""
 
     if not str(out).strip():
         raise UserError("--out is empty; pass an export directory, e.g. --out exports/my_run")
@@ -214,7 +224,7 @@ def export(workdir, out, step=None, dtype="float32", fmt="hf", overwrite=False) 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        write_export(model, meta, workdir, tmp, fmt, dtype)
+        write_export(model, meta, workdir, tmp, fmt, dtype, mtp)
         write_export_marker(tmp, fmt, workdir, meta["step"])
         _umask_permissions(tmp)
         if out.exists():  # empty, or --overwrite: move it aside first so a failed rename can restore it
@@ -233,7 +243,8 @@ def main(argv=None):
         args = parse_args(argv)
 
         try:
-            out = export(args.workdir, args.out, args.step, args.dtype, args.format, args.overwrite)
+            out = export(args.workdir, args.out, args.step, args.dtype, args.format, args.overwrite,
+                         args.mtp == "keep")
         except (ExportError, ConfigError) as e:
             raise UserError(str(e)) from None
         except OSError as e:

@@ -10,7 +10,11 @@ GLM-4.5's architecture is ours: pre-norm RMSNorm, GQA with full rotate-half RoPE
 `first_k_dense` layers, then the DeepSeek-V3 MoE (sigmoid router, selection-only bias = e_score_correction_bias,
 group-limited top-k, shared experts). The checked mapping facts are in HF_EXPORT_NOTES.md; the ones that bite:
 partial_rotary_factor must be 1.0 (HF's default 0.5 rotates half the head), head_dim must be written, and
-num_nextn_predict_layers must be 0. deepseek_v3 names the embedding, norm and MoE tensors as glm4_moe does; its
+num_nextn_predict_layers must count the MTP layers written. MTP modules (model.mtp_depth) are written as DeepSeek-V3
+and GLM-4.5 store them, layer n_layers + k (enorm, hnorm, eh_proj, the decoder layer, shared_head.norm, copies of
+the embedding and head: what vLLM and SGLang read for speculative decoding); transformers' forward never runs them
+and reports them as unexpected keys (it ignores only DeepSeek-V3's layer 61), so write_hf_checkpoint(mtp=False)
+leaves them out for a plain HF model. deepseek_v3 names the embedding, norm and MoE tensors as glm4_moe does; its
 config.json, attention tensors and refusals are export_deepseek.py's. Pure NumPy here: neither torch nor
 transformers is needed to export.
 """
@@ -77,16 +81,16 @@ def check_exportable(cfg: ModelConfig) -> None:
 
 
 def hf_config(cfg: ModelConfig, *, eos_token_id: int, pad_token_id: int, bos_token_id: int | None = None,
-              dtype: str = "float32", max_position_embeddings: int = 4096) -> dict:
+              dtype: str = "float32", max_position_embeddings: int = 4096, mtp_layers: int = 0) -> dict:
     """config.json for `glm4_moe` (or `deepseek_v3`, attention="mla"); every field that changes the math is
-    written explicitly."""
+    written explicitly. mtp_layers: num_nextn_predict_layers, the MTP layers the weights hold."""
     check_exportable(cfg)
     if dtype not in EXPORT_DTYPES:
         raise ExportError(f"dtype {dtype!r} is not an export dtype; use one of {', '.join(EXPORT_DTYPES)}")
     if cfg.attention == "mla":
         return export_deepseek.hf_config(cfg, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
                                          bos_token_id=bos_token_id, dtype=dtype,
-                                         max_position_embeddings=max_position_embeddings)
+                                         max_position_embeddings=max_position_embeddings, mtp_layers=mtp_layers)
     return {
         "architectures": ["Glm4MoeForCausalLM"],
         "model_type": "glm4_moe",
@@ -107,7 +111,7 @@ def hf_config(cfg: ModelConfig, *, eos_token_id: int, pad_token_id: int, bos_tok
         "topk_group": cfg.topk_group,
         "norm_topk_prob": cfg.norm_topk_prob,
         "routed_scaling_factor": cfg.routed_scaling_factor,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": mtp_layers,
         "rms_norm_eps": cfg.norm_eps,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": 1.0},
         # Top-level copies for transformers 4.x readers; 5.x folds them into rope_parameters / dtype.
@@ -133,49 +137,64 @@ def _cast(x, dtype: str) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(jnp.asarray(x).astype(dtype)))
 
 
-def hf_state_dict(model: Transformer, dtype: str = "float32") -> dict[str, np.ndarray]:
-    """HF tensor names -> arrays in torch Linear layout [out, in]; routed experts written one by one."""
+def hf_state_dict(model: Transformer, dtype: str = "float32", mtp: bool = True) -> dict[str, np.ndarray]:
+    """HF tensor names -> arrays in torch Linear layout [out, in]; routed experts written one by one. mtp: the MTP
+    modules as DeepSeek-V3 stores them, layer n_layers + k (else none: a plain HF model)."""
     cfg = model.cfg
     check_exportable(cfg)
     c = lambda x: _cast(np.asarray(x.get_value() if hasattr(x, "get_value") else x), dtype)
     sd = {"model.embed_tokens.weight": c(model.embed), "model.norm.weight": c(model.final_norm.scale)}
     if not cfg.tie_embeddings:
         sd["lm_head.weight"] = c(np.asarray(model.lm_head.get_value()).T)  # [D,V] -> [V,D]
-    H, N, Dh, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
     for i, block in enumerate(model.blocks):
-        p = f"model.layers.{i}."
-        a = block.attn
-        sd[p + "input_layernorm.weight"] = c(block.attn_norm.scale)
-        sd[p + "post_attention_layernorm.weight"] = c(block.ffn_norm.scale)
-        if cfg.attention == "mla":
-            sd.update({p + "self_attn." + k: v for k, v in export_deepseek.attention_tensors(a, cfg, c).items()})
-        else:
-            sd[p + "self_attn.q_proj.weight"] = c(np.asarray(a.wq.get_value()).reshape(D, H * Dh).T)
-            sd[p + "self_attn.k_proj.weight"] = c(np.asarray(a.wk.get_value()).reshape(D, N * Dh).T)
-            sd[p + "self_attn.v_proj.weight"] = c(np.asarray(a.wv.get_value()).reshape(D, N * Dh).T)
-            sd[p + "self_attn.o_proj.weight"] = c(np.asarray(a.wo.get_value()).reshape(H * Dh, D).T)
-        f = block.ffn
-        if not block.is_moe:
-            sd.update(_swiglu(p + "mlp.", f, c))
-            continue
-        # HF keeps the router (and its bias) in fp32 whatever the model dtype (_keep_in_fp32_modules_strict):
-        # deepseek_v3 exports write it so; glm4_moe exports write the weight in the export dtype, unchanged
-        # (transformers upcasts it on load).
-        router = np.asarray(f.router.get_value()).T  # [D,E] -> [E,D]
-        sd[p + "mlp.gate.weight"] = _cast(router, "float32") if cfg.attention == "mla" else c(router)
-        sd[p + "mlp.gate.e_score_correction_bias"] = _cast(f.bias.get_value(), "float32")
-        wg, wu, wd = (np.asarray(w.get_value()) for w in (f.w_gate, f.w_up, f.w_down))
-        for e in range(cfg.n_routed_experts):
-            q = f"{p}mlp.experts.{e}."
-            sd[q + "gate_proj.weight"] = c(wg[e].T)
-            sd[q + "up_proj.weight"] = c(wu[e].T)
-            sd[q + "down_proj.weight"] = c(wd[e].T)
-        if f.shared is not None:
-            sd.update(_swiglu(p + "mlp.shared_experts.", f.shared, c))
-        else:  # HF always builds shared_experts, of width moe_intermediate_size * 0: zero-size weights.
-            sd[p + "mlp.shared_experts.gate_proj.weight"] = _cast(np.zeros((0, D)), dtype)
-            sd[p + "mlp.shared_experts.up_proj.weight"] = _cast(np.zeros((0, D)), dtype)
-            sd[p + "mlp.shared_experts.down_proj.weight"] = _cast(np.zeros((D, 0)), dtype)
+        sd.update(_block_tensors(block, f"model.layers.{i}.", cfg, c, dtype))
+    for k, module in enumerate(model.mtp if mtp and cfg.mtp_depth else []):
+        p = f"model.layers.{cfg.n_layers + k}."
+        sd[p + "enorm.weight"] = c(module.enorm.scale)
+        sd[p + "hnorm.weight"] = c(module.hnorm.scale)
+        sd[p + "eh_proj.weight"] = c(np.asarray(module.eh_proj.get_value()).T)  # [2D,D] -> [D,2D]: embedding first
+        sd[p + "shared_head.norm.weight"] = c(module.head_norm.scale)
+        sd[p + "embed_tokens.weight"] = sd["model.embed_tokens.weight"]  # the shared embedding and head, as
+        sd[p + "shared_head.head.weight"] = sd.get("lm_head.weight", sd["model.embed_tokens.weight"])  # stored
+        sd.update(_block_tensors(module.block, p, cfg, c, dtype))
+    return sd
+
+
+def _block_tensors(block, p: str, cfg: ModelConfig, c, dtype: str) -> dict[str, np.ndarray]:
+    """One decoder layer's tensors under HF prefix p."""
+    H, N, Dh, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
+    sd, a = {}, block.attn
+    sd[p + "input_layernorm.weight"] = c(block.attn_norm.scale)
+    sd[p + "post_attention_layernorm.weight"] = c(block.ffn_norm.scale)
+    if cfg.attention == "mla":
+        sd.update({p + "self_attn." + k: v for k, v in export_deepseek.attention_tensors(a, cfg, c).items()})
+    else:
+        sd[p + "self_attn.q_proj.weight"] = c(np.asarray(a.wq.get_value()).reshape(D, H * Dh).T)
+        sd[p + "self_attn.k_proj.weight"] = c(np.asarray(a.wk.get_value()).reshape(D, N * Dh).T)
+        sd[p + "self_attn.v_proj.weight"] = c(np.asarray(a.wv.get_value()).reshape(D, N * Dh).T)
+        sd[p + "self_attn.o_proj.weight"] = c(np.asarray(a.wo.get_value()).reshape(H * Dh, D).T)
+    f = block.ffn
+    if not block.is_moe:
+        sd.update(_swiglu(p + "mlp.", f, c))
+        return sd
+    # HF keeps the router (and its bias) in fp32 whatever the model dtype (_keep_in_fp32_modules_strict):
+    # deepseek_v3 exports write it so; glm4_moe exports write the weight in the export dtype, unchanged
+    # (transformers upcasts it on load).
+    router = np.asarray(f.router.get_value()).T  # [D,E] -> [E,D]
+    sd[p + "mlp.gate.weight"] = _cast(router, "float32") if cfg.attention == "mla" else c(router)
+    sd[p + "mlp.gate.e_score_correction_bias"] = _cast(f.bias.get_value(), "float32")
+    wg, wu, wd = (np.asarray(w.get_value()) for w in (f.w_gate, f.w_up, f.w_down))
+    for e in range(cfg.n_routed_experts):
+        q = f"{p}mlp.experts.{e}."
+        sd[q + "gate_proj.weight"] = c(wg[e].T)
+        sd[q + "up_proj.weight"] = c(wu[e].T)
+        sd[q + "down_proj.weight"] = c(wd[e].T)
+    if f.shared is not None:
+        sd.update(_swiglu(p + "mlp.shared_experts.", f.shared, c))
+    else:  # HF always builds shared_experts, of width moe_intermediate_size * 0: zero-size weights.
+        sd[p + "mlp.shared_experts.gate_proj.weight"] = _cast(np.zeros((0, D)), dtype)
+        sd[p + "mlp.shared_experts.up_proj.weight"] = _cast(np.zeros((0, D)), dtype)
+        sd[p + "mlp.shared_experts.down_proj.weight"] = _cast(np.zeros((D, 0)), dtype)
     return sd
 
 
@@ -285,7 +304,7 @@ def model_card_text(cfg: ModelConfig, model_card: dict, dtype: str) -> str:
 
 def write_hf_checkpoint(model: Transformer, out_dir: str, tokenizer_json_path: str, dtype: str = "float32",
                         model_card: dict | None = None, *, max_position_embeddings: int = 4096,
-                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
+                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, mtp: bool = True) -> list[str]:
     """Write a complete HF model directory; returns the file names written. Raises ExportError first if the
     model cannot be exported exactly (nothing is written then)."""
     cfg = model.cfg
@@ -293,11 +312,12 @@ def write_hf_checkpoint(model: Transformer, out_dir: str, tokenizer_json_path: s
     os.makedirs(out_dir, exist_ok=True)
     ids = write_tokenizer(tokenizer_json_path, out_dir, max_position_embeddings)
     config = hf_config(cfg, eos_token_id=ids["eos"], pad_token_id=ids["pad"], bos_token_id=ids["eos"],
-                       dtype=dtype, max_position_embeddings=max_position_embeddings)
+                       dtype=dtype, max_position_embeddings=max_position_embeddings,
+                       mtp_layers=cfg.mtp_depth if mtp else 0)
     _write_json(out_dir, "config.json", config)
     _write_json(out_dir, "generation_config.json", {
         "bos_token_id": ids["eos"], "eos_token_id": ids["eos"], "pad_token_id": ids["pad"]})
-    files = write_weights(hf_state_dict(model, dtype), out_dir, max_shard_bytes)
+    files = write_weights(hf_state_dict(model, dtype, mtp), out_dir, max_shard_bytes)
     with open(os.path.join(out_dir, "README.md"), "w") as f:
         f.write(model_card_text(cfg, model_card or {}, dtype))
     return ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",

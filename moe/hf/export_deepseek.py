@@ -85,7 +85,7 @@ def rope_parameters(cfg: ModelConfig) -> dict:
 
 
 def hf_config(cfg: ModelConfig, *, eos_token_id: int, pad_token_id: int, bos_token_id: int | None, dtype: str,
-              max_position_embeddings: int) -> dict:
+              max_position_embeddings: int, mtp_layers: int = 0) -> dict:
     """config.json for `deepseek_v3`; every field that changes the math is written explicitly (call
     unsupported_features first)."""
     rope = rope_parameters(cfg)
@@ -118,7 +118,7 @@ def hf_config(cfg: ModelConfig, *, eos_token_id: int, pad_token_id: int, bos_tok
         "topk_group": cfg.topk_group,
         "norm_topk_prob": cfg.norm_topk_prob,
         "routed_scaling_factor": cfg.routed_scaling_factor,
-        "num_nextn_predict_layers": 0,  # no MTP layers (the class default is 1)
+        "num_nextn_predict_layers": mtp_layers,  # the MTP layers written (the class default is 1)
         "rms_norm_eps": cfg.norm_eps,
         "rope_parameters": rope,
         # For transformers 4.x readers (5.x reads rope_scaling first: the same values).
