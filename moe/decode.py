@@ -21,12 +21,17 @@ from moe.model import DEFAULT_EXECUTION, Transformer
 def init_cache(cfg, batch: int, max_len: int, dtype: str = "float32"):
     """One dict per layer: {"k", "v": [B,S,N,Dh]} (gqa), or {"latent": [B,S,R], "k_rope": [B,S,Dr]} (mla: the
     normalized kv latent and the roped shared key, moe/mla.py); moe.accounting.kv_cache_bytes_per_token counts it."""
+    return [layer_cache(cfg, batch, max_len, dtype) for _ in range(cfg.n_layers)]
+
+
+def layer_cache(cfg, batch: int, max_len: int, dtype: str = "float32") -> dict:
+    """One layer's cache (init_cache's entry): also an MTP module's block (moe/speculative.py)."""
     dt = jnp.dtype(dtype)
     if cfg.attention == "mla":
-        return [{"latent": jnp.zeros((batch, max_len, cfg.kv_lora_rank), dt),
-                 "k_rope": jnp.zeros((batch, max_len, cfg.qk_rope_head_dim), dt)} for _ in range(cfg.n_layers)]
+        return {"latent": jnp.zeros((batch, max_len, cfg.kv_lora_rank), dt),
+                "k_rope": jnp.zeros((batch, max_len, cfg.qk_rope_head_dim), dt)}
     shape = (batch, max_len, cfg.n_kv_heads, cfg.head_dim)
-    return [{"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)} for _ in range(cfg.n_layers)]
+    return {"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)}
 
 
 def _prefix_len(model, prompt_BxP):

@@ -1,14 +1,19 @@
 """Generate text: `python -m train.generate (--workdir DIR [--step N] | --export EXPORT_DIR) --prompt TEXT
-[--max_new_tokens N] [--temperature T] [--top_p P] [--seed S]`.
+[--max_new_tokens N] [--temperature T] [--top_p P] [--seed S] [--speculative mtp]`.
 
 KV-cache decoding (moe/decode.py); temperature 0 is greedy. --export takes a directory written by
 `python -m train.export` in any format (hf, safetensors, orbax); the run's tokenizer is the one in it. Prints the
 prompt and its continuation, which stops before the first <|endoftext|>. Bad input: one line, exit 2.
+
+--speculative mtp (greedy, a model with multi-token prediction): the MTP module drafts one token and the main model
+verifies it with the next (moe/speculative.py); prints the drafts' acceptance rate and tokens/s against plain
+greedy decoding of the same prompt, whose output it checks is identical.
 """
 
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -19,6 +24,7 @@ from moe import Execution
 from moe.accounting import kv_cache_bytes_per_token
 from moe.cli import ArgParser
 from moe.decode import generate
+from moe.speculative import speculative_generate
 from moe.errors import UserError, exit_with, os_error, out_of_memory
 from moe.hf import load_model
 from moe.hf.paths import OutsideDirectoryError, file_inside
@@ -46,7 +52,13 @@ def parse_args(argv):
                    help="sampling temperature; 0 (the default) is greedy decoding")
     p.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1: off)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--speculative", default="", help="mtp: draft with the model's MTP module, verify greedily, and "
+                                                     "report acceptance and speed against plain greedy decoding")
     args = p.parse_args(argv)
+    if args.speculative not in ("", "mtp"):
+        raise UserError(f"--speculative {args.speculative!r} is not supported; use mtp (or leave it out)")
+    if args.speculative and args.temperature != 0.0:
+        raise UserError("--speculative mtp verifies greedily: leave --temperature at 0")
     try:
         args.prompt.encode("utf-8")  # undecodable bytes in argv arrive as lone surrogates
     except UnicodeEncodeError:
@@ -159,8 +171,11 @@ def main(argv=None) -> list[int]:
         if trained_len and total > trained_len:
             print(f"warning: {total} tokens is past the {trained_len} this model was trained on; quality drops "
                   "beyond that", file=sys.stderr)
-        new = continue_ids(model, prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                           top_p=args.top_p, seed=args.seed)
+        if args.speculative:
+            new, report = speculative_ids(model, prompt_ids, args.max_new_tokens)
+        else:
+            new = continue_ids(model, prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                               top_p=args.top_p, seed=args.seed)
     except UserError as e:
         exit_with(e)
     except OSError as e:
@@ -170,7 +185,41 @@ def main(argv=None) -> list[int]:
             exit_with(UserError(f"out of memory while generating ({type(e).__name__}); lower --max_new_tokens"))
         raise
     print(tok.decode(prompt_ids + new, skip_special_tokens=False))
+    if args.speculative:
+        print(report, file=sys.stderr)
     return new
+
+
+def _timed(f):
+    """(result, seconds) of f's second call: the first compiles."""
+    jax.block_until_ready(f())
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(f())
+    return out, time.perf_counter() - t0
+
+
+def speculative_ids(model, prompt_ids, max_new_tokens: int) -> tuple[list[int], str]:
+    """(new ids cut before the first EOS, a one-line report): greedy speculative decoding with the MTP draft, timed
+    against plain greedy decoding of the same tokens, whose output must be identical."""
+    if not model.cfg.mtp_depth:
+        raise UserError("--speculative mtp needs a model trained with multi-token prediction (model.mtp_depth >= 1); "
+                        "this one has none")
+    if len(prompt_ids) < 2:
+        raise UserError("--speculative mtp needs a prompt of at least 2 tokens")
+    prompt = jnp.asarray([prompt_ids], jnp.int32)
+    (spec, drafts, accepted), t_spec = _timed(lambda: speculative_generate(
+        model, prompt, max_new_tokens=max_new_tokens, execution=GENERATION))
+    plain, t_plain = _timed(lambda: generate(model, prompt, jax.random.key(0), max_new_tokens=max_new_tokens,
+                                             temperature=0.0, execution=GENERATION))
+    spec, plain = np.asarray(spec)[0].tolist(), np.asarray(plain)[0].tolist()
+    if spec != plain:
+        first = next(i for i, (a, b) in enumerate(zip(spec, plain)) if a != b)
+        raise RuntimeError(f"speculative decoding diverged from greedy decoding at new token {first}")
+    drafts, accepted = int(drafts), int(accepted)
+    report = (f"speculative (mtp): {accepted} of {drafts} drafts accepted ({accepted / max(drafts, 1):.1%}), "
+              f"{drafts} main-model calls for {max_new_tokens} tokens; {max_new_tokens / t_spec:,.0f} tokens/s vs "
+              f"{max_new_tokens / t_plain:,.0f} plain greedy (x{t_plain / t_spec:.2f}); output identical")
+    return (spec[:spec.index(EOS_ID)] if EOS_ID in spec else spec), report
 
 
 if __name__ == "__main__":
