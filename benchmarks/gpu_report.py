@@ -35,12 +35,12 @@ import traceback
 
 import jax
 
-from benchmarks import kernel_accuracy, moe_layer, profile_step, train_step
+from benchmarks import decode_cache, kernel_accuracy, moe_layer, profile_step, train_step
 from benchmarks.common import add_remat_flag, add_scan_layers_flag, describe, remat_settings, table
 from moe.kernels import tokamax_swiglu
 from train.flops import measure_peak_flops
 
-SECTIONS = ("tests", "accuracy", "train", "layer", "fallback", "profile")
+SECTIONS = ("tests", "accuracy", "train", "layer", "fallback", "profile", "decode")
 GPU_TESTS = ["tests/test_attention_impl.py::test_cudnn_equals_einsum_on_gpu", "tests/test_grouped_kernels.py"]
 
 
@@ -208,6 +208,10 @@ def main(argv=None) -> str:
              ("profile", (f"Train step profile ({grouped[0]}, {experts[0]} experts): the largest ops",
                           lambda: profile_step.profile(preset, "dropless", experts[0], grouped[0], a.attention_impl,
                                                        steps=2, top=25, scan_layers=a.scan_layers))),
+             ("decode", ("Decoding at long context: GQA vs MLA (absorbed, naive), tokens/s and cache",
+                         lambda: table(decode_cache.rows(preset, [64, 128] if a.tiny else [1024, 4096, 16384],
+                                                         4 if a.tiny else 32, 1, 1 if a.tiny else 3,
+                                                         "float32" if a.tiny else "bfloat16")))),
              *[("train", train(g)) for g in grouped[1:]]]
     steps = [step for section, step in steps if section in wanted]
     print(f"## {sections[0][0]}\n\n{sections[0][1]}\n", flush=True)

@@ -25,6 +25,7 @@ def test_gpu_report_tiny_writes_every_section(tmp_path):
     assert "| dropless:gather | slab |" in text  # the layer rows A/B dropless's backward by gathers
     assert "| dropless | slab:1.25/1.5/2 | skewed@0.06 |" in text  # the slabs' A/B under an uneven routing
     assert "dot_general" in text  # the profile's table names the ops' JAX origin
+    assert "## Decoding at long context" in text and "| mla | naive | 128 |" in text
     assert "XLA target config: none (not a GPU)" in text and not list(tmp_path.glob("*.txtpb"))
 
 

@@ -49,7 +49,8 @@ def test_speculative_decoding_refuses_what_it_cannot_do():
 def test_a_run_trained_with_mtp_end_to_end(tmp_path, capsys):
     from moe.hf import load_hf_moe
     from tests.conftest import tiny_config
-    from train import export, generate as gen
+    from train import export
+    from train import generate as gen
     from train.loop import run
 
     workdir = tmp_path / "run"

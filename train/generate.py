@@ -24,11 +24,11 @@ from moe import Execution
 from moe.accounting import kv_cache_bytes_per_token
 from moe.cli import ArgParser
 from moe.decode import generate
-from moe.speculative import speculative_generate
 from moe.errors import UserError, exit_with, os_error, out_of_memory
 from moe.hf import load_model
 from moe.hf.paths import OutsideDirectoryError, file_inside
 from moe.hf.safetensors_io import load_safetensors
+from moe.speculative import speculative_generate
 from rundir import open_run
 from train.config import device_memory_bytes
 from train.data.tokenizer import EOS_ID, load_tokenizer

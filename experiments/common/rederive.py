@@ -16,7 +16,7 @@ import numpy as np
 
 from experiments.common.inference import SLOW_MARGIN, family, seed_slopes
 from experiments.common.stats import sign_test
-from experiments.common.verdicts import LOSS, cell_gate, member
+from experiments.common.verdicts import cell_gate, member
 from rundir.atomic import write_text
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from experiments.common.inference import ALPHA, equivalence_margin, family, slow_seeds
+from experiments.common.inference import equivalence_margin, family, slow_seeds
 from experiments.common.stats import GATE_BIGRAM_MARGIN, GATE_INPUT_GAP, gate, sign_test
 
 PRIMARY = ("prefix", "mixed", "causal_all")  # the mask study's first tests: each against causal

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 
 from analysis.figures import grid, save
-from experiments.common.plots import fit_axis_to_seeds
 from experiments.common.inference import seed_slopes
+from experiments.common.plots import fit_axis_to_seeds
 from experiments.common.verdicts import by_arm, decide, member
 from rundir.atomic import write_text
 

@@ -23,6 +23,7 @@ from moe.cli import ArgParser
 from moe.errors import UserError, exit_with, os_error
 from rundir.atomic import write_text
 
+
 def _ci(m, lo, hi, d=4):
     return f"{m:+.{d}f} [{lo:+.{d}f}, {hi:+.{d}f}]"
 

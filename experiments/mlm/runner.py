@@ -20,8 +20,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 from experiments.common import plots
 from experiments.common.cli import Interrupted
 from experiments.common.probes import row_losses
