@@ -1,0 +1,174 @@
+"""What DeepSeek-V3's attention and objective buy at the default's size (issue 47): GQA vs MLA, and MTP (D = 1) vs
+none, on the bundled corpus, paired by seed.
+
+    python -m experiments.deepseek_parts --out runs/deepseek_parts [--seeds 3] [--steps N] [--rows_per_domain 32]
+        [--report_only] [--config.KEY=VALUE ...]
+
+Arms (every other field is configs/deepseek_mini.py's: its size, data, schedule and DeepSeek-V3 routing):
+  gqa      grouped-query attention, configs/default.py's (4 query / 2 kv heads of 48), no MTP
+  mla      multi-head latent attention, configs/deepseek_mini.py's, no MTP
+  mla_mtp  configs/deepseek_mini.py itself: MLA and one MTP module
+The family, declared here before any run (docs/inference.md): mla - gqa and mla_mtp - mla, validation loss (the
+main head's: MTP never enters validation), Holm across the two, each gated on its reference arm against the
+bigram of the scored targets. Measurements beside them: KV-cache bytes per token, training tokens/s (the median
+of the logged rows of the run), parameters.
+
+Each run lives in OUT/<arm>/seed<k> (train.loop.run: resumable) and leaves result.json, scored on the first
+--rows_per_domain validation rows of every domain (analysis.ablation.Scorer); OUT/report.md and OUT/results.json
+hold the report.
+"""
+
+import copy
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from analysis.ablation import Scorer
+from configs.default import get_config as default_config
+from experiments.common.cli import Interrupted, run_cli, seeds_and_steps, study_parser
+from experiments.common.runs import fingerprint, read_metrics
+from experiments.common.verdicts import cell_gate, decide, member
+from moe import param_counts
+from moe.accounting import kv_cache_bytes_per_token
+from moe.errors import UserError
+from rundir import RunDir, open_run
+from rundir.atomic import write_text
+from rundir.checkpoints import steps_in
+from rundir.metrics import read_rows
+from train.cli import config_from_argv
+from train.config import check, model_config
+from train.loop import run as train_run
+from train.references import references
+
+ARMS = ("gqa", "mla", "mla_mtp")
+FAMILY = (("mla", "gqa"), ("mla_mtp", "mla"))  # a - b, gated on b
+GQA = ("n_heads", "n_kv_heads", "head_dim")
+DEFAULT_CONFIG = "configs/deepseek_mini.py"
+
+
+def arm_config(base, arm: str, seed: int, steps: int):
+    c = copy.deepcopy(base)
+    c.train.seed, c.train.steps = seed, steps
+    if arm != "mla_mtp":
+        c.model.mtp_depth = 0
+    if arm == "gqa":
+        d = default_config().model
+        c.model.update(attention="gqa", q_lora_rank=0, kv_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=0,
+                       v_head_dim=0, rope_interleave=False, **{k: d[k] for k in GQA})
+    return c
+
+
+def measure(config, workdir, rows_per_domain: int) -> dict:
+    """The run's result: main-head validation loss and its bigram on the same rows, speed, sizes."""
+    run = open_run(workdir)
+    c = copy.deepcopy(run.config)
+    c.eval.rows_per_domain = rows_per_domain
+    ce, n = Scorer(run.model, c, run.tokenizer)(run.model)
+    refs = references(c)
+    speeds = [r["tokens_per_sec"] for r in read_rows(RunDir(Path(workdir)).metrics) if "tokens_per_sec" in r]
+    mcfg = model_config(config)
+    _, evals = read_metrics(workdir)
+    return {"seed": int(config.train.seed), "steps": int(config.train.steps), "fingerprint": fingerprint(config),
+            "val_loss": float(ce.sum() / n.sum()), "targets": int(n.sum()), "bigram": refs["bigram"],
+            "unigram": refs["unigram"], "tokens_per_sec": statistics.median(speeds) if speeds else None,
+            "kv_bytes_per_token": kv_cache_bytes_per_token(mcfg), **param_counts(mcfg),
+            "val_curve": sorted((s, r["val/loss"]) for s, r in evals.items())}
+
+
+def run_one(config, arm: str, workdir: Path, rows_per_domain: int, log=print, run_fn=None) -> dict:
+    cache = workdir / "result.json"
+    if cache.exists():
+        r = json.loads(cache.read_text())
+        if r.get("fingerprint") != fingerprint(config) or r.get("rows_per_domain") != rows_per_domain:
+            raise UserError(f"{workdir} holds a finished run with a different config; use another --out")
+        log(f"{workdir}: cached (val loss {r['val_loss']:.4f})")
+        return r
+    (run_fn or train_run)(config, workdir, log=log)
+    done = steps_in(RunDir(workdir).checkpoints)
+    if not done or done[-1] < config.train.steps:
+        raise Interrupted(f"{workdir} stopped at step {done[-1] if done else 0} of {config.train.steps}")
+    r = {"arm": arm, "rows_per_domain": rows_per_domain, **measure(config, workdir, rows_per_domain)}
+    write_text(cache, json.dumps(r))
+    return r
+
+
+def report(results: list[dict], out: Path) -> Path:
+    groups = {a: {r["seed"]: r for r in results if r["arm"] == a} for a in ARMS}
+    groups = {a: g for a, g in groups.items() if g}
+    bigram = float(np.mean([r["bigram"] for r in results]))
+    members = [member("deepseek_parts", f"{a} - {b}", None, groups[a], groups[b], bigram, an=a)
+               for a, b in FAMILY if a in groups and b in groups and len(set(groups[a]) & set(groups[b])) >= 2]
+    family = decide(members)
+    lines = ["# GQA vs MLA, MTP vs none (issue 47)", "",
+             f"Main-head validation loss on {results[0]['targets']:,} targets (bigram {bigram:.4f}, unigram "
+             f"{results[0]['unigram']:.4f}); {results[0]['steps']} steps per run.", "",
+             "| arm | val loss per seed | mean | gate (seeds passing) | stalled | KV bytes / token | tokens/s | params "
+             "(active) |", "|---|---|---|---|---|---|---|---|"]
+    for arm, runs in groups.items():
+        rs = [runs[s] for s in sorted(runs)]
+        g = cell_gate(runs, bigram)
+        speed = [r["tokens_per_sec"] for r in rs if r["tokens_per_sec"]]
+        per_seed = ", ".join(f"{r['val_loss']:.4f}" for r in rs)
+        lines.append(f"| {arm} | {per_seed} | {np.mean([r['val_loss'] for r in rs]):.4f} | "
+                     f"{'passes' if g['passed'] else 'fails'} ({g['seeds_passing']}) | {g['stall_rate']} | "
+                     f"{rs[0]['kv_bytes_per_token']:,} | {f'{np.mean(speed):,.0f}' if speed else '-'} | "
+                     f"{rs[0]['total']:,} ({rs[0]['active']:,}) |")
+    lines += ["", "The family (docs/inference.md), declared in experiments/deepseek_parts/runner.py before any run; "
+              "Holm across its tests; negative = a has the lower loss.", "",
+              "| test | n | mean [95% paired t] | t p | Holm p | Wilcoxon p | HL | margin | equiv Holm p | gate on b | "
+              "verdict |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for m in family:
+        margin = f"{m['margin']:.4f}" if m["margin"] else "-"
+        lines.append(f"| {m['contrast']} | {m['n']} | {m['mean']:+.4f} [{m['lo']:+.4f}, {m['hi']:+.4f}] | "
+                     f"{m['p']:.4f} | {m['p_holm']:.3f} | {m['wilcoxon_p']:.3f} | {m['hodges_lehmann']:+.4f} | "
+                     f"{margin} | {m['p_equiv_holm']:.3f} | {'passes' if m['gate_passed'] else 'fails'} | "
+                     f"**{m['verdict']}** |")
+    out.mkdir(parents=True, exist_ok=True)
+    write_text(out / "results.json", json.dumps({"results": results, "family": family}, indent=1))
+    return write_text(out / "report.md", "\n".join(lines) + "\n")
+
+
+def run_study(base, seeds: int, steps: int, out, rows_per_domain: int, log=print, report_only=False,
+              run_fn=None) -> Path:
+    out = Path(out)
+    runs = [(a, s) for s in range(seeds) for a in ARMS]  # seed-major: a cut-short study stays paired
+    for a, s in runs:
+        check(arm_config(base, a, s, steps))
+    results = []
+    for i, (a, s) in enumerate(runs):
+        workdir = out / a / f"seed{s}"
+        if report_only:
+            if (workdir / "result.json").exists():
+                results.append(json.loads((workdir / "result.json").read_text()))
+            continue
+        log(f"[{i + 1}/{len(runs)}] {a} seed {s}")
+        results.append(run_one(arm_config(base, a, s, steps), a, workdir, rows_per_domain, log, run_fn))
+    if not results:
+        raise UserError(f"no finished runs in {out}; run without --report_only first")
+    return report(results, out)
+
+
+def parser():
+    rows = (("--rows_per_domain",), {"type": int, "default": 32,
+                                     "help": "validation rows per domain that score each run (default 32)"})
+    return study_parser("python -m experiments.deepseek_parts", __doc__, DEFAULT_CONFIG, "runs/deepseek_parts", 3,
+                        "paired seeds per arm (train.seed = 0 .. seeds-1)", extra=(rows,))
+
+
+def main(argv=None):
+    def run(argv):
+        config, _, rest = config_from_argv(list(argv[1:]), DEFAULT_CONFIG)
+        args = parser().parse_args(rest)
+        steps = seeds_and_steps(args, config, min_seeds=2)
+        if args.rows_per_domain < 1:
+            raise UserError(f"--rows_per_domain must be >= 1, got {args.rows_per_domain}")
+        if not config.model.mtp_depth or config.model.attention != "mla":
+            raise UserError("the study's base config must be MLA with MTP (configs/deepseek_mini.py); its arms "
+                            "take the parts away")
+        return run_study(config, args.seeds, steps, args.out, args.rows_per_domain, report_only=args.report_only)
+
+    run_cli(sys.argv if argv is None else argv, parser, run)
+
