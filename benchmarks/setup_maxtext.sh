@@ -2,7 +2,8 @@
 # Builds the MaxText virtual environment that `python -m benchmarks.maxtext_side_by_side` runs as a subprocess
 # (MaxText needs Python >= 3.12 and a newer JAX than this project pins, so it lives apart from our venv).
 #
-#   bash benchmarks/setup_maxtext.sh [VENV_DIR]      # default /work/venv-maxtext; PYTHON=python3.12 to pick the interpreter
+#   bash benchmarks/setup_maxtext.sh [VENV_DIR]      # default /work/venv-maxtext; PYTHON=/path/to/python3.12 to pick
+#                                                    # the interpreter (else found on PATH or among pyenv's versions)
 #
 # Installs maxtext (MAXTEXT_VERSION, default 0.2.5) with its `tpu` extra's requirements minus what a CPU or GPU box
 # cannot or need not use: libtpu, NVIDIA wheels, linters and type checkers. On a GPU machine, add
@@ -10,13 +11,25 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/refuse_existing.sh"
 VENV="${1:-/work/venv-maxtext}"
-PY="${PYTHON:-python3.12}"
 VERSION="${MAXTEXT_VERSION:-0.2.5}"
 refuse_existing "$VENV"
-if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
-  echo "error: MaxText needs Python >= 3.12; set PYTHON=/path/to/python3.12" >&2
+new_enough() { "$1" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; }
+# PYTHON if set; else python3.12 / python3.13 on PATH; else an installed pyenv version. (pyenv's shims answer
+# "command not found" for a version that is installed but not selected: the interpreter itself is under
+# $(pyenv root)/versions.)
+PY=""
+candidates=("${PYTHON:-}" python3.12 python3.13)
+if command -v pyenv >/dev/null; then
+  candidates+=($(ls -d "$(pyenv root)"/versions/3.1[2-9]*/bin/python3 2>/dev/null | sort -V))
+fi
+for c in "${candidates[@]}"; do
+  if [[ -n "$c" ]] && new_enough "$c"; then PY="$c"; break; fi
+done
+if [[ -z "$PY" ]]; then
+  echo "error: MaxText needs Python >= 3.12 and none was found; install one and set PYTHON=/path/to/python3.12" >&2
   exit 2
 fi
+echo "using $PY ($("$PY" --version 2>&1))"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 # Built beside the destination and renamed at the end: an interrupted run leaves no half-built $VENV.
