@@ -13,6 +13,9 @@ from moe.execution import REMAT_POLICIES
 from moe.experts import PERMUTES
 from train import host_memory
 
+MAXTEXT_MLA = dict(attention="mla", q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=48, qk_rope_head_dim=16,
+                   v_head_dim=64)
+
 # Shapes per preset. cpu: small enough for a shared 2-core box (figures show relative cost only);
 # gpu: configs/gpu_1b.py (bf16, sequence 2048, top-6 of 64 experts of width 320), one micro-batch of 16 rows.
 # `batch` is per device (the train-step benchmark multiplies it by the device count).
@@ -28,13 +31,15 @@ PRESETS = {
                  execution=dict(dtype="float32"), batch=1, seq_len=32, steps=1),
     # benchmarks/maxtext_side_by_side.py: the DeepSeek-style shape trained in both projects (issue 13's CPU shape;
     # the GPU one is configs/gpu_1b.py's widths).
+    # Both sides run MaxText's deepseek3-tiny attention at these widths: MLA with a query latent of 32 and a kv
+    # latent of 16, 48 + 16 (roped) query/key dims and 64-wide values per head (MAXTEXT_MLA).
     "maxtext_cpu": dict(model=dict(d_model=256, n_layers=4, n_heads=4, n_kv_heads=4, head_dim=64, d_ff=512,
                                    first_k_dense=1, vocab_size=4096, n_routed_experts=16, n_shared_experts=1,
-                                   top_k=4, moe_d_ff=128),
+                                   top_k=4, moe_d_ff=128, **MAXTEXT_MLA),
                         execution=dict(dtype="float32"), batch=8, seq_len=256, steps=3),
     "maxtext_gpu": dict(model=dict(d_model=1024, n_layers=16, n_heads=16, n_kv_heads=16, head_dim=64, d_ff=2816,
                                    first_k_dense=1, vocab_size=8192, n_routed_experts=64, n_shared_experts=2,
-                                   top_k=6, moe_d_ff=320),
+                                   top_k=6, moe_d_ff=320, **MAXTEXT_MLA),
                         execution=dict(dtype="bfloat16", remat=True), batch=8, seq_len=2048, steps=10),
     # configs/default.py, what `python -m train` trains (16 experts top-2, d_model 192, batch 16 x 256).
     "default": dict(model="configs.default", batch=16, seq_len=256, steps=3),

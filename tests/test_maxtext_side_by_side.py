@@ -28,6 +28,16 @@ def test_maxtext_args_match_the_shared_preset():
     assert (args["num_experts"], args["num_experts_per_tok"], args["shared_experts"]) == ("16", "4", "1")
     assert (args["per_device_batch_size"], args["max_target_length"], args["dtype"]) == ("8", "256", "float32")
     assert args["sparse_matmul"] == "False" and args["hardware"] == "cpu"
+    # MLA at MaxText's deepseek3-tiny ranks, on both sides; MaxText unscanned, dropless unless told a capacity
+    assert (args["q_lora_rank"], args["kv_lora_rank"], args["qk_rope_head_dim"], args["v_head_dim"]) == (
+        "32", "16", "16", "64")
+    ours = sbs.preset("maxtext_cpu")["model"]
+    assert (ours["attention"], ours["q_lora_rank"], ours["kv_lora_rank"]) == ("mla", 32, 16)
+    assert args["scan_layers"] == "False" and args["capacity_factor"] == "-1.0"
+    cap = dict(a.split("=", 1) for a in sbs.maxtext_args("cpu", 6, "dense", "/tmp/x", capacity_factor=1.25))
+    assert cap["capacity_factor"] == "1.25" and cap["sparse_matmul"] == "False"
+    assert (sbs.maxtext_moe("dropless", "cpu"), sbs.maxtext_moe("dropless", "gpu"), sbs.maxtext_moe("capacity", "gpu")) \
+        == ("ragged_dot", "tokamax", "dense")
     gpu = dict(a.split("=", 1) for a in sbs.maxtext_args("gpu", 6, "tokamax", "/tmp/x"))
     assert gpu["use_tokamax_gmm"] == "True" and gpu["dtype"] == "bfloat16" and gpu["weight_dtype"] == "float32"
     assert (args["attention"], gpu["attention"]) == ("dot_product", "cudnn_flash_jax")  # cuDNN on both sides on GPU
@@ -82,4 +92,5 @@ def test_main_passes_scan_layers_to_our_side(monkeypatch, capsys):
     monkeypatch.setattr(sbs.host_memory, "keep_freed_memory", lambda: None)
     rows = sbs.main(["--shape", "gpu", "--scan_layers", "on", "--skip_maxtext"])
     assert seen["name"] == "maxtext_gpu" and seen["scan_layers"] == "on" and seen["attention"] == "cudnn"
-    assert len(rows) == 1 and rows[0]["MoE path"] == "dropless / auto, scan on" and "skipped" in capsys.readouterr().out
+    assert [r["MoE path"] for r in rows] == ["dropless / auto, scan on", "capacity / auto, scan on"]
+    assert "skipped" in capsys.readouterr().out

@@ -80,6 +80,12 @@ def keep_freed_memory(libc=None) -> bool:
     return _state[0]
 
 
+def glibc_tunables() -> str:
+    """SETTINGS as the GLIBC_TUNABLES environment value, for a child process that is not ours (a benchmark's other
+    side) to allocate as this one does; mallopt and the tunables set the same three parameters."""
+    return "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647:glibc.malloc.arena_max=1"
+
+
 def status() -> str:
     """For benchmark headers: whether the figures were measured with freed memory kept."""
     return _state[1] if _state else "malloc: not set"
