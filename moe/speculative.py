@@ -40,7 +40,7 @@ def _main(model, tokens_1xL, index, cache, ex):
 def _draft(model, tokens_1xL, h_1xLxD, index, cache, ex):
     """(logits [1, L, V], cache) of MTP module 1 on L (token, hidden) pairs at slots index..: the token is the one
     after the hidden state's position, the logits predict the token after that."""
-    module = model.mtp[0]
+    module, ex = model.mtp[0], ex.resolved()  # as Transformer.trunk resolves it for its own blocks
     L = tokens_1xL.shape[1]
     positions = index + jnp.arange(L, dtype=jnp.int32)[None]
     positions, mask, valid = model.attention_inputs(tokens_1xL, positions_BxL=positions, cache=[cache],
