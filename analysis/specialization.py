@@ -23,6 +23,7 @@ from analysis.routing_stats import favourite_agreement, plain_json
 from moe.cli import ArgParser, check_out_dir, run_cli
 from moe.errors import UserError
 from rundir import open_run
+from rundir.config_layout import ADDED_KEYS
 from train.cli import all_keys
 
 # Keys that may differ between runs of "one config": the seed, and where and how often the run wrote files.
@@ -49,12 +50,15 @@ def parse_args(argv):
 
 
 def check_same_config(runs):
-    """UserError naming the first key (other than FREE_KEYS) whose value differs between the runs."""
+    """UserError naming the first key (other than FREE_KEYS) whose value differs between the runs. A key added to
+    the config after a run was saved counts as its reproducing default (rundir.config_layout.ADDED_KEYS): a seed
+    resumed by a later version is still a seed of the same config."""
     first = all_keys(runs[0].config)
     for run in runs[1:]:
         other = all_keys(run.config)
         for key in sorted(set(first) | set(other)):
-            if key.startswith(FREE_KEYS) or first.get(key) == other.get(key):
+            a, b = first.get(key, ADDED_KEYS.get(key)), other.get(key, ADDED_KEYS.get(key))
+            if key.startswith(FREE_KEYS) or a == b:
                 continue
             raise UserError(f"--workdir {run.workdir} is not a seed of {runs[0].workdir}: config key {key} is "
                             f"{other.get(key)!r} there and {first.get(key)!r} in the first; pass runs of one config")

@@ -13,6 +13,9 @@ Everything the default has (configs/default.py: 4 layers, 1 dense + 3 MoE, 16 ro
              normalized over the chosen experts x 2.5 (DeepSeek-V3's routed_scaling_factor)
   MTP        one module (its own MoE block: layer 4), lambda 0.3, then 0.1 for the last 30% of the run (the paper:
              0.3 for the first 10T tokens of 14.8T)
+6.34M parameters, 2.21M active. Speed: 5,960 tokens/s against the default's 6,960 (steps 30-80 of an 80-step run
+each, `python -m train --config configs/X.py --workdir /tmp/X --config.train.steps=80`, quiet 2-core CPU,
+2026-11-28): about 10 minutes for the 800 steps.
 """
 
 from configs.default import get_config as default_config

@@ -113,6 +113,13 @@ def test_check_same_config_names_the_differing_key():
     specialization.check_same_config([fake(0, 1e-3), fake(1, 1e-3)])  # seeds and log settings may differ
     with pytest.raises(UserError, match="config key train.lr"):
         specialization.check_same_config([fake(0, 1e-3), fake(1, 3e-3)])
+    # a seed resumed by a later version carries keys added since, at their defaults: still the same config
+    later = fake(1, 1e-3)
+    later.config.train.mtp_weight = 0.3
+    specialization.check_same_config([fake(0, 1e-3), later])
+    later.config.train.mtp_weight = 0.5
+    with pytest.raises(UserError, match="config key train.mtp_weight"):
+        specialization.check_same_config([fake(0, 1e-3), later])
 
 
 def test_specialization_cli_on_the_tiny_run(tiny_run, tmp_path):
