@@ -44,14 +44,19 @@ def choose(losses: dict) -> tuple[float, bool]:
 
 def select(cells, grid, train, out, log=print) -> dict:
     """Train every (cell, rate) on HELD_OUT_SEED through train(cell, lr, seed, workdir) -> result with "val_loss"
-    (the study's own cached run function: a finished run is not trained again), write
-    OUT/lr_sweep/selection.json and return {cell: {"lr": chosen, "losses": {lr: loss}, "at_edge": bool}}."""
+    (the study's own cached run function: a finished run is not trained again; None where --report_only found no
+    finished run), write OUT/lr_sweep/selection.json and return {cell: {"lr": chosen, "losses": {lr: loss},
+    "at_edge": bool}}."""
     chosen = {}
     for i, cell in enumerate(cells):
         losses = {}
         for j, lr in enumerate(grid):
             log(f"[lr sweep {i * len(grid) + j + 1}/{len(cells) * len(grid)}] {cell} lr {lr:g} seed {HELD_OUT_SEED}")
-            losses[lr] = float(train(cell, lr, HELD_OUT_SEED, sweep_dir(out, cell, lr))["val_loss"])
+            result = train(cell, lr, HELD_OUT_SEED, sweep_dir(out, cell, lr))
+            if result is None:
+                raise UserError(f"the learning-rate sweep has no finished run in {sweep_dir(out, cell, lr)}; run "
+                                "without --report_only first")
+            losses[lr] = float(result["val_loss"])
         lr, edge = choose(losses)
         chosen[cell] = {"lr": lr, "losses": losses, "at_edge": edge}
         log(f"{cell}: lr {lr:g}" + (" (at the grid's edge)" if edge else ""))

@@ -5,6 +5,7 @@
     member(study, name, old, a, b, baseline, ...)   # one test a - b, gated on b, with its equivalence margin
     masks_family(groups, bigram)       # the mask study's declared family on the arms present
     decide(members)                    # inference.family (Holm across the family, verdicts) + display counts
+    family_table(rows)                 # decide()'s rows as a report's Markdown table
 
 A verdict is one of (experiments.common.inference): "<a> better" / "<a> worse" (Holm p < 0.05, the gate passes,
 the rank estimate agrees), "equivalent" (Holm-corrected TOST p < 0.05 within the margin), "not interpretable"
@@ -130,4 +131,20 @@ def decide(members: list[dict]) -> list[dict]:
         m["wins"] = int(np.sum(d < 0))  # seeds where a - b < 0: the first label's side
         m["sign_p"] = sign_test(list(d))
         m["labels"] = list(m["labels"])
+    return out
+
+
+def family_table(rows) -> list[str]:
+    """The Markdown table of decide()'s rows: one line per test, every statistic docs/inference.md asks for."""
+    out = ["| test (a - b) | n | mean [95% paired t] | a lower / n | t p | Holm p | Wilcoxon p | HL | without stalled "
+           "seeds | margin | equiv Holm p | gate on b | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        d = 3 if "accuracy" in r["contrast"] else 4
+        fast = "-" if r["mean_without_slow_seeds"] is None or not r["slow_seeds"] else \
+            f"{r['mean_without_slow_seeds']:+.{d}f} (without {', '.join(map(str, r['slow_seeds']))})"
+        margin = f"{r['margin']:.{d}f}" if r["margin"] else "-"
+        out.append(f"| {r['contrast']} | {r['n']} | {r['mean']:+.{d}f} [{r['lo']:+.{d}f}, {r['hi']:+.{d}f}] | {r['wins']} / {r['n']} | "
+                   f"{r['p']:.4f} | {r['p_holm']:.3f} | {r['wilcoxon_p']:.3f} | {r['hodges_lehmann']:+.{d}f} | "
+                   f"{fast} | {margin} | {r['p_equiv_holm']:.3f} | {'passes' if r['gate_passed'] else 'fails'} | "
+                   f"**{r['verdict']}** |")
     return out

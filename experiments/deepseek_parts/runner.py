@@ -30,7 +30,7 @@ from analysis.ablation import Scorer
 from configs.default import get_config as default_config
 from experiments.common.cli import Interrupted, run_cli, seeds_and_steps, study_parser
 from experiments.common.runs import fingerprint, read_metrics
-from experiments.common.verdicts import cell_gate, decide, member
+from experiments.common.verdicts import cell_gate, decide, family_table, member
 from moe import param_counts
 from moe.accounting import kv_cache_bytes_per_token
 from moe.errors import UserError
@@ -117,15 +117,7 @@ def report(results: list[dict], out: Path) -> Path:
                      f"{rs[0]['kv_bytes_per_token']:,} | {f'{np.mean(speed):,.0f}' if speed else '-'} | "
                      f"{rs[0]['total']:,} ({rs[0]['active']:,}) |")
     lines += ["", "The family (docs/inference.md), declared in experiments/deepseek_parts/runner.py before any run; "
-              "Holm across its tests; negative = a has the lower loss.", "",
-              "| test | n | mean [95% paired t] | t p | Holm p | Wilcoxon p | HL | margin | equiv Holm p | gate on b | "
-              "verdict |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for m in family:
-        margin = f"{m['margin']:.4f}" if m["margin"] else "-"
-        lines.append(f"| {m['contrast']} | {m['n']} | {m['mean']:+.4f} [{m['lo']:+.4f}, {m['hi']:+.4f}] | "
-                     f"{m['p']:.4f} | {m['p_holm']:.3f} | {m['wilcoxon_p']:.3f} | {m['hodges_lehmann']:+.4f} | "
-                     f"{margin} | {m['p_equiv_holm']:.3f} | {'passes' if m['gate_passed'] else 'fails'} | "
-                     f"**{m['verdict']}** |")
+              "Holm across its tests; negative = a has the lower loss.", "", *family_table(family)]
     out.mkdir(parents=True, exist_ok=True)
     write_text(out / "results.json", json.dumps({"results": results, "family": family}, indent=1))
     return write_text(out / "report.md", "\n".join(lines) + "\n")

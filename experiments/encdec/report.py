@@ -9,9 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from experiments.common import lr_select, plots
-from experiments.common.inference import family
-from experiments.common.stats import gate, sign_test
-from experiments.common.verdicts import cell_gate, member
+from experiments.common.stats import gate
+from experiments.common.verdicts import cell_gate, decide, family_table, member
 from experiments.encdec import task as encdec_task
 from rundir.atomic import write_text
 
@@ -38,10 +37,8 @@ def contrast_rows(results, bigram: float) -> list[dict]:
     members = []
     for a, b in CONTRASTS:
         if a in g and b in g and len(set(g[a]) & set(g[b])) >= 2:
-            m = member("encdec", f"{a} - {b}", None, g[a], g[b], bigram, an=a)
-            m["better"], m["sign_p"] = sum(x < 0 for x in m["diffs"]), sign_test(m["diffs"])
-            members.append(m)
-    return family(members)
+            members.append(member("encdec", f"{a} - {b}", None, g[a], g[b], bigram, an=a))
+    return decide(members)
 
 
 def position_labels(edges) -> list[str]:
@@ -155,17 +152,8 @@ def write_report(results, refs, out: Path, base, decoder_mask: str, lr_choice=No
               "below (a - b, validation loss, paired by seed; negative = a has the lower loss), Holm across them. "
               "Each is gated on its reference cell b. \"a better\" / \"a worse\": Holm p < 0.05, the gate passes "
               "and the Hodges-Lehmann estimate agrees in sign; \"equivalent\": Holm-corrected TOST p < 0.05 within "
-              "the margin (a tenth of b's distance below the bigram); \"null\": neither.", "",
-              "| contrast | mean [95% paired t] | a better / n | t p | Holm p | Wilcoxon p | HL | without stalled "
-              "seeds | margin | equiv Holm p | gate on b | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in contrasts:
-        fast = "-" if r["mean_without_slow_seeds"] is None or not r["slow_seeds"] else \
-            f"{r['mean_without_slow_seeds']:+.4f} (without {', '.join(map(str, r['slow_seeds']))})"
-        margin = f"{r['margin']:.3f}" if r["margin"] else "-"
-        lines.append(f"| {r['contrast']} | {r['mean']:+.4f} [{r['lo']:+.4f}, {r['hi']:+.4f}] | {r['better']} / "
-                     f"{r['n']} | {r['p']:.4f} | {r['p_holm']:.3f} | {r['wilcoxon_p']:.3f} | "
-                     f"{r['hodges_lehmann']:+.4f} | {fast} | {margin} | {r['p_equiv_holm']:.3f} | "
-                     f"{'passes' if r['gate_passed'] else 'fails'} | **{r['verdict']}** |")
+              "the margin (a tenth of b's distance below the bigram); \"null\": neither.", ""]
+    lines += family_table(contrasts)
     lines += ["", *position_lines(results)]
     lines += ["## Figures", "", "Every seed's validation curve per cell, with the unigram and bigram references:",
               "", "![validation curves](val_curves.png)", ""]
@@ -175,8 +163,7 @@ def write_report(results, refs, out: Path, base, decoder_mask: str, lr_choice=No
     lines += ["Final loss per domain against that domain's references:", "", "![per-domain loss](domains.png)"]
     out.mkdir(parents=True, exist_ok=True)
     write_figures(results, refs, contrasts, out)
-    doc = {"results": results, "references": refs, "gate": g, "lr_selection": lr_choice or None,
-           "family": [{**r, "labels": list(r["labels"])} for r in contrasts]}
+    doc = {"results": results, "references": refs, "gate": g, "lr_selection": lr_choice or None, "family": contrasts}
     write_text(out / "results.json", json.dumps(doc, indent=1))
     path = out / "report.md"
     write_text(path, "\n".join(lines) + "\n")

@@ -18,14 +18,18 @@ import numpy as np
 from experiments.common import lr_select, plots
 from experiments.common.inference import equivalence_margin
 from experiments.common.stats import GATE_BIGRAM_MARGIN, GATE_INPUT_GAP, paired_t_interval
-from experiments.common.verdicts import PRIMARY, by_arm, cell_gate, decide, masks_family, study_gate
+from experiments.common.verdicts import (
+    PRIMARY,
+    by_arm,
+    cell_gate,
+    decide,
+    family_table,
+    masks_family,
+    study_gate,
+)
 from moe.cli import ArgParser
 from moe.errors import UserError, exit_with, os_error
 from rundir.atomic import write_text
-
-
-def _ci(m, lo, hi, d=4):
-    return f"{m:+.{d}f} [{lo:+.{d}f}, {hi:+.{d}f}]"
 
 
 def _mean_t(values):
@@ -56,21 +60,6 @@ def order_gap_cell(rs) -> str:
     if not v:
         return "-"
     return f"{np.mean(v):+.4f}" + ("" if len(v) == len(rs) else f" ({len(v)} of {len(rs)} seeds)")
-
-
-def family_table(rows) -> list[str]:
-    out = ["| test (a - b) | n | mean [95% paired t] | a lower / n | t p | Holm p | Wilcoxon p | HL | without stalled "
-           "seeds | margin | equiv Holm p | gate on b | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        d = 3 if "accuracy" in r["contrast"] else 4
-        fast = "-" if r["mean_without_slow_seeds"] is None or not r["slow_seeds"] else \
-            f"{r['mean_without_slow_seeds']:+.{d}f} (without {', '.join(map(str, r['slow_seeds']))})"
-        margin = f"{r['margin']:.{d}f}" if r["margin"] else "-"
-        out.append(f"| {r['contrast']} | {r['n']} | {_ci(r['mean'], r['lo'], r['hi'], d)} | {r['wins']} / {r['n']} | "
-                   f"{r['p']:.4f} | {r['p_holm']:.3f} | {r['wilcoxon_p']:.3f} | {r['hodges_lehmann']:+.{d}f} | "
-                   f"{fast} | {margin} | {r['p_equiv_holm']:.3f} | {'passes' if r['gate_passed'] else 'fails'} | "
-                   f"**{r['verdict']}** |")
-    return out
 
 
 def write_report(results, refs, out, base, missing=(), lr_choice=None) -> Path:

@@ -187,11 +187,7 @@ def run_study(base, arms, seeds: int, steps: int, out, log=print, run_fn=None, r
     if lr_grid:
         def sweep_run(arm, lr, seed, workdir):
             c = arm_config(base, arm, seed, steps, lr)
-            res = cached_result(c, workdir) if report_only else train_one(c, arm, workdir, log, run_fn, sizes)
-            if res is None:
-                raise UserError(f"the learning-rate sweep has no finished run in {workdir}; run without "
-                                "--report_only first")
-            return res
+            return cached_result(c, workdir) if report_only else train_one(c, arm, workdir, log, run_fn, sizes)
         chosen = lr_select.select(arms, lr_grid, sweep_run, out, log)
     runs = [(a, s) for s in range(seeds) for a in arms]  # seed-major: a cut-short study stays paired
     results, missing = [], []
