@@ -72,14 +72,16 @@ def decode_fn(graphdef, start: int, n: int, ex: Execution):
     return run
 
 
-def rows(preset: str, contexts, new_tokens: int, batch: int, steps: int, dtype: str) -> list[dict]:
+def rows(preset: str, contexts, new_tokens: int, batch: int, steps: int, dtype: str, on_row=None) -> list[dict]:
+    """One row per (context, attention, decode form), shortest context first and GQA beside MLA at each, so a run
+    cut off by a time limit has compared both at the contexts it reached; on_row(row) sees each as it lands."""
+    models = [(name, cfg, nnx.split(Transformer(cfg, nnx.Rngs(0))))
+              for name, cfg in model_configs(preset).items()]
     out = []
-    for name, cfg in model_configs(preset).items():
-        graphdef, state = nnx.split(Transformer(cfg, nnx.Rngs(0)))
-        forms = ("absorbed", "naive") if cfg.attention == "mla" else ("-",)
-        for form in forms:
-            ex = Execution(dtype=dtype, attention_impl="einsum" if form == "naive" else "blockwise")
-            for C in contexts:
+    for C in contexts:
+        for name, cfg, (graphdef, state) in models:
+            for form in ("absorbed", "naive") if cfg.attention == "mla" else ("-",):
+                ex = Execution(dtype=dtype, attention_impl="einsum" if form == "naive" else "blockwise")
                 cache = random_cache(cfg, batch, C + new_tokens, dtype)
                 fn = decode_fn(graphdef, C, new_tokens, ex)
                 token = jnp.ones((batch, 1), jnp.int32)
@@ -88,6 +90,8 @@ def rows(preset: str, contexts, new_tokens: int, batch: int, steps: int, dtype: 
                             "cache MiB": kv_cache_bytes_per_token(cfg, dtype) * (C + new_tokens) * batch / 2**20,
                             "cache bytes / token": kv_cache_bytes_per_token(cfg, dtype),
                             "tokens/s": batch * new_tokens / seconds, "ms / step": 1e3 * seconds / new_tokens})
+                if on_row:
+                    on_row(out[-1])
     return out
 
 
@@ -107,7 +111,8 @@ def main(argv=None):
     contexts = [int(x) for x in a.contexts.split(",")]
     print(describe())
     print(f"preset {a.preset}, {a.new_tokens} decode steps after each context, batch {a.batch}, {a.dtype}")
-    result = rows(a.preset, contexts, a.new_tokens, a.batch, a.steps, a.dtype)
+    result = rows(a.preset, contexts, a.new_tokens, a.batch, a.steps, a.dtype,
+                  on_row=lambda row: print(table([row]), flush=True))
     print(table(result))
     return result
 

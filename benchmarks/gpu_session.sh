@@ -5,7 +5,7 @@
 # console.txt as they finish and each step's report is written section by section, so a step cut off still returns
 # what it measured.
 #
-#     bash benchmarks/gpu_wheels.sh --maxtext              # here, once: the wheels the device lacks, into .whl/
+#     bash benchmarks/gpu_wheels.sh                        # here, once: the wheels the device lacks, into .whl/
 #     run(command="bash benchmarks/gpu_session.sh", carry=[".whl"], timeout_s=600)    # the device tool
 #
 # Steps: (1) the train step of configs/gpu_1b.py at 8 and 64 experts, remat save_moe then off (MFU, the 8 -> 64
@@ -21,9 +21,9 @@ mkdir -p "$out"
 budget="${BUDGET_S:-540}"
 tiny=()
 [[ "${TINY:-0}" == 1 ]] && tiny=(--tiny --attention_impl xla)
-# The device's image lacks ml_collections and tokamax: install the carried wheels there (on a GPU machine where
-# they do not import; never elsewhere).
-if command -v nvidia-smi >/dev/null && ! python3 -c "import ml_collections, tokamax" 2>/dev/null \
+# The device's image lacks ml_collections, tokamax and grain: install the carried wheels there (on a GPU machine
+# where they do not import; never elsewhere).
+if command -v nvidia-smi >/dev/null && ! python3 -c "import ml_collections, tokamax, grain" 2>/dev/null \
     && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "error: installing .whl/ failed" >&2; exit 2; }

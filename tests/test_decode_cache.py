@@ -11,14 +11,16 @@ from moe.accounting import kv_cache_bytes_per_token
 
 
 def test_rows_cover_every_attention_form_and_context():
-    rows = decode_cache.rows("tiny", [16, 32], new_tokens=2, batch=1, steps=1, dtype="float32")
-    assert [(r["attention"], r["decode"], r["context"]) for r in rows] == [
-        ("gqa", "-", 16), ("gqa", "-", 32), ("mla", "absorbed", 16), ("mla", "absorbed", 32), ("mla", "naive", 16),
+    seen = []
+    rows = decode_cache.rows("tiny", [16, 32], new_tokens=2, batch=1, steps=1, dtype="float32", on_row=seen.append)
+    assert [(r["attention"], r["decode"], r["context"]) for r in rows] == [  # each context's comparison in turn
+        ("gqa", "-", 16), ("mla", "absorbed", 16), ("mla", "naive", 16), ("gqa", "-", 32), ("mla", "absorbed", 32),
         ("mla", "naive", 32)]
+    assert seen == rows
     cfgs = decode_cache.model_configs("tiny")
     assert kv_cache_bytes_per_token(cfgs["mla"]) == 4 * cfgs["mla"].n_layers * (32 + 8)
     assert all(r["tokens/s"] > 0 for r in rows)
-    assert rows[3]["cache MiB"] == kv_cache_bytes_per_token(cfgs["mla"]) * 34 / 2**20
+    assert rows[4]["cache MiB"] == kv_cache_bytes_per_token(cfgs["mla"]) * 34 / 2**20  # mla absorbed at 32
 
 
 def test_cpu_models_are_the_default_and_deepseek_mini_without_mtp():
