@@ -8,10 +8,11 @@
 #     bash benchmarks/gpu_wheels.sh                        # here, once: the wheels the device lacks, into .whl/
 #     run(command="bash benchmarks/gpu_session.sh", carry=[".whl"], timeout_s=600)    # the device tool
 #
-# Steps: (1) the train step of configs/gpu_1b.py at 8 and 64 experts, remat save_moe then off (MFU, the 8 -> 64
-# ratio, planned and peak memory; off fits: 36-40 GiB planned temporaries at batch 16); (2) the GPU-only tests
-# (~3 minutes); (3) the MoE layer against dense and the step's profile; (4) slab's fallback under skewed
-# routings. The budget may not reach the last two; a step it cannot hold is skipped. Reports and the
+# Steps: (1) the train step of configs/gpu_1b.py at 8 and 64 experts, remat save_moe (MFU, the 8 -> 64 ratio,
+# planned and peak memory; ~150 s); (2) the MoE layer against dense and the step's profile (~65 s); (3) slab's
+# fallback under skewed routings (~30 s); (4) the GPU-only tests (~200 s); (5) GQA vs MLA decoding, row by row, in
+# what is left. Timings from GPU run 7, whose remat-off rows (no faster than save_moe, 62 GiB at 64 experts) are
+# no longer rerun. A step the budget cannot hold is skipped. Reports and the
 # console go to $OUT (the device tool's folder), else to ./gpu_session_out. BUDGET_S (default 540) is the whole
 # call's limit; `TINY=1` runs the same steps at toy shapes on any backend (a check of the script, not of speed).
 set -uo pipefail
@@ -47,10 +48,10 @@ step() {  # step NAME MAX_SECONDS ARGS...: gpu_report under min(MAX_SECONDS, wha
   echo "== $name: exit ${PIPESTATUS[0]} after $((SECONDS))s" | tee -a "$out/console.txt"
 }
 
-step train 300 --sections train --grouped_matmul slab --scan_layers on --remat save_moe,off
-step tests 240 --sections tests --no_target_config
-step layer_profile 200 --sections layer,profile --grouped_matmul slab --scan_layers on --no_target_config
-step fallback 120 --sections fallback --no_target_config
-# GQA vs MLA decoding at 1k / 4k / 16k context (issue 47): last, it runs when the budget leaves room
+step train 200 --sections train --grouped_matmul slab --scan_layers on --remat save_moe
+step layer_profile 150 --sections layer,profile --grouped_matmul slab --scan_layers on --no_target_config
+step fallback 90 --sections fallback --no_target_config
+step tests 220 --sections tests --no_target_config
+# GQA vs MLA decoding at 1k / 4k / 16k context (issue 47): last, each row printed as it lands
 step decode 120 --sections decode --no_target_config
 echo "== done in ${SECONDS}s; reports in $out" | tee -a "$out/console.txt"
