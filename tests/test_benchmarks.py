@@ -237,6 +237,17 @@ def test_profile_step_sums_every_kernel_on_the_gpu_streams_once():
     assert profile_step.device_kernel_times([e for e in events if e["pid"] == 2]) == {}  # a CPU trace
 
 
+def test_profile_step_maps_xlas_own_kernels_to_their_hlo_instruction():
+    hlo = """
+  %loop_select_fusion.18 = bf16[8,30720,1024]{2,1,0} fusion(%a, %b), kind=kLoop, calls=%f, metadata={op_name="jit(step)/select_n"}
+  %fusion-done.2 = f32[4]{0} fusion-done(%c), metadata={op_name="jit(step)/dynamic_update_slice"}
+  %custom-call.3 = (bf16[64,64]{1,0}, s8[0]{0}) custom-call(%d, %e), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(step)/dot_general"}
+"""
+    ops = profile_step.kernel_ops(profile_step.op_metadata(hlo))
+    assert ops["loop_select_fusion_18"] == "loop_select_fusion.18" and ops["fusion_done_2"] == "fusion-done.2"
+    assert "nvjet_sm90_tst_128x160" not in ops  # a cuBLAS kernel, named after no instruction
+
+
 def test_cpu_dots_compiles_each_library_differently():
     """The compile options take effect: the batched dot goes to YNNPACK by default and to XLA's own dot under
     `eigen` (a renamed XLA flag would make every library the same program, and the table meaningless)."""
