@@ -2,6 +2,7 @@
 (main head only), caches and reports them under docs/inference.md's rules."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -46,3 +47,11 @@ def test_study_end_to_end_and_cached(tmp_path):
     logs.clear()
     study.run_study(base, 2, 2, tmp_path, rows_per_domain=2, log=logs.append)
     assert sum("cached" in line for line in logs) == 6
+
+
+def test_committed_report_regenerates_from_its_results(tmp_path):
+    """experiments/deepseek_parts/results/: the report is a function of the committed per-run results."""
+    committed = Path(__file__).resolve().parents[1] / "experiments" / "deepseek_parts" / "results"
+    results = json.loads((committed / "results.json").read_text())["results"]
+    assert sorted((r["arm"], r["seed"]) for r in results) == [(a, s) for a in sorted(study.ARMS) for s in range(3)]
+    assert study.report(results, tmp_path).read_text() == (committed / "report.md").read_text()
