@@ -95,6 +95,11 @@ def rows(preset: str, contexts, new_tokens: int, batch: int, steps: int, dtype: 
     return out
 
 
+def print_row(row: dict) -> None:
+    """`on_row` for a console: each row as a one-line table, flushed, so a run cut off keeps what it measured."""
+    print(table([row]), flush=True)
+
+
 def parse(argv):
     p = argparse.ArgumentParser(prog="python -m benchmarks.decode_cache", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="cpu", choices=list(MODELS))
@@ -111,8 +116,7 @@ def main(argv=None):
     contexts = [int(x) for x in a.contexts.split(",")]
     print(describe())
     print(f"preset {a.preset}, {a.new_tokens} decode steps after each context, batch {a.batch}, {a.dtype}")
-    result = rows(a.preset, contexts, a.new_tokens, a.batch, a.steps, a.dtype,
-                  on_row=lambda row: print(table([row]), flush=True))
+    result = rows(a.preset, contexts, a.new_tokens, a.batch, a.steps, a.dtype, on_row=print_row)
     print(table(result))
     return result
 

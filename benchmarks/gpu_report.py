@@ -212,7 +212,7 @@ def main(argv=None) -> str:
                          lambda: table(decode_cache.rows(preset, [64, 128] if a.tiny else [1024, 4096, 16384],
                                                          4 if a.tiny else 32, 1, 1 if a.tiny else 3,
                                                          "float32" if a.tiny else "bfloat16",
-                                                         on_row=lambda row: print(table([row]), flush=True))))),
+                                                         on_row=decode_cache.print_row)))),
              *[("train", train(g)) for g in grouped[1:]]]
     steps = [step for section, step in steps if section in wanted]
     print(f"## {sections[0][0]}\n\n{sections[0][1]}\n", flush=True)

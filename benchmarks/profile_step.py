@@ -106,10 +106,11 @@ def profile(preset: str, dispatch: str, experts: int, grouped: str, attention: s
     if kernels:
         busy = sum(kernels.values())
         ops = kernel_ops(meta)
-        krows = [{"kernel": name[:70], "ms/step": us / steps / 1e3, "share of busy time %": 100 * us / busy,
-                  **dict(zip(("shape", "from"), (meta[ops[name]][0][:40], meta[ops[name]][1][-80:])
-                                                 if name in ops else ("-", "-")))}
-                 for name, us in kernels.most_common(top)]
+        krows = []
+        for name, us in kernels.most_common(top):
+            shape, origin = (meta[ops[name]][0][:40], meta[ops[name]][1][-80:]) if name in ops else ("-", "-")
+            krows.append({"kernel": name[:70], "ms/step": us / steps / 1e3, "share of busy time %": 100 * us / busy,
+                          "shape": shape, "from": origin})
         report += (f"\n\nDevice kernels (every stream): busy {busy / steps / 1e3:.1f} ms/step of the "
                    f"{step_s * 1e3:.1f} ms step, {len(kernels)} distinct kernels\n\n{table(krows)}")
     return report
