@@ -23,22 +23,28 @@ def test_runs_group_consecutive_blocks_of_one_structure():
     assert runs_of_equal_blocks(two_runs.blocks) == [(0, 2), (2, 4), (4, 6)]
 
 
-@pytest.mark.parametrize("remat", [False, "full", "save_moe"])
-def test_scanned_layers_equal_the_loop_values_and_gradients(remat, monkeypatch):
+def _loss_and_grads(model, tokens, seg, ex):
+    def loss(m):
+        logits, aux = m(tokens, execution=ex, segment_ids_BxL=seg, return_routing=True, return_hidden=True)
+        return jnp.mean(jnp.sin(logits)) + aux["balance_loss"], (logits, aux)
+
+    (_, out), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(model)
+    return out, jax.tree.leaves(nnx.state(grads, nnx.Param))
+
+
+@pytest.fixture(scope="module")
+def loop_reference():
+    """The model, its inputs and the unrolled loop's values and gradients without remat: remat changes no value
+    (tests/test_model.py compares it on the loop), so every remat mode's scan is held to this one reference."""
     model = tiny_model(**DEEP)
     tokens = jax.random.randint(jax.random.key(3), (2, 9), 0, TINY["vocab_size"])
     seg = jnp.asarray([[1] * 9, [1] * 6 + [0] * 3])
+    return model, tokens, seg, _loss_and_grads(model, tokens, seg, Execution(scan_layers=False))
 
-    def run(scan):
-        ex = Execution(remat=bool(remat), remat_policy=remat or "full", scan_layers=scan)
 
-        def loss(m):
-            logits, aux = m(tokens, execution=ex, segment_ids_BxL=seg, return_routing=True, return_hidden=True)
-            return jnp.mean(jnp.sin(logits)) + aux["balance_loss"], (logits, aux)
-
-        (_, out), grads = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(model)
-        return out, jax.tree.leaves(nnx.state(grads, nnx.Param))
-
+@pytest.mark.parametrize("remat", [False, "full", "save_moe"])
+def test_scanned_layers_equal_the_loop_values_and_gradients(remat, loop_reference, monkeypatch):
+    model, tokens, seg, ((want_logits, want_aux), want_grads) = loop_reference
     # The four MoE blocks really run as one scan when the model is merged from its state inside a traced function,
     # as the train step builds it (were their graphdefs to compare unequal there, they would run unrolled and the
     # comparisons below would hold trivially).
@@ -48,10 +54,10 @@ def test_scanned_layers_equal_the_loop_values_and_gradients(remat, monkeypatch):
     graphdef, state = nnx.split(model)
     jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(tokens, execution=Execution(scan_layers=True)))(state)
     assert scanned == [4]
-    (want_logits, want_aux), want_grads = run(False)
     scanned.clear()
-    (got_logits, got_aux), got_grads = run(True)
-    assert scanned == [4]  # and so are the compared runs (remat included)
+    ex = Execution(remat=bool(remat), remat_policy=remat or "full", scan_layers=True)
+    (got_logits, got_aux), got_grads = _loss_and_grads(model, tokens, seg, ex)
+    assert scanned == [4]  # and so is the compared run (remat included)
     np.testing.assert_allclose(got_logits, want_logits, rtol=1e-5, atol=1e-6)
     for key in ("balance_loss", "expert_load", "dropped_frac"):
         np.testing.assert_allclose(got_aux[key], want_aux[key], rtol=1e-5, atol=1e-7)
