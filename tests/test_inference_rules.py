@@ -109,6 +109,21 @@ def _brute_neighbour(uni, cond, left, x, right, vocab):
     return -math.log(q[x] / sum(q))
 
 
+def test_seeds_for_halfwidth_is_the_fewest_seeds_whose_interval_is_that_narrow():
+    diffs = [0.31, 0.05, 0.22, -0.04]  # sd 0.159
+    n = inf.seeds_for_halfwidth(diffs, 0.05)
+
+    def halfwidth(k):  # the interval of k seeds with exactly the observed spread
+        z = np.linspace(-1, 1, k)
+        lo, hi = paired_t_interval(z / z.std(ddof=1) * np.std(diffs, ddof=1))[1:]
+        return (hi - lo) / 2
+
+    assert halfwidth(n) <= 0.05 < halfwidth(n - 1)
+    assert 40 <= n <= 45  # about (1.96 * 0.159 / 0.05)^2 = 39, a little more for t's tails
+    assert inf.seeds_for_halfwidth([0.0, 0.005], 0.05) == 2  # narrow enough even at t(1) = 12.7
+    assert inf.seeds_for_halfwidth([-5.0, 5.0], 0.05, most=100) is None
+
+
 def test_neighbour_bigram_by_brute_force():
     stream = np.array([2, 3, 4, 2, 5, 4, 3, 2, 3, 4, 5, 2, 0, 3, 4])
     uni, pairs = nb.counts(stream, 7)

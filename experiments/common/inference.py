@@ -7,6 +7,7 @@
     seed_slopes(x, y_by_seed)             # a trend when seeds are shared across cells: one slope per seed,
     clustered(values)                     #   then a t-interval over seeds (not over cells x seeds)
     family(members)                       # Holm across the declared family, and each member's verdict
+    seeds_for_halfwidth(d, 0.05)          # how many seeds a +-0.05 interval would take at the observed spread
 
 Plain NumPy and math, like stats.py; tests/test_inference_rules.py checks each against SciPy or by hand.
 """
@@ -16,7 +17,7 @@ import math
 
 import numpy as np
 
-from experiments.common.stats import holm, paired_t_interval, paired_t_p, t_cdf
+from experiments.common.stats import holm, paired_t_interval, paired_t_p, t_cdf, t_quantile
 
 ALPHA = 0.05
 # "Equivalent" means the contrast moves the reference's effect above chance by less than this fraction of it.
@@ -25,6 +26,8 @@ EQUIVALENCE_FRACTION = 0.1
 # causal-target cells split there (rederive prints the pooled distances): seeds that did not stall sit <= 0.16
 # above their cell's fast half, the ones whose curves lag from the first evaluations >= 0.23.
 SLOW_MARGIN = 0.2
+# Issue 46's target width for a headline interval (nats either side of the mean).
+HEADLINE_HALFWIDTH = 0.05
 
 
 def _ranks(a) -> np.ndarray:
@@ -107,6 +110,17 @@ def clustered(values) -> dict:
     return {"mean": m, "lo": lo, "hi": hi, "p": paired_t_p(values)}
 
 
+def seeds_for_halfwidth(diffs, halfwidth: float = HEADLINE_HALFWIDTH, most: int = 1000) -> int | None:
+    """The fewest seeds n whose 95% t-interval half-width t(0.975, n-1) * sd / sqrt(n) is at most `halfwidth`,
+    taking the observed spread of the per-seed differences as the truth (a plan, not a guarantee: the spread is
+    itself estimated from few seeds); None when more than `most` would be needed."""
+    sd = float(np.std(np.asarray(diffs, np.float64), ddof=1))
+    for n in range(2, most + 1):
+        if t_quantile(0.975, n - 1) * sd / math.sqrt(n) <= halfwidth:
+            return n
+    return None
+
+
 def _verdict(m: dict) -> str:
     if not m["gate_passed"]:
         return "not interpretable"
@@ -130,7 +144,7 @@ def family(members: list[dict]) -> list[dict]:
         mean, lo, hi = paired_t_interval(d)
         out.append({**m, "n": len(d), "mean": mean, "lo": lo, "hi": hi, "p": paired_t_p(d),
                     "wilcoxon_p": wilcoxon_p(d), "hodges_lehmann": hodges_lehmann(d),
-                    "p_equiv": tost_p(d, m.get("margin"))})
+                    "p_equiv": tost_p(d, m.get("margin")), "seeds_for_halfwidth": seeds_for_halfwidth(d)})
     for m, p, q in zip(out, holm([m["p"] for m in out]), holm([m["p_equiv"] for m in out])):
         m["p_holm"], m["p_equiv_holm"] = p, q
         m["verdict"] = _verdict(m)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.common.inference import SLOW_MARGIN, family, seed_slopes
+from experiments.common.inference import HEADLINE_HALFWIDTH, SLOW_MARGIN, family, seed_slopes
 from experiments.common.stats import sign_test
 from experiments.common.verdicts import cell_gate, member
 from rundir.atomic import write_text
@@ -149,9 +149,10 @@ def slow_distances() -> list[float]:
 def fmt(m: dict) -> str:
     f = f"{m['mean']:+.3f} [{m['lo']:+.3f}, {m['hi']:+.3f}]"
     margin = f"{m['margin']:.3f}" if m["margin"] else "-"
+    need = m["seeds_for_halfwidth"] or ">1000"
     return (f"| {m['study']} | {m['contrast']} | {m['n']} | {f} | {m['p']:.4f} | **{m['p_holm']:.3f}** | "
             f"{m['wilcoxon_p']:.3f} | {m['hodges_lehmann']:+.3f} | {margin} | {m['p_equiv_holm']:.3f} | "
-            f"{'passes' if m['gate_passed'] else 'FAILS'} | {m['verdict']} | {m['old']} -> **{status(m)}** |")
+            f"{'passes' if m['gate_passed'] else 'FAILS'} | {m['verdict']} | {m['old']} -> **{status(m)}** | {need} |")
 
 
 def main():
@@ -162,8 +163,8 @@ def main():
         m["labels"] = list(m["labels"])
     print(f"Family: {len(fam)} tests, Holm across all of them (alpha 0.05).\n")
     print("| study | contrast | n | mean [95% t] | t p | Holm p | Wilcoxon p | HL | margin | equiv Holm p | gate "
-          "| verdict | old -> now |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          f"| verdict | old -> now | seeds for +-{HEADLINE_HALFWIDTH} |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for m in fam:
         print(fmt(m))
     print("\nCell gates (mean over seeds vs the strongest cheap baseline; need >= 0.3 below it and an input gap >= 0.1)")
