@@ -1,5 +1,7 @@
 """KV-cache decoding == the full-sequence forward at every position; sampling sanity."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,22 @@ from moe import decode
 from tests.model_fixtures import forward_fn, tiny_model
 
 
+@functools.partial(nnx.jit, static_argnums=2)
+def prefill_then_steps(model, tokens_BxL, P: int, prefix_len_B=None):
+    """Logits [B, L, V]: the first P tokens prefilled into a cache of L slots, then one decoding step per token, in
+    a loop over traced slot indices as generate runs it (one compiled step, not L - P unrolled ones)."""
+    B, L = tokens_BxL.shape
+    logits_p, cache = decode.prefill(model, tokens_BxL[:, :P], decode.init_cache(model.cfg, B, L))
+
+    def one(cache, i):
+        logits_i, cache = decode.step(model, jax.lax.dynamic_slice_in_dim(tokens_BxL, i, 1, axis=1), i, cache,
+                                      prefix_len_B)
+        return cache, logits_i
+
+    _, steps = jax.lax.scan(one, cache, jnp.arange(P, L))
+    return jnp.concatenate([logits_p, jnp.moveaxis(steps, 0, 1)], 1)
+
+
 @pytest.mark.parametrize("mode", ["causal", "prefix"])
 def test_cached_logits_equal_full_forward(mode):
     model = tiny_model(mask=mode)
@@ -18,17 +36,7 @@ def test_cached_logits_equal_full_forward(mode):
     prefix = jnp.full((B,), P, jnp.int32) if mode == "prefix" else None
     full = forward_fn(mask=mode)(tokens, None, prefix)
 
-    @nnx.jit
-    def run(model, tokens):
-        cache = decode.init_cache(model.cfg, B, L)
-        logits_p, cache = decode.prefill(model, tokens[:, :P], cache)
-        steps = []
-        for i in range(P, L):
-            logits_i, cache = decode.step(model, tokens[:, i:i + 1], i, cache, prefix)
-            steps.append(logits_i)
-        return jnp.concatenate([logits_p, jnp.stack(steps, 1)], 1)
-
-    np.testing.assert_allclose(run(model, tokens), full, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(prefill_then_steps(model, tokens, P, prefix), full, rtol=1e-5, atol=1e-5)
 
 
 def test_cached_logits_equal_the_blockwise_full_forward():
@@ -39,16 +47,7 @@ def test_cached_logits_equal_the_blockwise_full_forward():
     tokens = jax.random.randint(jax.random.key(4), (B, L), 0, 61)
     full = forward_fn()(tokens)
 
-    @nnx.jit
-    def run(model, tokens):
-        logits_p, cache = decode.prefill(model, tokens[:, :P], decode.init_cache(model.cfg, B, L))
-        steps = []
-        for i in range(P, L):
-            logits_i, cache = decode.step(model, tokens[:, i:i + 1], i, cache)
-            steps.append(logits_i)
-        return jnp.concatenate([logits_p, jnp.stack(steps, 1)], 1)
-
-    np.testing.assert_allclose(run(model, tokens), full, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(prefill_then_steps(model, tokens, P), full, rtol=1e-5, atol=1e-5)
 
 
 def test_prefill_continues_from_any_slot():
