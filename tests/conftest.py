@@ -1,6 +1,7 @@
 """Shared test setup: 8 fake CPU devices, set before jax is imported anywhere."""
 
 import atexit
+import fcntl
 import importlib.metadata
 import os
 import shutil
@@ -72,8 +73,17 @@ def pipeline_config(**overrides):
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
-    """A trained tiny run (configs/tiny.py, 20 steps, checkpoints at 10 and 20), shared by the whole session:
-    its routing biases are non-zero. Treat it as read-only."""
-    workdir = tmp_path_factory.mktemp("tiny_run")
-    run(tiny_config(**{"log.tensorboard": True}), workdir, log=lambda *a: None)
+    """A trained tiny run (configs/tiny.py, 20 steps, checkpoints at 10 and 20), shared by the whole session and
+    by every xdist worker (the first to need it trains it under a lock, the others wait and read it): its routing
+    biases are non-zero. Treat it as read-only."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's directory, above every worker's own
+    workdir, done = root / "tiny_run_shared", root / "tiny_run_shared.done"
+    with open(root / "tiny_run_shared.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not done.exists():
+            shutil.rmtree(workdir, ignore_errors=True)  # a worker that died mid-training left a partial run
+            run(tiny_config(**{"log.tensorboard": True}), workdir, log=lambda *a: None)
+            done.touch()
     return workdir
