@@ -115,10 +115,14 @@ def seeds_for_halfwidth(diffs, halfwidth: float = HEADLINE_HALFWIDTH, most: int 
     taking the observed spread of the per-seed differences as the truth (a plan, not a guarantee: the spread is
     itself estimated from few seeds); None when more than `most` would be needed."""
     sd = float(np.std(np.asarray(diffs, np.float64), ddof=1))
-    for n in range(2, most + 1):
-        if t_quantile(0.975, n - 1) * sd / math.sqrt(n) <= halfwidth:
-            return n
-    return None
+    narrow = lambda n: t_quantile(0.975, n - 1) * sd / math.sqrt(n) <= halfwidth  # false, then true, as n grows
+    if not narrow(most):
+        return None
+    lo, hi = 1, most  # narrow(hi) holds; narrow(lo) does not (an interval needs 2 seeds)
+    while hi - lo > 1:  # bisection: t_quantile is itself a bisection, too slow to step through every n
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if narrow(mid) else (mid, hi)
+    return hi
 
 
 def _verdict(m: dict) -> str:
