@@ -259,7 +259,7 @@ def test_token_weighted_equals_the_pooled_loss(rows):
     assert by_dom[0] == pytest.approx(ce_BxL[d0].sum() / n[d0].sum())
 
 
-@pytest.mark.slow  # trains 2 arms x 2 seeds of the tiny model for 2 steps, probes every validation window
+@pytest.mark.slow  # trains 2 arms x 2 seeds of the tiny model for 2 steps, probes 3 windows per domain
 def test_study_end_to_end_and_cached(tmp_path, monkeypatch):
     from experiments.common import rows as study_rows
     from tests.conftest import pipeline_config
