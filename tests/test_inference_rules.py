@@ -164,3 +164,47 @@ def test_committed_rederivation_is_reproduced():
         for c, f in zip(committed["members"], fresh):
             assert c["p_holm"] == pytest.approx(f["p_holm"]) and c["verdict"] == f["verdict"]
             assert c["status"] == rederive.status(f)
+
+
+def test_a_declared_family_counts_its_tests_not_yet_run_at_p_one():
+    present = [_member([-0.30, -0.26, -0.38, -0.27]), _member([0.1, -0.1, 0.05, -0.02])]
+    fam = inf.family(present, size=11)
+    assert [m["p_holm"] for m in fam] == pytest.approx(holm([m["p"] for m in fam] + [1.0] * 9)[:2])
+    assert fam[0]["p_holm"] == pytest.approx(11 * fam[0]["p"])  # not 2 * p: the family is 11, whatever has run
+    with pytest.raises(ValueError):
+        inf.family(present, size=1)
+
+
+def _write_runs(folder, runs_dir, cells, seeds, loss_of, bigram=4.19):
+    """A rerun's committed files: folder/references.json and runs_dir/<cell>/seed<k>/result.json."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "references.json").write_text(json.dumps({"bigram": bigram}))
+    for cell in cells:
+        for s in seeds:
+            d = runs_dir / cell / f"seed{s}"
+            d.mkdir(parents=True)
+            d.joinpath("result.json").write_text(json.dumps(
+                {"seed": s, "val_loss": loss_of(cell, s), "input_replacement_gap": 0.15, "choice_accuracy": 0.4,
+                 "choice_chance": 0.25}))
+
+
+def test_the_rerun_family_reads_both_reruns_and_waits_for_paired_seeds(tmp_path):
+    from experiments.common import rerun_family as rf
+    masks, encdec = tmp_path / "masks", tmp_path / "encdec"
+    shift = {"decoder_P": 0.0, "decoder_2P": -0.05, "encdec_P": 0.25, "encdec_2P": 0.2}
+    _write_runs(encdec, encdec, tuple(shift), (0, 1, 2), lambda c, s: 3.6 + shift[c] + 0.01 * s * (c == "encdec_P"))
+    doc = rf.decide(masks, encdec)  # the mask rerun has not run: its 6 tests wait
+    assert len(doc["declared"]) == 11 and len(doc["waiting_for_seeds"]) == 6
+    ed = {m["contrast"]: m for m in doc["members"]}
+    assert ed["encdec: encdec_P - decoder_P"]["mean"] == pytest.approx(0.26)
+    assert ed["encdec: encdec_P - decoder_P"]["p_holm"] >= 6 * ed["encdec: encdec_P - decoder_P"]["p"] - 1e-12
+    assert doc["cells"]["encdec"]["decoder_P"]["passed"]  # 0.59 below the bigram, gap 0.15
+
+    arms = ("causal", "prefix", "mixed", "causal_all")
+    _write_runs(masks, masks / "finished", arms, (0,), lambda a, s: 3.7)  # one seed: nothing to pair yet
+    assert len(rf.decide(masks, encdec)["waiting_for_seeds"]) == 6
+    _write_runs(masks, masks / "finished", arms, (1, 2), lambda a, s: 3.7 - 0.3 * (a == "causal_all") + 0.01 * s)
+    doc = rf.decide(masks, encdec)
+    assert doc["waiting_for_seeds"] == [] and len(doc["members"]) == 11
+    ca = next(m for m in doc["members"] if m["contrast"] == "masks_round2: causal_all - causal")
+    assert ca["seeds"] == [0, 1, 2] and ca["mean"] == pytest.approx(-0.2)

@@ -138,11 +138,15 @@ def _verdict(m: dict) -> str:
     return "null"
 
 
-def family(members: list[dict]) -> list[dict]:
+def family(members: list[dict], size: int | None = None) -> list[dict]:
     """Every member's statistics, Holm across the whole family (each member's t-test p for "different", its TOST p
     for "equivalent"), and its verdict. A member: "diffs" (one value per seed), "gate_passed", "labels" (what a
     negative and a positive mean say, e.g. ("a better", "a worse") for a loss), optional "margin". Members whose
-    gate fails stay in the count: the family is fixed before the results."""
+    gate fails stay in the count: the family is fixed before the results. size: the declared family's size where
+    some of its tests have not run yet; each missing one counts as p = 1, so Holm never shrinks the family."""
+    missing = 0 if size is None else size - len(members)
+    if missing < 0:
+        raise ValueError(f"{len(members)} members in a family declared with {size}")
     out = []
     for m in members:
         d = list(m["diffs"])
@@ -150,7 +154,8 @@ def family(members: list[dict]) -> list[dict]:
         out.append({**m, "n": len(d), "mean": mean, "lo": lo, "hi": hi, "p": paired_t_p(d),
                     "wilcoxon_p": wilcoxon_p(d), "hodges_lehmann": hodges_lehmann(d),
                     "p_equiv": tost_p(d, m.get("margin")), "seeds_for_halfwidth": seeds_for_halfwidth(d)})
-    for m, p, q in zip(out, holm([m["p"] for m in out]), holm([m["p_equiv"] for m in out])):
+    pad = [1.0] * missing
+    for m, p, q in zip(out, holm([m["p"] for m in out] + pad), holm([m["p_equiv"] for m in out] + pad)):
         m["p_holm"], m["p_equiv_holm"] = p, q
         m["verdict"] = _verdict(m)
     return out
