@@ -175,13 +175,13 @@ def test_a_declared_family_counts_its_tests_not_yet_run_at_p_one():
         inf.family(present, size=1)
 
 
-def _write_runs(folder, runs_dir, cells, seeds, loss_of, bigram=4.19):
-    """A rerun's committed files: folder/references.json and runs_dir/<cell>/seed<k>/result.json."""
+def _write_runs(folder, cells, seeds, loss_of, bigram=4.19):
+    """A rerun's committed files: folder/references.json and folder/<cell>/seed<k>/result.json."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "references.json").write_text(json.dumps({"bigram": bigram}))
     for cell in cells:
         for s in seeds:
-            d = runs_dir / cell / f"seed{s}"
+            d = folder / cell / f"seed{s}"
             d.mkdir(parents=True)
             d.joinpath("result.json").write_text(json.dumps(
                 {"seed": s, "val_loss": loss_of(cell, s), "input_replacement_gap": 0.15, "choice_accuracy": 0.4,
@@ -192,7 +192,7 @@ def test_the_rerun_family_reads_both_reruns_and_waits_for_paired_seeds(tmp_path)
     from experiments.common import rerun_family as rf
     masks, encdec = tmp_path / "masks", tmp_path / "encdec"
     shift = {"decoder_P": 0.0, "decoder_2P": -0.05, "encdec_P": 0.25, "encdec_2P": 0.2}
-    _write_runs(encdec, encdec, tuple(shift), (0, 1, 2), lambda c, s: 3.6 + shift[c] + 0.01 * s * (c == "encdec_P"))
+    _write_runs(encdec, tuple(shift), (0, 1, 2), lambda c, s: 3.6 + shift[c] + 0.01 * s * (c == "encdec_P"))
     doc = rf.decide(masks, encdec)  # the mask rerun has not run: its 6 tests wait
     assert len(doc["declared"]) == 11 and len(doc["waiting_for_seeds"]) == 6
     ed = {m["contrast"]: m for m in doc["members"]}
@@ -201,9 +201,9 @@ def test_the_rerun_family_reads_both_reruns_and_waits_for_paired_seeds(tmp_path)
     assert doc["cells"]["encdec"]["decoder_P"]["passed"]  # 0.59 below the bigram, gap 0.15
 
     arms = ("causal", "prefix", "mixed", "causal_all")
-    _write_runs(masks, masks / "finished", arms, (0,), lambda a, s: 3.7)  # one seed: nothing to pair yet
+    _write_runs(masks, arms, (0,), lambda a, s: 3.7)  # one seed: nothing to pair yet
     assert len(rf.decide(masks, encdec)["waiting_for_seeds"]) == 6
-    _write_runs(masks, masks / "finished", arms, (1, 2), lambda a, s: 3.7 - 0.3 * (a == "causal_all") + 0.01 * s)
+    _write_runs(masks, arms, (1, 2), lambda a, s: 3.7 - 0.3 * (a == "causal_all") + 0.01 * s)
     doc = rf.decide(masks, encdec)
     assert doc["waiting_for_seeds"] == [] and len(doc["members"]) == 11
     ca = next(m for m in doc["members"] if m["contrast"] == "masks_round2: causal_all - causal")

@@ -5,8 +5,8 @@ seeds; until then it counts as p = 1, so a half-finished rerun is never judged i
 
     python -m experiments.common.rerun_family    # prints the table, writes rerun_family.json beside each rerun's runs
 
-Its inputs are the committed per-run results: experiments/masks_round2/results/study-lr/finished/<arm>/seed<k>/ and
-experiments/encdec/results/encdec-lr/<cell>/seed<k>/ (result.json), each beside its references.json.
+Its inputs are the committed per-run results, each rerun's OUT without checkpoints: <rerun>/<cell>/seed<k>/result.json
+beside <rerun>/references.json, for experiments/masks_round2/results/study-lr and experiments/encdec/results/encdec-lr.
 """
 
 import json
@@ -34,16 +34,16 @@ def name(study, a, b, key) -> str:
     return f"{study}: {a} - {b}" + (", 4-way choice accuracy" if key == "choice_accuracy" else "")
 
 
-def _study(folder: Path, finished: Path) -> tuple[dict, float | None]:
+def _study(folder: Path) -> tuple[dict, float | None]:
     """({cell: {seed: result}}, the bigram of its scored targets) of one rerun; ({}, None) before it has run."""
     refs = folder / "references.json"
     bigram = json.loads(refs.read_text())["bigram"] if refs.exists() else None
-    return (runs(finished) if finished.is_dir() else {}), bigram
+    return (runs(folder) if folder.is_dir() else {}), bigram
 
 
 def members(masks: Path = MASKS, encdec: Path = ENCDEC) -> tuple[list[dict], list[str], dict]:
     """(the tests that can be computed, the declared tests that cannot yet, each study's cell gates)."""
-    studies = {"masks_round2": _study(masks, masks / "finished"), "encdec": _study(encdec, encdec)}
+    studies = {"masks_round2": _study(masks), "encdec": _study(encdec)}
     out, waiting = [], []
     for study, a, b, key in DECLARED:
         cells, bigram = studies[study]
