@@ -30,7 +30,7 @@ ACC = ("a worse", "a better")  # an accuracy: higher is better
 
 
 
-def _below(margin: float) -> str:
+def below(margin: float) -> str:
     """'0.123 below' / '1.917 ABOVE' for a loss `margin` nats below (positive) or above (negative) a baseline."""
     return f"{margin:.3f} below" if margin >= 0 else f"{-margin:.3f} ABOVE"
 
@@ -171,14 +171,14 @@ def main():
     for study, cells in extra["cells"].items():
         for c, g in cells.items():
             gap = f"{g['input_gap']:+.3f}" if g["input_gap"] is not None else "-"
-            print(f"  {study:24s} {c:22s} {_below(g['beats_baseline_by'])} {g['baseline']:.4f}, input gap "
+            print(f"  {study:24s} {c:22s} {below(g['beats_baseline_by'])} {g['baseline']:.4f}, input gap "
                   f"{gap}, {'passes' if g['passed'] else 'FAILS'}, seeds passing {g['seeds_passing']}, "
                   f"stalled {g['stall_rate']} {g['slow_seeds'] or ''}")
     fr = extra["first_cpu_round"]
-    print(f"\nFirst CPU round (60 steps): causal {_below(fr['beats_baseline_by'])} the bigram, input gap "
+    print(f"\nFirst CPU round (60 steps): causal {below(fr['beats_baseline_by'])} the bigram, input gap "
           f"{fr['input_gap']:+.3f}: {'passes' if fr['passed'] else 'FAILS'}")
     for name, g in extra["round_one"].items():
-        print(f"Round 1 {name}: causal {_below(g['beats_baseline_by'])} the bigram ({g['baseline']:.4f}): "
+        print(f"Round 1 {name}: causal {below(g['beats_baseline_by'])} the bigram ({g['baseline']:.4f}): "
               f"{'passes' if g['passed'] else 'FAILS'}, seeds passing {g['seeds_passing']}")
     nb = extra["mlm_baselines"]
     print("MLM masked targets: " + ", ".join(f"{k} {nb[k]:.4f}" for k in

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from experiments.common.inference import HEADLINE_HALFWIDTH, family
-from experiments.common.rederive import runs
+from experiments.common.rederive import below, runs
 from experiments.common.verdicts import ACC, PRIMARY, cell_gate, member
 from rundir.atomic import write_text
 
@@ -93,7 +93,7 @@ def main():
     for study, cells in doc["cells"].items():
         for c, g in cells.items():
             gap = "-" if g["input_gap"] is None else f"{g['input_gap']:+.3f}"
-            print(f"  {study:14s} {c:12s} {g['beats_baseline_by']:+.3f} below {g['baseline']:.4f}, input gap "
+            print(f"  {study:14s} {c:12s} {below(g['beats_baseline_by'])} {g['baseline']:.4f}, input gap "
                   f"{gap}, {'passes' if g['passed'] else 'FAILS'}, seeds passing "
                   f"{g['seeds_passing']}, stalled {g['stall_rate']} {g['slow_seeds'] or ''}")
     for study, folder in (("masks_round2", MASKS), ("encdec", ENCDEC)):
