@@ -11,6 +11,7 @@ from scipy import stats as sp
 
 from experiments.common import inference as inf
 from experiments.common import rederive
+from experiments.common import rerun_family as rf
 from experiments.common.stats import holm, paired_t_interval
 from experiments.mlm import neighbour_bigram as nb
 
@@ -189,7 +190,6 @@ def _write_runs(folder, cells, seeds, loss_of, bigram=4.19):
 
 
 def test_the_rerun_family_reads_both_reruns_and_waits_for_paired_seeds(tmp_path):
-    from experiments.common import rerun_family as rf
     masks, encdec = tmp_path / "masks", tmp_path / "encdec"
     shift = {"decoder_P": 0.0, "decoder_2P": -0.05, "encdec_P": 0.25, "encdec_2P": 0.2}
     _write_runs(encdec, tuple(shift), (0, 1, 2), lambda c, s: 3.6 + shift[c] + 0.01 * s * (c == "encdec_P"))

@@ -30,9 +30,17 @@ ACC = ("a worse", "a better")  # an accuracy: higher is better
 
 
 
-def below(margin: float) -> str:
+def _below(margin: float) -> str:
     """'0.123 below' / '1.917 ABOVE' for a loss `margin` nats below (positive) or above (negative) a baseline."""
     return f"{margin:.3f} below" if margin >= 0 else f"{-margin:.3f} ABOVE"
+
+
+def gate_line(study: str, cell: str, g: dict, width: int = 24) -> str:
+    """One cell's gate (verdicts.cell_gate) as a printed line."""
+    gap = f"{g['input_gap']:+.3f}" if g["input_gap"] is not None else "-"
+    return (f"  {study:{width}s} {cell:{width - 2}s} {_below(g['beats_baseline_by'])} {g['baseline']:.4f}, input gap "
+            f"{gap}, {'passes' if g['passed'] else 'FAILS'}, seeds passing {g['seeds_passing']}, "
+            f"stalled {g['stall_rate']} {g['slow_seeds'] or ''}")
 
 def runs(folder: Path) -> dict:
     """{cell: {seed: result}} from folder/<cell>/seed<k>/result.json."""
@@ -170,15 +178,12 @@ def main():
     print("\nCell gates (mean over seeds vs the strongest cheap baseline; need >= 0.3 below it and an input gap >= 0.1)")
     for study, cells in extra["cells"].items():
         for c, g in cells.items():
-            gap = f"{g['input_gap']:+.3f}" if g["input_gap"] is not None else "-"
-            print(f"  {study:24s} {c:22s} {below(g['beats_baseline_by'])} {g['baseline']:.4f}, input gap "
-                  f"{gap}, {'passes' if g['passed'] else 'FAILS'}, seeds passing {g['seeds_passing']}, "
-                  f"stalled {g['stall_rate']} {g['slow_seeds'] or ''}")
+            print(gate_line(study, c, g))
     fr = extra["first_cpu_round"]
-    print(f"\nFirst CPU round (60 steps): causal {below(fr['beats_baseline_by'])} the bigram, input gap "
+    print(f"\nFirst CPU round (60 steps): causal {_below(fr['beats_baseline_by'])} the bigram, input gap "
           f"{fr['input_gap']:+.3f}: {'passes' if fr['passed'] else 'FAILS'}")
     for name, g in extra["round_one"].items():
-        print(f"Round 1 {name}: causal {below(g['beats_baseline_by'])} the bigram ({g['baseline']:.4f}): "
+        print(f"Round 1 {name}: causal {_below(g['beats_baseline_by'])} the bigram ({g['baseline']:.4f}): "
               f"{'passes' if g['passed'] else 'FAILS'}, seeds passing {g['seeds_passing']}")
     nb = extra["mlm_baselines"]
     print("MLM masked targets: " + ", ".join(f"{k} {nb[k]:.4f}" for k in

@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 
 from experiments.common.inference import HEADLINE_HALFWIDTH, family
-from experiments.common.rederive import below, runs
-from experiments.common.verdicts import ACC, PRIMARY, cell_gate, member
+from experiments.common.rederive import gate_line, runs
+from experiments.common.verdicts import ACC, LOSS, PRIMARY, cell_gate, member
 from rundir.atomic import write_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,10 +48,8 @@ def members(masks: Path = MASKS, encdec: Path = ENCDEC) -> tuple[list[dict], lis
     for study, a, b, key in DECLARED:
         cells, bigram = studies[study]
         if a in cells and b in cells and bigram is not None and len(set(cells[a]) & set(cells[b])) >= 2:
-            acc = key == "choice_accuracy"
-            m = member(study, name(study, a, b, key), None, cells[a], cells[b], bigram, key,
-                       *((ACC,) if acc else ()), an=a)
-            out.append(m)
+            out.append(member(study, name(study, a, b, key), None, cells[a], cells[b], bigram, key,
+                              ACC if key == "choice_accuracy" else LOSS, an=a))
         else:
             waiting.append(name(study, a, b, key))
     gates = {study: {c: cell_gate(runs_, bigram) for c, runs_ in sorted(cells.items())}
@@ -92,10 +90,7 @@ def main():
     print("\nCell gates (mean over seeds vs the bigram of the scored targets; need >= 0.3 below it, input gap >= 0.1)")
     for study, cells in doc["cells"].items():
         for c, g in cells.items():
-            gap = "-" if g["input_gap"] is None else f"{g['input_gap']:+.3f}"
-            print(f"  {study:14s} {c:12s} {below(g['beats_baseline_by'])} {g['baseline']:.4f}, input gap "
-                  f"{gap}, {'passes' if g['passed'] else 'FAILS'}, seeds passing "
-                  f"{g['seeds_passing']}, stalled {g['stall_rate']} {g['slow_seeds'] or ''}")
+            print(gate_line(study, c, g, width=14))
     for study, folder in (("masks_round2", MASKS), ("encdec", ENCDEC)):
         if folder.is_dir():
             path = folder / "rerun_family.json"
