@@ -25,13 +25,12 @@ def compiles():
     jax.monitoring.unregister_event_listener(on_event)
 
 
-def _save_replicated(directory, shape):
+def _save_replicated(mngr, shape):
     """A replicated array over all 8 devices (its first axis divides 8, so orbax could split it among them)."""
     mesh = jax.make_mesh((len(jax.devices()),), ("data",))
     value = np.arange(np.prod(shape), dtype=np.float32).reshape(shape)
     arr = jax.device_put(value, NamedSharding(mesh, PartitionSpec()))
     jax.block_until_ready(arr)
-    mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False))
     mngr.save(1, args=ocp.args.StandardSave({"w": arr}))
     mngr.wait_until_finished()
     return mngr, arr, value
@@ -39,8 +38,9 @@ def _save_replicated(directory, shape):
 
 def test_one_process_writes_replicated_arrays_whole_and_they_restore(tmp_path, compiles):
     assert jax.process_count() == 1 and len(jax.devices()) == 8
-    checkpoints.manager(tmp_path / "ours")  # registers the handler
-    mngr, arr, value = _save_replicated(tmp_path / "ours", (8 * 7, 3))
+    # One manager per directory, as in training: a second one's background clean-up of tmp dirs would race the
+    # first one's save.
+    mngr, arr, value = _save_replicated(checkpoints.manager(tmp_path / "ours", async_save=False), (8 * 7, 3))
     assert compiles == []  # no slice program per array shape
     abstract = {"w": jax.ShapeDtypeStruct(arr.shape, arr.dtype, sharding=arr.sharding)}
     restored = mngr.restore(1, args=ocp.args.StandardRestore(abstract))["w"]
@@ -54,7 +54,9 @@ def test_one_process_writes_replicated_arrays_whole_and_they_restore(tmp_path, c
     with checkpoints.quiet_orbax():  # orbax warns of every override
         ocp.type_handlers.register_type_handler(jax.Array, default, override=True)
     try:
-        _save_replicated(tmp_path / "orbax_default", (8 * 9, 3))
+        plain = ocp.CheckpointManager(tmp_path / "orbax_default",
+                                      options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False))
+        _save_replicated(plain, (8 * 9, 3))
     finally:
         with checkpoints.quiet_orbax():
             ocp.type_handlers.register_type_handler(jax.Array, previous, override=True)
