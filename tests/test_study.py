@@ -136,8 +136,14 @@ def test_report_files_and_gate_wording(tmp_path):
     assert "| +0.0500 | - |" in text  # input-shuffle gap, then no input-order gap in these older results
     for png in ("val_curves", "paired_loss", "domains", "probes"):
         assert (tmp_path / "r" / f"{png}.png").stat().st_size > 1000
+    assert "lr 0.001, warmup" in text
     text = study_report.write_report(results(), REFS, tmp_path / "r2", base).read_text()
     assert "**interpretable**" in text and "**prefix better**" in text
+    # arms at their own rates: the setup line does not claim the config's rate
+    chosen = {arm: {"lr": 3e-3, "losses": {1e-3: 4.0, 3e-3: 3.9}, "at_edge": True} for arm in ("causal", "prefix")}
+    text = study_report.write_report(results(), REFS, tmp_path / "r3", base, lr_choice=chosen).read_text()
+    assert "each arm at its own learning rate (below), warmup" in text and "lr 0.001," not in text
+    assert "| causal | 4.0000 | **3.9000** | 0.003 (edge) |" in text
 
 
 def test_report_cli_from_a_study_directory(tmp_path, capsys):

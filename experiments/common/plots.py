@@ -58,7 +58,7 @@ def plot_contrasts(rows, path, ylabel, title, margin=None):
     """Per-seed paired differences (arm - causal), the mean with its 95% t-interval, the equivalence band."""
     fig, ax = plt.subplots(figsize=(1.8 * len(rows) + 2.5, 3.6))
     if margin is not None:
-        ax.axhspan(-margin, margin, color="C2", alpha=0.15, label=f"equivalence +-{margin}")
+        ax.axhspan(-margin, margin, color="C2", alpha=0.15, label=f"equivalence +-{margin:.3g}")
     ax.axhline(0, color="gray", linewidth=1)
     for i, r in enumerate(rows):
         d = np.asarray(r["diffs"])

@@ -37,15 +37,17 @@ def _mean_t(values):
     return paired_t_interval(v) if len(v) >= 2 else (v[0], v[0], v[0])
 
 
-def setup_lines(base, results) -> list[str]:
+def setup_lines(base, results, own_rates: bool = False) -> list[str]:
+    """own_rates: each arm ran at the rate it chose (its table below), not at the config's lr."""
     r0 = results[0]
     m, d, t = base["model"], base["data"], base["train"]
+    lr = "each arm at its own learning rate (below)" if own_rates else f"lr {t['lr']}"
     return [f"Model: d_model {m['d_model']}, {m['n_layers']} layers ({m['first_k_dense']} dense), {m['n_heads']} "
             f"heads (kv {m['n_kv_heads']}) x {m['head_dim']}, {m['n_routed_experts']} routed experts top-"
             f"{m['top_k']} + {m['n_shared_experts']} shared, vocab {m['vocab_size']} ({d['tokenizer'] or 'default'}"
             f"). Data: {d['name']}, every document cut into {d['seq_len']}-token windows, input = first "
             f"{d['prefix_frac']:.0%} of a window. Batch {t['batch_size']}, {r0['steps']} steps "
-            f"({r0['tokens_seen']:,} tokens per run), lr {t['lr']}, warmup {t['warmup_steps']}, {t['schedule']}.",
+            f"({r0['tokens_seen']:,} tokens per run), {lr}, warmup {t['warmup_steps']}, {t['schedule']}.",
             f"Validation: loss on the output half for every arm (also causal_all, which trains on every token). "
             f"Final losses, references and the gate: every validation window ({r0.get('n_val_rows', '?')}); "
             f"curves: every {base['eval']['every']} steps on the first {base['eval']['rows_per_domain']} windows of "
@@ -88,7 +90,7 @@ def write_report(results, refs, out, base, missing=(), lr_choice=None) -> Path:
              "initial weights in every arm).", ""]
     if missing:
         lines += [f"**Partial study**: not finished: {', '.join(missing)}.", ""]
-    lines += setup_lines(base, results) + [""]
+    lines += setup_lines(base, results, own_rates=bool(lr_choice)) + [""]
     lines += ["## Gate on the causal arm", "",
               f"The causal arm must beat the interpolated bigram reference by >= {GATE_BIGRAM_MARGIN} nats and "
               f"replacing each validation window's input by another same-domain window's must cost >= "
