@@ -25,6 +25,7 @@ from orbax.checkpoint.type_handlers import ArrayHandler
 from moe import ConfigError, ModelConfig
 from moe.config import LEGACY_EXECUTION_FIELDS
 from moe.errors import UserError, warn
+from moe.hf.paths import OutsideDirectoryError, tree_inside
 from moe.model import abstract_model, merge_model, split_model
 
 
@@ -152,6 +153,7 @@ def restore_latest(mngr: ocp.CheckpointManager, abstract_state, mcfg: ModelConfi
     damaged = []
     for step in steps:
         try:
+            check_inside(mngr, step)
             with quiet_orbax():
                 meta = read_meta(mngr, step)
                 check_compatible(meta["model"], mcfg, str(mngr.directory))
@@ -218,7 +220,18 @@ def restore_model(ckpt_dir, step: int | None, log=warn):
     raise UserError(f"no readable checkpoint in {ckpt_dir} (steps {steps} are all damaged)")
 
 
+def check_inside(mngr: ocp.CheckpointManager, step: int) -> None:
+    """UserError unless every file of checkpoint `step` resolves inside its step directory: a run copied from
+    elsewhere must not make orbax read through a symlink out of it. (checkpoints/ itself, or the whole run, may
+    be a symlink to another disk.)"""
+    try:
+        tree_inside((Path(mngr.directory) / str(step)).resolve(), ".", f"checkpoint {step}")
+    except OutsideDirectoryError as e:
+        raise UserError(f"{mngr.directory}: {e}; remove the link or copy the files in") from None
+
+
 def _restore_params(mngr, step):
+    check_inside(mngr, step)
     meta = read_meta(mngr, step)
     try:
         mcfg = ModelConfig.from_dict(meta["model"])

@@ -4,6 +4,7 @@ one line and leaves an existing --out untouched."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -14,10 +15,12 @@ from flax import nnx
 
 import moe
 from moe.errors import UserError
+from moe.hf.paths import OutsideDirectoryError
 from rundir import open_run
 from train import export as export_cli
 from train import generate as generate_cli
 from train.data.tokenizer import EOS_ID, load_tokenizer
+from train.export import load_orbax_export
 
 PROMPTS = ["The quick brown fox", "Once upon a time, there"]
 
@@ -246,3 +249,40 @@ def test_an_out_symlinked_at_a_run_is_refused(tiny_run, tmp_path, target):
     with pytest.raises(UserError, match="run"):
         export_cli.export(str(tiny_run), str(link))
     assert tree() == before and not list(tiny_run.parent.glob(".link*")) and not list(tmp_path.glob(".link*"))
+
+
+def _link_out(directory, outside):
+    """Move the first regular file below `directory` to `outside` and leave a symlink to it in its place."""
+    inner = next(p for p in sorted(directory.rglob("*")) if p.is_file() and not p.is_symlink())
+    shutil.move(inner, outside)
+    os.symlink(outside, inner)
+    return inner
+
+
+def test_a_symlink_inside_an_orbax_export_is_refused(tiny_run, tmp_path):
+    """Not only params/ itself: any entry below it that resolves outside the export is refused before orbax
+    reads it (a link to another user's files must never be followed)."""
+    out = tmp_path / "orbax"
+    export_cli.main(["--workdir", str(tiny_run), "--out", str(out), "--format", "orbax"])
+    generate_cli.load_export(out)  # the intact export loads
+    inner = _link_out(out / generate_cli.ORBAX_DIR, tmp_path / "elsewhere")
+    with pytest.raises(UserError, match=f"{inner.name} resolves to .*outside") as e:
+        generate_cli.load_export(out)
+    assert "\n" not in str(e.value)
+    with pytest.raises(OutsideDirectoryError):
+        load_orbax_export(out)
+
+
+def test_a_symlink_inside_a_checkpoint_is_refused(tiny_run, tmp_path):
+    """A run copied from elsewhere: a checkpoint file linked out of its step directory is refused by every reader
+    (and a run whose checkpoints/ directory is itself a link, to another disk, still reads)."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run, ignore=shutil.ignore_patterns("*.lock"))
+    disk = tmp_path / "disk"
+    shutil.move(run / "checkpoints", disk)
+    os.symlink(disk, run / "checkpoints")
+    open_run(run)
+    step_dir = max((p for p in disk.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    _link_out(step_dir / "state", tmp_path / "elsewhere")
+    with pytest.raises(UserError, match="outside the directory"):
+        open_run(run, int(step_dir.name))

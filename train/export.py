@@ -32,6 +32,7 @@ from moe import ConfigError, ModelConfig
 from moe.cli import ArgParser
 from moe.errors import UserError, exit_with, hide_orbax_tracebacks, os_error, storage_full
 from moe.hf.export import ExportError, check_exportable, write_hf_checkpoint
+from moe.hf.paths import tree_inside
 from moe.hf.safetensors_io import CONFIG_FILE, load_config, save_safetensors
 from moe.model import abstract_model, merge_model, split_model
 from rundir import RunDir, is_run_dir, metrics, open_run
@@ -148,6 +149,7 @@ def load_orbax_export(path_dir):
     """The model (moe.Transformer on the default device) from a `--format orbax` export."""
 
 
+    tree_inside(path_dir, ORBAX_DIR, "file")  # orbax reads whatever params/ links to: nothing may leave the export
     cfg = load_config(str(path_dir))
     graphdef, params, bias = split_model(abstract_model(cfg))
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])

@@ -26,7 +26,7 @@ from moe.cli import ArgParser
 from moe.decode import generate
 from moe.errors import UserError, exit_with, os_error, out_of_memory
 from moe.hf import load_model
-from moe.hf.paths import OutsideDirectoryError, file_inside
+from moe.hf.paths import OutsideDirectoryError, file_inside, tree_inside
 from moe.hf.safetensors_io import load_safetensors
 from moe.speculative import speculative_generate
 from rundir import open_run
@@ -95,8 +95,9 @@ def load_export(path):
         raise UserError(f"--export {path} is a training run, not an export; pass it as --workdir {path}")
     fmt = export_format(path)
     try:  # the weights of an HF or safetensors export are checked by their loaders
-        for name in ["tokenizer.json"] + ([ORBAX_DIR] if fmt == "orbax" else []):
-            file_inside(path, name, "file")
+        file_inside(path, "tokenizer.json", "file")
+        if fmt == "orbax":  # orbax and tensorstore walk params/: every entry below it must stay inside too
+            tree_inside(path, ORBAX_DIR, "file")
     except OutsideDirectoryError as e:
         raise UserError(f"--export {path}: {e}") from None
     try:

@@ -7,6 +7,7 @@ blob store: `models--ORG--NAME/snapshots/REV/x -> ../../blobs/HASH`; those may l
 """
 
 import os
+import stat
 from pathlib import Path
 
 
@@ -36,3 +37,32 @@ def _allowed_roots(root: Path) -> list[Path]:
     if root.parent.name == "snapshots" and repo.name.startswith("models--"):
         roots.append(repo / "blobs")
     return roots
+
+
+def tree_inside(directory, name: str, what: str) -> Path:
+    """DIR/name and every entry below it, each resolved after symlinks inside DIR (or the Hub cache's blob store of
+    DIR's repo): a reader that walks the tree (orbax, tensorstore) then never leaves DIR. Symlinked directories that
+    stay inside are walked too. Special files (FIFOs, sockets, devices) are refused as well: reading one blocks or
+    never ends. Raises OutsideDirectoryError naming the first entry that fails."""
+    top = file_inside(directory, name, what)
+    allowed = _allowed_roots(Path(directory).resolve())
+    pending, seen = [Path(directory) / name], set()
+    while pending:
+        path = pending.pop()
+        target = path.resolve()
+        if not any(target.is_relative_to(a) for a in allowed):
+            raise OutsideDirectoryError(f"{what} entry {path} resolves to {target}, outside the directory "
+                                        f"{Path(directory).resolve()}; a checkpoint's files must lie inside its "
+                                        "directory (copy them in)")
+        try:
+            mode = target.stat().st_mode
+        except OSError:
+            continue  # a dangling entry: the reader reports a missing file itself
+        if stat.S_ISDIR(mode):
+            if target not in seen:
+                seen.add(target)
+                pending.extend(path.iterdir())
+        elif not stat.S_ISREG(mode):
+            raise OutsideDirectoryError(f"{what} entry {path} is not a regular file (a FIFO, socket or device); "
+                                        "a checkpoint holds regular files only")
+    return top
