@@ -22,8 +22,8 @@ import numpy as np
 
 from analysis import ablation, ablation_controls, ablation_plots
 from analysis.routing_stats import plain_json
-from moe.cli import ArgParser, check_out_dir, run_cli
-from moe.errors import UserError
+from plumbing.args import ArgParser, check_out_dir, run_cli
+from plumbing.errors import UserError
 from rundir import open_run
 
 

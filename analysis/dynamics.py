@@ -23,8 +23,8 @@ import numpy as np
 from analysis import baselines, dynamics_plots, routing_stats
 from analysis.routing_stats import SaturationAccumulator, plain_json
 from moe import router, routing_biases
-from moe.cli import ArgParser, check_out_dir, run_cli
-from moe.errors import UserError
+from plumbing.args import ArgParser, check_out_dir, run_cli
+from plumbing.errors import UserError
 from rundir import RunDir, open_run
 from rundir.checkpoints import steps_in
 

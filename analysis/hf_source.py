@@ -15,9 +15,9 @@ from pathlib import Path
 import ml_collections
 import numpy as np
 
-from moe.errors import UserError
 from moe.hf import load_hf_moe
 from moe.hf.common import read_config
+from plumbing.errors import UserError
 from train.data import packing, tfds_corpus
 
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|im_end|>", "<eos>", "<|end_of_text|>")

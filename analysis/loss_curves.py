@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 from configs.base import base_config
-from moe.cli import ArgParser
-from moe.errors import UserError, exit_with, os_error
+from plumbing.args import ArgParser
+from plumbing.errors import UserError, exit_with, os_error
 from rundir import RunDir
 from rundir.config_layout import migrate
 from rundir.metrics import read_rows

@@ -28,8 +28,8 @@ from flax import nnx
 from analysis import rank_metrics as rm
 from analysis.rank_plots import plot_all
 from moe import Execution
-from moe.cli import ArgParser, check_out_dir
-from moe.errors import UserError, exit_with, os_error
+from plumbing.args import ArgParser, check_out_dir
+from plumbing.errors import UserError, exit_with, os_error
 from rundir import open_run
 from train.inputs import eval_rows
 
@@ -54,27 +54,26 @@ _compiled = {}
 
 
 def _paths(model, batch):
-    """The full path is the model's own forward (attention probabilities and residual stream from its aux
-    outputs); the ablated paths wire the model's own pieces (attention_inputs, embed_tokens, Block.attend,
+    """The full path is the model's own inspection path (attention probabilities and residual stream); the ablated paths wire the model's own pieces (block_inputs, embed_tokens, Block.attend,
     Block.feed_forward) with the residual adds and/or the FFN switched off."""
     kw = dict(positions_BxL=batch["positions"], segment_ids_BxL=batch["segment_ids"],
               prefix_len_B=batch.get("prefix_len"))
-    _, aux = model(batch["tokens"], execution=EXECUTION, return_attention=True, return_hidden=True, **kw)
-    positions, mask, valid = model.attention_inputs(batch["tokens"], **kw)
+    _, aux = model.inspect(batch["tokens"], execution=EXECUTION, attention=True, hidden=True, **kw)
+    inputs = model.block_inputs(batch["tokens"], **kw)
     x0 = model.embed_tokens(batch["tokens"], EXECUTION)
-    hidden = {"full": aux["hidden"], **{p: [x0] for p in PATHS if p != "full"}}
+    hidden = {"full": aux.hidden, **{p: [x0] for p in PATHS if p != "full"}}
     xs = dict.fromkeys(PATHS, x0)
     for block in model.blocks:
         for p in PATHS[1:]:
-            a = block.attend(xs[p], positions, mask, EXECUTION)[0]
+            a = block.attend(xs[p], inputs, EXECUTION)[0]
             if p == "no_mlp":
                 xs[p] = xs[p] + a
             elif p == "no_skip":
-                xs[p] = block.feed_forward(a, valid, EXECUTION)[0]
+                xs[p] = block.feed_forward(a, inputs.valid_BxL, EXECUTION)[0]
             else:
                 xs[p] = a
             hidden[p].append(xs[p])
-    return aux["attention"], hidden
+    return aux.attention, hidden
 
 
 def documents(segment_ids_BxL, prefix_B=None) -> list[tuple[int, int, int, int]]:

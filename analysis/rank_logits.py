@@ -21,9 +21,9 @@ import numpy as np
 from analysis import rank_metrics as rm
 from analysis.figures import grid, save
 from analysis.rank import forward_paths
-from moe.cli import ArgParser
-from moe.errors import UserError, exit_with, os_error
-from moe.layers import rope
+from moe.attention import rope
+from plumbing.args import ArgParser
+from plumbing.errors import UserError, exit_with, os_error
 from rundir import open_run
 from rundir.atomic import write_text
 from train.inputs import eval_rows

@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from analysis import hf_source, routing_html, routing_plots, routing_run, routing_stats
-from moe.cli import ArgParser, check_out_dir, run_cli
-from moe.errors import UserError
+from plumbing.args import ArgParser, check_out_dir, run_cli
+from plumbing.errors import UserError
 from rundir import open_run
 
 

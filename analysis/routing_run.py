@@ -21,7 +21,7 @@ from flax import nnx
 from tqdm import tqdm  # text bar: tqdm.auto warns in a notebook without ipywidgets
 
 from analysis.routing_stats import RoutingAccumulator, SaturationAccumulator
-from moe.errors import UserError
+from plumbing.errors import UserError
 from rundir import Run
 from train import inputs
 
@@ -76,9 +76,9 @@ def make_route_fn(graphdef, prefix: bool):
     @jax.jit
     def route(state, tokens_BxL, positions_BxL, segment_ids_BxL, prefix_len_B):
         model = nnx.merge(graphdef, state)
-        _, aux = model(tokens_BxL, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL,
-                       prefix_len_B=prefix_len_B if prefix else None, return_routing=True)
-        return [(r["expert_ids"], r["gates"]) for r in aux["routing"]]
+        _, aux = model.inspect(tokens_BxL, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL,
+                               prefix_len_B=prefix_len_B if prefix else None)
+        return [(r.expert_ids, r.gates) for r in aux.routing]
 
     return route
 

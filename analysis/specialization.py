@@ -20,8 +20,8 @@ from scipy import stats
 
 from analysis import baselines, specialization_plots
 from analysis.routing_stats import favourite_agreement, plain_json
-from moe.cli import ArgParser, check_out_dir, run_cli
-from moe.errors import UserError
+from plumbing.args import ArgParser, check_out_dir, run_cli
+from plumbing.errors import UserError
 from rundir import open_run
 from rundir.config_layout import ADDED_KEYS
 from train.cli import all_keys

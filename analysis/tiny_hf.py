@@ -15,9 +15,9 @@ from flax import nnx
 
 from configs.tiny import get_config
 from moe import Transformer, set_routing_biases
-from moe.cli import ArgParser, check_out_dir, run_cli
-from moe.errors import UserError
 from moe.hf import write_hf_checkpoint
+from plumbing.args import ArgParser, check_out_dir, run_cli
+from plumbing.errors import UserError
 from train.config import model_config
 from train.data.tokenizer import DEFAULT_TOKENIZER
 

@@ -9,8 +9,8 @@ import time
 
 import jax
 
-from moe.execution import REMAT_POLICIES
-from moe.experts import PERMUTES
+from moe.dispatch.execution import REMAT_POLICIES
+from moe.dispatch.experts import PERMUTES
 from train import host_memory
 
 MAXTEXT_MLA = dict(attention="mla", q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=48, qk_rope_head_dim=16,
@@ -155,7 +155,7 @@ def comma_subset(ap: argparse.ArgumentParser, flag: str, value: str, allowed) ->
 
 
 def add_scan_layers_flag(ap: argparse.ArgumentParser, where: str = "the train step's") -> None:
-    """--scan_layers on|off: execution.scan_layers for one run ("": the preset's, off; moe/layer_scan.py)."""
+    """--scan_layers on|off: execution.scan_layers for one run ("": the preset's, off; moe/model.py)."""
     ap.add_argument("--scan_layers", default="", choices=["", "on", "off"],
                     help=f"{where} MoE blocks as one lax.scan (on: one compiled copy of the block) or unrolled (off); "
                          "default: the preset's (off)")

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from benchmarks.common import PRESETS, comma_subset, describe, preset, table, time_fns
 from benchmarks.train_step import prepare
-from moe import kernels
+from moe.dispatch import kernels
 from train import host_memory
 
 LIBRARIES = {

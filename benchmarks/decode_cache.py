@@ -5,7 +5,7 @@
 
 Models: cpu / tiny, configs/default.py's (GQA, 2 kv heads of 48) and configs/deepseek_mini.py's (MLA, kv latent 64
 + roped key 16) at the same width, depth and experts, the MTP module left out (decoding never runs it); gpu, the
-same two at configs/gpu_1b.py's width. Each row times `new_tokens` one-token decode steps (moe.decode.step, one
+same two at configs/gpu_1b.py's width. Each row times `new_tokens` one-token decode steps (moe.decoding.generate.step, one
 jitted loop) after a context of C tokens already in the cache: the cache is filled with random numbers instead of a
 prefill, since a step's cost depends on the slots it attends to, not their values. MLA decodes in the absorbed
 form (the key up-projection folded into the query, the value one into the output) or, with
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from benchmarks.common import describe, table, time_fn
-from moe import Execution, ModelConfig, Transformer, decode
+from moe import Execution, ModelConfig, Transformer, decoding
 from moe.accounting import kv_cache_bytes_per_token
 
 MODELS = {"cpu": ("configs.default", "configs.deepseek_mini"), "tiny": ("configs.tiny", None),
@@ -48,7 +48,7 @@ def model_configs(preset: str) -> dict[str, ModelConfig]:
 
 
 def random_cache(cfg, batch: int, slots: int, dtype: str, seed: int = 0):
-    cache = decode.init_cache(cfg, batch, slots, dtype)
+    cache = decoding.init_cache(cfg, batch, slots, dtype)
     keys = iter(jax.random.split(jax.random.key(seed), 2 * len(cache)))
     return [{k: jax.random.normal(next(keys), v.shape, v.dtype) for k, v in layer.items()} for layer in cache]
 
@@ -62,7 +62,7 @@ def decode_fn(graphdef, start: int, n: int, ex: Execution):
 
         def body(i, carry):
             token, cache, _ = carry
-            logits, cache = decode.step(model, token, start + i, cache, execution=ex)
+            logits, cache = decoding.step(model, token, start + i, cache, execution=ex)
             return jnp.argmax(logits, -1)[:, None].astype(jnp.int32), cache, logits
 
         B = token.shape[0]

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import topologies
 
-import moe.layers
+import moe.attention
 from benchmarks import hlo_flops
 from benchmarks.common import (
     add_remat_flag,
@@ -47,7 +47,7 @@ from benchmarks.common import (
 )
 from benchmarks.train_step import _config, batch_sharding, random_batch
 from moe import train_flops_per_token
-from moe.kernels import GROUPED_SWIGLU
+from moe.dispatch.kernels import GROUPED_SWIGLU
 from train import optim
 from train.config import check, execution
 from train.state import state_shapes
@@ -130,11 +130,11 @@ def _flash_attention_standin():
         k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
         return pallas_attention.mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=is_causal)
 
-    moe.layers.jax = _Namespace(jax, nn=_Namespace(jax.nn, dot_product_attention=flash))
+    moe.attention.jax = _Namespace(jax, nn=_Namespace(jax.nn, dot_product_attention=flash))
 
 
 class _Namespace:
-    """`base` with some attributes replaced (the stand-in patches moe.layers' view of jax only)."""
+    """`base` with some attributes replaced (the stand-in patches moe.attention's view of jax only)."""
 
     def __init__(self, base, **replaced):
         self._base, self._replaced = base, replaced

@@ -37,7 +37,7 @@ import jax
 
 from benchmarks import decode_cache, kernel_accuracy, moe_layer, profile_step, train_step
 from benchmarks.common import add_remat_flag, add_scan_layers_flag, describe, remat_settings, table
-from moe.kernels import tokamax_swiglu
+from moe.dispatch.kernels import tokamax_swiglu
 from train.flops import measure_peak_flops
 
 SECTIONS = ("tests", "accuracy", "train", "layer", "fallback", "profile", "decode")
@@ -114,7 +114,7 @@ def fallback_section(preset: str, experts: int, grouped: list[str]) -> str:
     `skewed`, ~4.2x, as the deep layers of a fresh configs/gpu_1b.py route): its slabs of up to 3x the mean
     against those of up to 2x (`slab:1.25/1.5/2`, which sends the first routing to the 512-row fallback), and
     tokamax where installed (no padding, whatever the routing). The fallback's block rows and the 512-row
-    spill layouts are settled (moe/kernels/slab.py): not timed here."""
+    spill layouts are settled (moe/dispatch/kernels/slab.py): not timed here."""
     tried = ["slab", "slab:1.25/1.5/2"] + ["tokamax"] * ("tokamax" in grouped)
     return table(moe_layer.bench(preset, experts, ["dropless"], tried, routings=("skewed@0.06", "skewed")))
 

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import describe, table
-from moe import kernels
-from moe.kernels import tokamax_swiglu
+from moe.dispatch import kernels
+from moe.dispatch.kernels import tokamax_swiglu
 
 OUTPUTS = ("y", "d/dx", "d/dw_gate", "d/dw_up", "d/dw_down")
 # Mosaic-GPU copies rows with TMA, whose strides must be multiples of 16 bytes: 128-wide rows.

@@ -4,10 +4,10 @@
 
 A dialogue of `turns` turns, each a user message of `user_tokens` tokens followed by a reply of `reply_tokens`.
 Before the reply of turn i the model must read the new user message (time to first token, TTFT):
-  causal, reuse      prefill only the new message at the slots after the cached history (decode.prefill start=)
+  causal, reuse      prefill only the new message at the slots after the cached history (decoding.prefill start=)
   causal, recompute  prefill the whole history from slot 0 (what a server without a cache does)
   prefix / mixed     must recompute: their prompt is one bidirectional prefix, so a longer prompt changes the
-                     keys and values of every earlier slot (decode.prefill refuses start > 0 for them)
+                     keys and values of every earlier slot (decoding.prefill refuses start > 0 for them)
 The replies' own decoding (one token per step, the same for every mask) is not timed. FLOPs are counted, not
 measured: 2 x matmul weights per processed token (moe.accounting) + 4 x n_layers x heads x head_dim per attended
 (query, key) pair, with exactly the pairs each mask attends to.
@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from benchmarks.common import describe, preset, table, time_fn
-from moe import ModelConfig, Transformer, decode
+from moe import ModelConfig, Transformer, decoding
 from moe.accounting import matmul_params_per_token
 from train import host_memory
 
@@ -55,7 +55,7 @@ def _prefill_fn(graphdef, start: int):
     @jax.jit
     def fn(state, prompt, cache):
         model = nnx.merge(graphdef, state)
-        logits, cache = decode.prefill(model, prompt, cache, start=start)
+        logits, cache = decoding.prefill(model, prompt, cache, start=start)
         return logits[:, -1], cache
 
     return fn
@@ -71,7 +71,7 @@ def run(model_kwargs: dict, turns: int, user: int, reply: int, steps: int, batch
         for t in range(turns):
             start, n = schedule(mode, t, user, reply)
             prompt = jnp.asarray(rng.integers(3, cfg.vocab_size, (batch, n)), jnp.int32)
-            cache = decode.init_cache(cfg, batch, max_len)
+            cache = decoding.init_cache(cfg, batch, max_len)
             fn = _prefill_fn(graphdef, start)
             seconds = time_fn(fn, state, prompt, cache, steps=steps)
             rows.append({"mask": mask, "mode": mode, "turn": t + 1, "history": t * (user + reply),

@@ -3,7 +3,7 @@ active FLOPs (width top_k * moe_d_ff), at n_routed_experts = 8 and 64 (fixed top
 
     python -m benchmarks.moe_layer --preset cpu
     python -m benchmarks.moe_layer --preset gpu --grouped_matmul ragged_dot,blocked
-    # against an older experts.py (e.g. `git show REV:moe/experts.py > /tmp/experts_before.py`), same process:
+    # against an older experts.py (e.g. `git show REV:moe/dispatch/experts.py > /tmp/experts_before.py`), same process:
     python -m benchmarks.moe_layer --preset cpu --baseline_experts /tmp/experts_before.py --steps 15
     # other pure-slab sizes than slab.SLAB_FACTORS (multiples of the mean rows per expert), no spill layouts:
     python -m benchmarks.moe_layer --preset cpu --dispatch dropless --grouped_matmul slab,slab:1.25/1.5/2
@@ -43,8 +43,9 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import arg_parser, describe, dispatch_list, preset, table, time_fns, variants
-from moe import expert_parallel, experts, kernels, router
-from moe.kernels import slab
+from moe import router
+from moe.dispatch import expert_parallel, experts, kernels
+from moe.dispatch.kernels import slab
 from train import host_memory
 
 

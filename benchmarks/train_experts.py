@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import describe, table
-from moe.errors import UserError, exit_with
+from plumbing.errors import UserError, exit_with
 from train import host_memory, loop
 from train.cli import config_from_argv
 

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import host_cpu, table
-from moe.errors import UserError, exit_with, os_error
+from plumbing.errors import UserError, exit_with, os_error
 
 WORKTREE = "WORKTREE"
 REPO = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ MFU = model FLOPs (moe.accounting.train_flops_per_token, the loop's figure) / th
 updated state takes its buffers).
 `compile s` is the step's lowering and compilation (XLA reuses what this process or JAX_COMPILATION_CACHE_DIR
 already autotuned, so only a process's first row is cold); `scan layers` says whether the MoE blocks ran as one
-lax.scan (moe/layer_scan.py), and `--scan_layers on,off` times both.
+lax.scan (moe/model.py), and `--scan_layers on,off` times both.
 
 The MaxVio column is the timed batch's (mean over MoE layers; the router at initialization): `slab`'s slab follows the
 busiest expert's rows, so the 8 -> 64 expert ratio depends on it. (A routing bias fitted to the fresh router's scores
@@ -61,7 +61,7 @@ from benchmarks.common import (
 )
 from configs.base import base_config
 from moe import train_flops_per_token
-from moe.execution import DISPATCH_MODES
+from moe.dispatch.execution import DISPATCH_MODES
 from train import host_memory, optim
 from train import mesh as mesh_lib
 from train.config import check, execution

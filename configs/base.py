@@ -8,14 +8,14 @@ import dataclasses
 import ml_collections
 
 from moe.config import ModelConfig
-from moe.execution import execution_fields
+from moe.dispatch.execution import execution_fields
 
 
 def base_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
 
     # model.*: the architecture, every field of moe.ModelConfig with its default (moe/config.py says what each
-    # means): what a checkpoint must match. execution.*: how it runs (moe/execution.py): any execution runs any
+    # means): what a checkpoint must match. execution.*: how it runs (moe/dispatch/execution.py): any execution runs any
     # checkpoint.
     c.model = ml_collections.ConfigDict(dataclasses.asdict(ModelConfig()))
     c.execution = ml_collections.ConfigDict(execution_fields())

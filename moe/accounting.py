@@ -78,7 +78,7 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 
 def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: str = "float32") -> int:
-    """Bytes one token adds to the decoding cache over all layers (moe.decode.init_cache): keys and values of the
+    """Bytes one token adds to the decoding cache over all layers (moe.decoding.generate.init_cache): keys and values of the
     kv heads (gqa), or the kv latent and the shared roped key (mla)."""
     per_layer = (cfg.kv_lora_rank + cfg.qk_rope_head_dim if cfg.attention == "mla"
                  else 2 * cfg.n_kv_heads * cfg.head_dim)

@@ -6,19 +6,16 @@
 import dataclasses
 import math
 
+from moe.router import GROUP_SCORES, ROUTERS
+from plumbing.errors import ConfigError
+
 MASK_MODES = ("causal", "prefix", "bidirectional", "mixed")
-ROUTER_SCORES = ("sigmoid", "softmax")
-ROUTER_GROUP_SCORES = ("top2_sum", "max")
 QK_NORMS = ("none", "head", "full")
 ATTENTIONS = ("gqa", "mla")
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 # YaRN's fields and their defaults: any other value needs rope_scaling_factor > 1.
 YARN_DEFAULTS = {"rope_original_max_position": 0, "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_mscale": 0.0,
                  "yarn_mscale_all_dim": 0.0}
-
-
-class ConfigError(ValueError):
-    """A model config value that is not allowed; the message names the field and what is allowed."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +36,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     norm_eps: float = 1e-6
     # Attention.
-    mask: str = "causal"  # causal | prefix | bidirectional | mixed (see moe/masks.py)
+    mask: str = "causal"  # causal | prefix | bidirectional | mixed (see moe/attention.py)
     rope: bool = True  # False: no position encoding (NoPE)
     rope_theta: float = 10000.0
     rope_fraction: float = 1.0  # rotate the leading fraction of head_dim, rotate-half within it (GLM-4.5: 0.5)
@@ -63,7 +60,7 @@ class ModelConfig:
     # YaRN context extension (rope_scaling_factor > 1; 1.0: off): frequencies interpolated by the factor below
     # beta_slow rotations over rope_original_max_position, kept above beta_fast; cos/sin scaled by HF's
     # attention_factor from yarn_mscale / yarn_mscale_all_dim (0: unset, as HF's missing keys), and with mla the
-    # softmax scale by mscale(factor, yarn_mscale_all_dim)^2 (DeepSeek-V3, Moonlight). See moe/rope.py.
+    # softmax scale by mscale(factor, yarn_mscale_all_dim)^2 (DeepSeek-V3, Moonlight). See moe/attention.py.
     rope_scaling_factor: float = 1.0
     rope_original_max_position: int = 0
     yarn_beta_fast: float = 32.0
@@ -77,14 +74,15 @@ class ModelConfig:
     moe_d_ff: int = 256  # width of one (routed or shared) expert
     n_group: int = 1  # group-limited routing: experts form n_group groups ...
     topk_group: int = 1  # ... and only the best topk_group groups are eligible
+    # The router: a name in moe/router.py's ROUTERS (sigmoid: DeepSeek-V3's affinities; softmax: over all routed
+    # experts, then top-k, as Mixtral, Qwen-MoE, OLMoE and DeepSeek-V2 route; the table lists the rest and the fields
+    # each reads).
+    router: str = "sigmoid"
     # A group's score: top2_sum, the sum of its two best (score + bias) (DeepSeek-V3); max, its best score
     # (DeepSeek-V2's group_limited_greedy).
     router_group_score: str = "top2_sum"
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = True
-    # sigmoid: DeepSeek-V3 affinities. softmax: over all routed experts, then top-k (Mixtral, Qwen-MoE, OLMoE; they
-    # have no selection bias: keep the routing bias at 0 and bias_update_rate 0).
-    router_score: str = "sigmoid"
     shared_d_ff: int = 0  # width of the shared-expert SwiGLU; 0: moe_d_ff * n_shared_experts
     shared_expert_gate: bool = False  # Qwen2-MoE: shared output scaled by sigmoid(u . w_gate), per token
     # Multi-token prediction (DeepSeek-V3 section 2.2, moe/mtp.py): mtp_depth modules after the main model, module
@@ -99,9 +97,10 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
         """From a saved dict (checkpoint metadata, config.json). Fields that were once part of the model config
-        but say how it runs (LEGACY_EXECUTION_FIELDS, now moe.Execution / the training loss) are ignored, so
-        checkpoints written before the split still load."""
-        return cls(**{k: v for k, v in d.items() if k not in LEGACY_EXECUTION_FIELDS})
+        but say how it runs (LEGACY_EXECUTION_FIELDS, now moe.Execution / the training loss) are ignored, and
+        renamed fields (RENAMED_FIELDS) read under their name now, so checkpoints written earlier still load."""
+        d = {RENAMED_FIELDS.get(k, k): v for k, v in d.items() if k not in LEGACY_EXECUTION_FIELDS}
+        return cls(**d)
 
     @property
     def moe_layer_ids(self) -> tuple[int, ...]:
@@ -167,6 +166,10 @@ LEGACY_EXECUTION_FIELDS = ("dispatch", "capacity_factor", "grouped_matmul", "att
                            "balance_loss_weight")
 
 
+# Fields saved under an earlier name: old name -> name now.
+RENAMED_FIELDS = {"router_score": "router"}
+
+
 def _layer_ids(text: str) -> tuple[int, ...]:
     return tuple(int(p) for p in text.split(",") if p.strip()) if text.strip() else ()
 
@@ -209,11 +212,11 @@ def validate(c: ModelConfig) -> None:
         fail("qk_norm", f"unknown q/k norm {c.qk_norm!r}; allowed: {', '.join(QK_NORMS)}")
     _validate_mla(c, fail)
     _validate_yarn(c, fail)
-    if c.router_score not in ROUTER_SCORES:
-        fail("router_score", f"unknown router score {c.router_score!r}; allowed: {', '.join(ROUTER_SCORES)}")
-    if c.router_group_score not in ROUTER_GROUP_SCORES:
+    if c.router not in ROUTERS:
+        fail("router", f"unknown router {c.router!r}; allowed: {', '.join(ROUTERS)} (moe/router.py)")
+    if c.router_group_score not in GROUP_SCORES:
         fail("router_group_score", f"unknown group score {c.router_group_score!r}; allowed: "
-                                   f"{', '.join(ROUTER_GROUP_SCORES)}")
+                                   f"{', '.join(GROUP_SCORES)}")
     if c.shared_expert_gate and not c.n_shared_experts:
         fail("shared_expert_gate", "needs a shared expert (n_shared_experts >= 1)")
     if not isinstance(c.dense_layers, str):

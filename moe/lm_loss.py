@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from moe.layers import chunk_count
+from moe.nn import chunk_count
 
 
 def logits(x_NxD, head_DxV):

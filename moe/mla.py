@@ -6,12 +6,12 @@ Dn / Dr / Dv the per-head no-position / rotary / value dims, Dq = Dn + Dr.
   query    q = RMSNorm(x W_qa) W_qb (Q > 0) or x W_q, per head [q_nope (Dn) | q_rope (Dr)], RoPE on q_rope
   latent   [c (R) | k_rope (Dr)] = x W_kva; c = RMSNorm(c); k_rope roped, one key all heads share
   keys     per head [c W_uk (Dn) | k_rope]; values c W_uv (Dv); W_kvb = [W_uk | W_uv] per head
-  scores   q.k * softmax_scale: 1/sqrt(Dq), times YaRN's mscale(factor, mscale_all_dim)^2 (moe/rope.py)
+  scores   q.k * softmax_scale: 1/sqrt(Dq), times YaRN's mscale(factor, mscale_all_dim)^2 (moe/attention.py)
 Both RMSNorms use model.latent_norm_eps (0: norm_eps); DeepSeek checkpoints need 1e-6 there (the HF importer sets it).
 
 The cache holds c and the roped k_rope, R + Dr numbers per token and layer ({"latent": [B,S,R], "k_rope": [B,S,Dr]},
-moe/decode.py). Two forms compute the same function:
-  expanded  keys and values rebuilt per head from the latent, then `moe.layers.attention` with any
+moe/decoding/generate.py). Two forms compute the same function:
+  expanded  keys and values rebuilt per head from the latent, then `moe.attention.attention` with any
             attention_impl (blockwise, einsum, and xla / cudnn with keys and values zero-padded to one width).
             Training and every call without a cache; with a cache and attention_impl="einsum", the naive decode,
             the reference.
@@ -39,9 +39,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moe.execution import Execution
-from moe.layers import RMSNorm, attention, matmul_rows, param
-from moe.rope import rotate, softmax_scale
+from moe.attention import BlockInputs, attention, rotate, softmax_scale
+from moe.dispatch.execution import Execution
+from moe.nn import RMSNorm, matmul_rows, param
 
 
 class MLA(nnx.Module):
@@ -67,14 +67,15 @@ class MLA(nnx.Module):
         self.cfg = cfg
         self.scale = softmax_scale(cfg, Dn + Dr)
 
-    def __call__(self, x_BxLxD, positions_BxL, mask_BxHxLxS, ex: Execution, cache=None, cache_index=None,
-                 return_probs=False, causal=False):
-        """(out [B,L,D], new_cache or None, probs [B,H,L,S] or None): the signature of moe.layers.Attention.
+    def __call__(self, x_BxLxD, inputs: BlockInputs, ex: Execution, *, cache=None, return_probs: bool = False):
+        """(out [B,L,D], new_cache or None, probs [B,H,L,S] or None): the signature of moe.attention.Attention.
 
         With `cache` ({"latent": [B,S,R], "k_rope": [B,S,Dr]}) this call's latents are written at slots
-        [cache_index, cache_index + L) and queries attend over all S slots (the mask hides unwritten ones).
+        [inputs.cache_index, inputs.cache_index + L) and queries attend over all S slots (the mask hides unwritten
+        ones).
         """
         cfg, dt = self.cfg, x_BxLxD.dtype
+        positions_BxL, mask_BxHxLxS, cache_index = inputs.positions_BxL, inputs.mask, inputs.cache_index
         Dn = cfg.qk_nope_head_dim
         q_BxLxHxDq = ex.constrain(self._query(x_BxLxD), ("batch", "length", "act_heads", None))
         q_nope_BxLxHxDn = q_BxLxHxDq[..., :Dn]
@@ -95,7 +96,7 @@ class MLA(nnx.Module):
                                                  mask_BxHxLxS, return_probs)
         else:
             out_BxLxHxDv, probs = self._expanded(q_nope_BxLxHxDn, q_rope_BxLxHxDr, c_BxSxR, k_rope_BxSxDr,
-                                                 mask_BxHxLxS, ex, cache is not None, return_probs, causal)
+                                                 mask_BxHxLxS, ex, cache is not None, return_probs, inputs.causal)
         return matmul_rows(out_BxLxHxDv, self.wo[...].astype(dt), contract=2), new_cache, probs
 
     def _query(self, x_BxLxD):

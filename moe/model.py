@@ -3,23 +3,47 @@
 Key: B batch, L length, S key slots, D model, V vocab, E routed experts, K top-k, M MoE layers.
 The first `first_k_dense` blocks use a dense SwiGLU, the rest the DeepSeek-V3 MoE (cfg.is_moe_layer: other
 families may interleave dense layers, see moe_layer_step / dense_layers).
+
+A block takes the residual stream and the call's `BlockInputs` (positions, mask, valid tokens) and returns a
+`BlockOutput`; the model's `forward` (training, evaluation, decoding with a KV cache) keeps of it the statistics the
+loss needs (`Aux`). What analysis looks at (every layer's routing, attention maps, the residual stream after every
+block) is the `inspect` path over the same blocks.
+
+Consecutive blocks of the same structure can run as one `jax.lax.scan` over their stacked states
+(`execution.scan_layers`): the compiled program holds one copy of such a block instead of one per layer (the
+unrolled program, and XLA's passes and code generation with it, grows with the depth; configs/gpu_1b.py's step
+optimizes to 1,373 dots unrolled and 127 scanned). The parameters stay one module per layer (checkpoints, export
+and analysis see the same tree); the scan stacks their states inside the traced function, a stacked copy of the
+scanned layers' parameters per call. On CPU the default config's step runs ~8% slower scanned, so it is off by
+default. With a KV cache the blocks run unrolled (decoding compiles small programs anyway).
 """
+
+import itertools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
-from moe import kernels, layer_scan
+from moe.attention import Attention, BlockInputs, attention_mask
 from moe.config import ModelConfig
-from moe.execution import Execution
-from moe.layers import MLP, Attention, RMSNorm, param
+from moe.dispatch import kernels
+from moe.dispatch.execution import Execution
+from moe.ffn import MLP, MoE, RoutingBias
 from moe.lm_loss import cross_entropy, logits, weighted_cross_entropy
-from moe.masks import attention_mask
 from moe.mla import MLA
-from moe.moe_layer import MoE, RoutingBias
-from moe.mtp import MTPModule, mtp_forward
+from moe.mtp import MTPModule, MTPOutput, mtp_forward
+from moe.nn import RMSNorm, param
+from moe.router import Routing
 
 DEFAULT_EXECUTION = Execution()
+
+
+class BlockOutput(NamedTuple):
+    x: jax.Array  # [B, L, D] the residual stream after the block
+    routing: Routing | None  # the MoE layer's routing (None: a dense FFN)
+    cache: dict | None = None  # the layer's KV cache with this call's keys and values written (decoding)
+    probs: jax.Array | None = None  # [B, H, L, S] attention probabilities (asked with attention_probs=True)
 
 
 class Block(nnx.Module):
@@ -30,27 +54,55 @@ class Block(nnx.Module):
         self.is_moe = cfg.is_moe_layer(layer)
         self.ffn = MoE(cfg, rngs) if self.is_moe else MLP(cfg.d_model, cfg.d_ff, cfg, rngs)
 
-    def attend(self, x_BxLxD, positions_BxL, mask, ex, cache=None, cache_index=None, return_probs=False,
-               causal=False):
-        """The attention branch, attn(norm(x)), before the residual add: (h, new_cache, probs). causal: the mask
-        hides every later key (moe.layers.Attention; moe.mla.MLA with attention="mla")."""
-        return self.attn(self.attn_norm(x_BxLxD), positions_BxL, mask, ex, cache, cache_index, return_probs,
-                         causal)
+    def __call__(self, x_BxLxD, inputs: BlockInputs, ex: Execution, *, cache=None,
+                 attention_probs: bool = False) -> BlockOutput:
+        h_BxLxD, cache, probs = self.attend(x_BxLxD, inputs, ex, cache=cache, attention_probs=attention_probs)
+        x_BxLxD = x_BxLxD + h_BxLxD
+        h_BxLxD, routing = self.feed_forward(x_BxLxD, inputs.valid_BxL, ex)
+        x_BxLxD = ex.constrain(x_BxLxD + h_BxLxD, ("batch", "length", "act_embed"))
+        return BlockOutput(x_BxLxD, routing, cache, probs)
 
-    def feed_forward(self, x_BxLxD, valid_BxL, ex):
-        """The FFN branch, ffn(norm(x)), before the residual add: (h, routing or None for a dense layer)."""
+    def attend(self, x_BxLxD, inputs: BlockInputs, ex: Execution, *, cache=None, attention_probs: bool = False):
+        """The attention branch attn(norm(x)), before the residual add: (h, cache or None, probs or None)."""
+        return self.attn(self.attn_norm(x_BxLxD), inputs, ex, cache=cache, return_probs=attention_probs)
+
+    def feed_forward(self, x_BxLxD, valid_BxL, ex: Execution):
+        """The FFN branch ffn(norm(x)), before the residual add: (h, Routing or None for a dense layer)."""
         if self.is_moe:
             return self.ffn(self.ffn_norm(x_BxLxD), valid_BxL, ex)
         return self.ffn(self.ffn_norm(x_BxLxD), ex), None
 
-    def __call__(self, x_BxLxD, positions_BxL, mask, valid_BxL, ex, cache=None, cache_index=None,
-                 return_probs=False, causal=False):
-        h, new_cache, probs = self.attend(x_BxLxD, positions_BxL, mask, ex, cache, cache_index, return_probs,
-                                          causal)
-        x_BxLxD = x_BxLxD + h
-        h, routing = self.feed_forward(x_BxLxD, valid_BxL, ex)
-        x_BxLxD = ex.constrain(x_BxLxD + h, ("batch", "length", "act_embed"))
-        return x_BxLxD, new_cache, probs, routing
+
+@struct.dataclass
+class Aux:
+    """What a forward call returns beside its output, one field per quantity (read by attribute; `aux["name"]`
+    reads a field that is set, as the dict this replaced did)."""
+
+    balance_loss: jax.Array  # () sum over MoE layers of the sequence-wise balance loss, unweighted
+    expert_load: jax.Array  # [M, E] valid tokens per routed expert, every top-k choice counted
+    dropped_frac: jax.Array  # [M] fraction of valid token copies dropped by a capacity bound (0 for dropless)
+    objective: jax.Array | None = None  # token_losses with loss weights: sum(weights * ce), differentiable
+    mtp: MTPOutput | None = None  # token_losses(mtp=True): the multi-token prediction modules' losses
+    cache: list | None = None  # a call with a KV cache: the updated cache (moe/decoding/)
+    routing: list[Routing] | None = None  # inspection (Transformer.inspect): each MoE layer's Routing
+    attention: list | None = None  # inspection: each layer's attention probabilities [B, H, L, S]
+    hidden: list | None = None  # inspection: the residual stream [B, L, D], embedding first, then every block's
+
+    def __getitem__(self, name: str):
+        value = getattr(self, name, None)
+        if value is None:
+            raise KeyError(name)
+        return value
+
+    def __contains__(self, name: str) -> bool:
+        return getattr(self, name, None) is not None
+
+
+def routing_stats(routing: list[Routing], n_experts: int) -> dict:
+    """The Aux fields the loss and the training loop read, from the MoE layers' routing in layer order."""
+    return dict(balance_loss=sum((r.balance_loss for r in routing), jnp.float32(0)),
+                expert_load=jnp.stack([r.load for r in routing]) if routing else jnp.zeros((0, n_experts)),
+                dropped_frac=jnp.stack([r.dropped_frac for r in routing]) if routing else jnp.zeros((0,)))
 
 
 class Transformer(nnx.Module):
@@ -67,135 +119,132 @@ class Transformer(nnx.Module):
                                      for k in range(cfg.mtp_depth)])
         self.cfg = cfg
 
-    def __call__(self, tokens_BxL, *, execution: Execution = DEFAULT_EXECUTION, **options):
-        """Logits [B,L,V] (fp32) and the aux dict of `trunk` (its options and aux keys)."""
-        x_BxLxD, aux = self.trunk(tokens_BxL, execution=execution, **options)
+    def __call__(self, tokens_BxL, *, execution: Execution = DEFAULT_EXECUTION, return_routing: bool = False,
+                 return_attention: bool = False, return_hidden: bool = False, **inputs):
+        """Logits [B,L,V] (fp32) and the call's Aux. `inputs`: forward's (positions_BxL, segment_ids_BxL,
+        prefix_len_B, cache, cache_index). Any of return_routing / return_attention / return_hidden runs the
+        inspection path (`inspect`) instead."""
+        if return_routing or return_attention or return_hidden:
+            return self.inspect(tokens_BxL, execution=execution, attention=return_attention, hidden=return_hidden,
+                                **inputs)
+        x_BxLxD, aux = self.forward(tokens_BxL, execution=execution, **inputs)
         return self.unembed(x_BxLxD, execution), aux
 
+    def inspect(self, tokens_BxL, *, execution: Execution = DEFAULT_EXECUTION, attention: bool = False,
+                hidden: bool = False, positions_BxL=None, segment_ids_BxL=None, prefix_len_B=None):
+        """The inspection path, for analysis: logits [B,L,V] and an Aux that also holds every MoE layer's Routing
+        (aux.routing), with `attention` every layer's attention probabilities [B,H,L,S] (aux.attention; they need
+        the einsum kernel, whatever execution.attention_impl says) and with `hidden` the residual stream before
+        and after every block (aux.hidden: n_layers + 1 arrays [B,L,D]). The same blocks and numbers as
+        `forward` (scan and remat included)."""
+        ex = execution.resolved()
+        inputs = self.block_inputs(tokens_BxL, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL,
+                                   prefix_len_B=prefix_len_B)
+        x0_BxLxD = self.embed_tokens(tokens_BxL, ex)
+        x_BxLxD, outs = self.run_blocks(x0_BxLxD, inputs, ex, attention_probs=attention, keep_hidden=hidden)
+        routing = [o.routing for o in outs if o.routing is not None]
+        aux = Aux(**routing_stats(routing, self.cfg.n_routed_experts), routing=routing,
+                  attention=[o.probs for o in outs] if attention else None,
+                  hidden=[x0_BxLxD] + [o.x for o in outs] if hidden else None)
+        return self.unembed(x_BxLxD, execution), aux
+
+    def forward(self, tokens_BxL, *, execution: Execution = DEFAULT_EXECUTION, positions_BxL=None,
+                segment_ids_BxL=None, prefix_len_B=None, cache=None, cache_index=None):
+        """Everything before the final norm and LM head: the residual stream [B,L,D] and the call's Aux.
+
+        `execution` says how to run (dispatch, kernels, dtype, remat, mesh; moe/dispatch/execution.py), never what
+        is computed. segment_ids (packed rows): tokens attend only within their segment; segment 0 is padding and
+        is left out of the expert load and balance loss. prefix_len [B]: the prefix of each row, for prefix/mixed
+        masks. With a KV cache (moe/decoding/), this call's tokens occupy slots [cache_index, cache_index + L) and
+        aux.cache is the updated cache.
+        """
+        ex = execution.resolved()
+        inputs = self.block_inputs(tokens_BxL, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL,
+                                   prefix_len_B=prefix_len_B, cache=cache, cache_index=cache_index)
+        x_BxLxD = self.embed_tokens(tokens_BxL, ex)
+        if cache is None:
+            x_BxLxD, outs = self.run_blocks(x_BxLxD, inputs, ex)
+        else:
+            outs = []
+            for block, layer_cache in zip(self.blocks, cache, strict=True):
+                outs.append(block(x_BxLxD, inputs, ex, cache=layer_cache))
+                x_BxLxD = outs[-1].x
+        routing = [o.routing for o in outs if o.routing is not None]
+        return x_BxLxD, Aux(**routing_stats(routing, self.cfg.n_routed_experts),
+                            cache=None if cache is None else [o.cache for o in outs])
+
+    def run_blocks(self, x_BxLxD, inputs: BlockInputs, ex: Execution, *, attention_probs: bool = False,
+                   keep_hidden: bool = False) -> tuple[jax.Array, list[BlockOutput]]:
+        """Every block on x: (x after the last block, each block's BlockOutput). Runs of equal blocks run as one
+        scan with execution.scan_layers (their outputs' x only with keep_hidden), each block rematerialized with
+        execution.remat. `ex` is resolved."""
+
+        def call(block, x_BxLxD):
+            return block(x_BxLxD, inputs, ex, attention_probs=attention_probs)
+
+        if ex.remat:
+            call = _rematerialized(call, ex.remat_policy)
+        outs = []
+        runs = runs_of_equal_blocks(self.blocks) if ex.scan_layers else [(i, i + 1) for i in range(len(self.blocks))]
+        for start, stop in runs:
+            if stop - start > 1:
+                x_BxLxD, run = scan_blocks(call, self.blocks[start:stop], x_BxLxD, keep_hidden)
+            else:
+                run = [call(self.blocks[start], x_BxLxD)]
+                x_BxLxD = run[0].x
+            outs += run
+        return x_BxLxD, outs
+
     def token_losses(self, tokens_BxL, targets_BxL, *, execution: Execution = DEFAULT_EXECUTION,
-                     loss_weights_BxL=None, mtp: bool = False, **options):
-        """Next-token cross-entropy [B,L] (fp32) against targets and `trunk`'s aux dict, without ever holding all
+                     loss_weights_BxL=None, mtp: bool = False, **inputs):
+        """Next-token cross-entropy [B,L] (fp32) against targets and the call's Aux, without ever holding all
         [B,L,V] logits: the LM head runs in execution.loss_chunks sequence chunks (moe/lm_loss.py).
 
-        loss_weights_BxL given (training): aux["objective"] = sum(weights * ce), its gradient computed in the
-        forward pass (lm_loss.weighted_cross_entropy), and the returned ce carries values only, no gradient.
+        loss_weights_BxL given (training): aux.objective = sum(weights * ce), its gradient computed in the forward
+        pass (lm_loss.weighted_cross_entropy), and the returned ce carries values only, no gradient.
 
-        mtp (with model.mtp_depth > 0): also the multi-token prediction modules (moe/mtp.py): aux gets mtp_ce,
-        mtp_weights (and mtp_objective when fused); their MoE blocks' loads follow the main model's in
-        aux["expert_load"] and aux["dropped_frac"] (rows: cfg.train_load_layer_ids), their balance losses add to
-        aux["balance_loss"].
+        mtp (with model.mtp_depth > 0): also the multi-token prediction modules (moe/mtp.py) into aux.mtp; their
+        MoE blocks' loads follow the main model's in aux.expert_load and aux.dropped_frac (rows:
+        cfg.train_load_layer_ids), their balance losses add to aux.balance_loss.
         """
-        x_BxLxD, aux = self.trunk(tokens_BxL, execution=execution, **options)
+        x_BxLxD, aux = self.forward(tokens_BxL, execution=execution, **inputs)
         h_BxLxD = self.final_norm(x_BxLxD)
         args = (h_BxLxD, self.head(), targets_BxL)
         if loss_weights_BxL is None:
             ce_BxL = cross_entropy(*args, execution.loss_chunks, execution.constrain)
         else:
-            aux["objective"], ce_BxL = weighted_cross_entropy(*args, loss_weights_BxL, execution.loss_chunks,
-                                                              execution.constrain)
+            objective, ce_BxL = weighted_cross_entropy(*args, loss_weights_BxL, execution.loss_chunks,
+                                                       execution.constrain)
+            aux = aux.replace(objective=objective)
         if mtp and self.cfg.mtp_depth:
-            out = self._mtp(h_BxLxD, tokens_BxL, targets_BxL, loss_weights_BxL, execution, **options)
-            routing = out.pop("mtp_routing")
-            aux.update(out)
-            if routing:
-                aux["balance_loss"] = aux["balance_loss"] + sum(r["balance_loss"] for r in routing)
-                aux["expert_load"] = jnp.concatenate([aux["expert_load"], jnp.stack([r["load"] for r in routing])])
-                aux["dropped_frac"] = jnp.concatenate([aux["dropped_frac"],
-                                                       jnp.stack([r["dropped_frac"] for r in routing])])
+            out = self._mtp(h_BxLxD, tokens_BxL, targets_BxL, loss_weights_BxL, execution, **inputs)
+            stats = routing_stats(out.routing, self.cfg.n_routed_experts)
+            aux = aux.replace(mtp=out, balance_loss=aux.balance_loss + stats["balance_loss"],
+                              expert_load=jnp.concatenate([aux.expert_load, stats["expert_load"]]),
+                              dropped_frac=jnp.concatenate([aux.dropped_frac, stats["dropped_frac"]]))
         return ce_BxL, aux
 
     def _mtp(self, h_BxLxD, tokens_BxL, targets_BxL, loss_weights_BxL, execution, *, positions_BxL=None,
-             segment_ids_BxL=None, prefix_len_B=None):
+             segment_ids_BxL=None, prefix_len_B=None) -> MTPOutput:
         ex = execution.resolved()
-        positions_BxL, mask, valid_BxL = self.attention_inputs(
-            tokens_BxL, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL, prefix_len_B=prefix_len_B)
+        inputs = self.block_inputs(tokens_BxL, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL,
+                                   prefix_len_B=prefix_len_B)
 
-        def call(block, x_BxLxD, valid):
-            return block(x_BxLxD, positions_BxL, mask, valid, ex, None, None, False, True)
-
-        def call_block(block, x_BxLxD, valid):
-            f = _rematerialized(lambda b, x, _: call(b, x, valid), ex.remat_policy) if ex.remat else \
-                lambda b, x, _: call(b, x, valid)
-            x_BxLxD, _, _, routing = f(block, x_BxLxD, None)
-            return x_BxLxD, routing
+        def call_block(block, x_BxLxD, valid_BxL):
+            call = lambda b, x: b(x, inputs.replace(valid_BxL=valid_BxL), ex)
+            if ex.remat:
+                call = _rematerialized(call, ex.remat_policy)
+            out = call(block, x_BxLxD)
+            return out.x, out.routing
 
         fused = loss_weights_BxL is not None
         weights = loss_weights_BxL if fused else jnp.ones(targets_BxL.shape, jnp.float32)
-        return mtp_forward(self, h_BxLxD, targets_BxL, weights, segment_ids_BxL, valid_BxL, ex, fused, call_block)
+        return mtp_forward(self, h_BxLxD, targets_BxL, weights, segment_ids_BxL, inputs.valid_BxL, ex, fused,
+                           call_block)
 
-    def trunk(self, tokens_BxL, *, execution: Execution = DEFAULT_EXECUTION, positions_BxL=None,
-              segment_ids_BxL=None, prefix_len_B=None, cache=None, cache_index=None, return_routing=False,
-              return_attention=False, return_hidden=False):
-        """Everything before the final norm and LM head: the residual stream [B,L,D] and an aux dict:
-
-          balance_loss  sum over MoE layers of the sequence-wise balance loss, unweighted (the training loss
-                        multiplies it by train.balance_loss_weight)
-          expert_load   [M, E] valid tokens per routed expert, every top-k choice counted
-          dropped_frac  [M] fraction of valid token copies dropped by a capacity bound (0 for dropless)
-          routing       (return_routing) per MoE layer: expert_ids [B,L,K], gates [B,L,K], scores [B,L,E],
-                        load [E], balance_loss, dropped_frac
-          attention     (return_attention) per layer: probabilities [B,H,L,S] (forces the einsum attention)
-          hidden        (return_hidden) the residual stream [B,L,D]: the embedding, then after every block
-          cache         (cache given) the updated KV cache, see moe/decode.py
-
-        `execution` says how to run (dispatch, kernels, dtype, remat, mesh; moe/execution.py), never what is
-        computed. segment_ids (packed rows): tokens attend only within their segment; segment 0 is padding and is
-        left out of the expert load and balance loss. prefix_len [B]: the prefix of each row, for prefix/mixed
-        masks. With a cache, this call's tokens occupy slots [cache_index, cache_index + L).
-        """
-        ex = execution.resolved()
-        positions_BxL, mask, valid_BxL = self.attention_inputs(
-            tokens_BxL, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL, prefix_len_B=prefix_len_B,
-            cache=cache, cache_index=cache_index)
-        x_BxLxD = self.embed_tokens(tokens_BxL, ex)
-        new_cache, probs, routing, hidden = [], [], [], [x_BxLxD]
-        causal = self.cfg.mask == "causal"  # attention_inputs built a causal mask: kernels may skip later keys
-
-        def call(block, x_BxLxD, layer_cache):
-            return block(x_BxLxD, positions_BxL, mask, valid_BxL, ex, layer_cache, cache_index, return_attention,
-                         causal)
-
-        if ex.remat:
-            call = _rematerialized(call, ex.remat_policy)
-        for start, stop in self._runs(ex, cache):
-            if stop - start > 1:
-                x_BxLxD, outs = layer_scan.scan_blocks(call, self.blocks[start:stop], x_BxLxD, return_hidden)
-            else:
-                x_BxLxD, *out = call(self.blocks[start], x_BxLxD, None if cache is None else cache[start])
-                outs = [(*out, x_BxLxD)]
-            for c, p, r, h in outs:
-                new_cache.append(c)
-                probs.append(p)
-                hidden.append(h)
-                if r is not None:
-                    routing.append(r)
-
-        E = self.cfg.n_routed_experts
-        aux = {
-            "balance_loss": sum((r["balance_loss"] for r in routing), jnp.float32(0)),
-            "expert_load": jnp.stack([r["load"] for r in routing]) if routing else jnp.zeros((0, E)),
-            "dropped_frac": jnp.stack([r["dropped_frac"] for r in routing]) if routing else jnp.zeros((0,)),
-        }
-        if return_routing:
-            aux["routing"] = routing
-        if return_attention:
-            aux["attention"] = probs
-        if return_hidden:
-            aux["hidden"] = hidden
-        if cache is not None:
-            aux["cache"] = new_cache
-        return x_BxLxD, aux
-
-    def _runs(self, ex: Execution, cache) -> list[tuple[int, int]]:
-        """[start, stop) block ranges run together: runs of equal blocks with execution.scan_layers and no
-        cache (moe/layer_scan.py), else one block each."""
-        if ex.scan_layers and cache is None:
-            return layer_scan.runs_of_equal_blocks(self.blocks)
-        return [(i, i + 1) for i in range(len(self.blocks))]
-
-    def attention_inputs(self, tokens_BxL, *, positions_BxL=None, segment_ids_BxL=None, prefix_len_B=None,
-                         cache=None, cache_index=None):
-        """(positions [B,L], attention mask [B,1|H,L,S], valid [B,L]) for a call: what every block shares."""
+    def block_inputs(self, tokens_BxL, *, positions_BxL=None, segment_ids_BxL=None, prefix_len_B=None,
+                     cache=None, cache_index=None) -> BlockInputs:
+        """What every block of a call shares: positions [B,L], the attention mask [B,1|H,L,S], valid tokens."""
         cfg = self.cfg
         B, L = tokens_BxL.shape
         offset = 0 if cache is None else cache_index
@@ -207,7 +256,8 @@ class Transformer(nnx.Module):
             mask = attention_mask(cfg.mask, q_idx_BxL, q_idx_BxL, n_heads=cfg.n_heads,
                                   prefix_len_B=prefix_len_B, q_seg_BxQ=segment_ids_BxL,
                                   k_seg_BxK=segment_ids_BxL)
-            return positions_BxL, mask, valid_BxL
+            # a causal mask hides every later key: kernels may skip them
+            return BlockInputs(positions_BxL, mask, valid_BxL, causal=cfg.mask == "causal")
         if segment_ids_BxL is not None:
             # The cache does not record the segment of the slots written earlier, so it cannot mask across
             # segments: decode one sequence per row.
@@ -216,7 +266,7 @@ class Transformer(nnx.Module):
         k_idx_BxS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
         mask = attention_mask(cfg.mask, q_idx_BxL, k_idx_BxS, n_heads=cfg.n_heads, prefix_len_B=prefix_len_B,
                               k_valid_BxK=k_idx_BxS < offset + L)
-        return positions_BxL, mask, valid_BxL
+        return BlockInputs(positions_BxL, mask, valid_BxL, causal=cfg.mask == "causal", cache_index=cache_index)
 
     def embed_tokens(self, tokens_BxL, ex: Execution = DEFAULT_EXECUTION):
         x_BxLxD = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(jnp.dtype(ex.dtype))
@@ -233,6 +283,53 @@ class Transformer(nnx.Module):
         return ex.constrain(logits_BxLxV, ("batch", "length", "act_vocab"))
 
 
+def runs_of_equal_blocks(blocks) -> list[tuple[int, int]]:
+    """[start, stop) of each maximal run of consecutive blocks with one graph structure (the first dense
+    blocks, then the MoE blocks, for DeepSeek-V3's layout; interleaved families give runs of one)."""
+    runs, start = [], 0
+    for _, run in itertools.groupby(blocks, key=nnx.graphdef):
+        stop = start + len(list(run))
+        runs.append((start, stop))
+        start = stop
+    return runs
+
+
+def scan_blocks(call, blocks, x_BxLxD, keep_hidden: bool = False) -> tuple[jax.Array, list[BlockOutput]]:
+    """`call(block, x) -> BlockOutput` over `blocks` (one structure) as one scan: the final x and, per block in
+    order, its BlockOutput (whose x is None unless keep_hidden)."""
+    graphdef = nnx.graphdef(blocks[0])
+    # Every leaf with a leading layer axis [n_blocks, ...]; the scan hands the body one layer's slice.
+    state_by_layer = jax.tree.map(lambda *leaves: jnp.stack(leaves), *(nnx.state(b) for b in blocks))
+
+    def body(x_BxLxD, state):
+        out = call(nnx.merge(graphdef, state), x_BxLxD)
+        return out.x, out._replace(x=out.x if keep_hidden else None)
+
+    x_BxLxD, outs = jax.lax.scan(body, x_BxLxD, state_by_layer)
+    return x_BxLxD, [jax.tree.map(lambda a, i=i: a[i], outs) for i in range(len(blocks))]
+
+
+# jax.checkpoint's policy per execution.remat_policy (None: save nothing, jax.checkpoint's default).
+REMAT_SAVES = {"full": None, "save_moe": jax.checkpoint_policies.save_only_these_names(kernels.SAVED)}
+
+
+def _rematerialized(call, policy: str = "full"):
+    """`call(block, x)` recomputed in the backward pass: jax.checkpoint over the block's state, keeping what
+    `policy` names (moe/dispatch/execution.py, REMAT_POLICIES).
+
+    Not `nnx.remat`: newer Flax (0.12.9+, the GPU machine's) refuses to merge a traced state back into the
+    block's own variables inside it ("Cannot mutate RoutingBias from a different trace level"). A block's
+    forward pass mutates nothing, so a fresh copy merged from its state inside the checkpoint computes the same.
+    """
+
+    def rematerialized(block, x_BxLxD):
+        graphdef, state = nnx.split(block)
+        pure = lambda state, x: call(nnx.merge(graphdef, state), x)
+        return jax.checkpoint(pure, policy=REMAT_SAVES[policy])(state, x_BxLxD)
+
+    return rematerialized
+
+
 def routing_biases(model: Transformer) -> list[jax.Array]:
     """The routing bias of every MoE layer, in layer order."""
     return [b.ffn.bias[...] for b in model.blocks if b.is_moe]
@@ -241,27 +338,6 @@ def routing_biases(model: Transformer) -> list[jax.Array]:
 def set_routing_biases(model: Transformer, biases) -> None:
     for block, b in zip((b for b in model.blocks if b.is_moe), biases, strict=True):
         block.ffn.bias.set_value(b)
-
-
-# jax.checkpoint's policy per execution.remat_policy (None: save nothing, jax.checkpoint's default).
-REMAT_SAVES = {"full": None, "save_moe": jax.checkpoint_policies.save_only_these_names(kernels.SAVED)}
-
-
-def _rematerialized(call, policy: str = "full"):
-    """`call(block, x, layer_cache)` recomputed in the backward pass: jax.checkpoint over the block's state,
-    keeping what `policy` names (moe/execution.py, REMAT_POLICIES).
-
-    Not `nnx.remat`: newer Flax (0.12.9+, the GPU machine's) refuses to merge a traced state back into the
-    block's own variables inside it ("Cannot mutate RoutingBias from a different trace level"). A block's
-    forward pass mutates nothing, so a fresh copy merged from its state inside the checkpoint computes the same.
-    """
-
-    def rematerialized(block, x_BxLxD, layer_cache):
-        graphdef, state = nnx.split(block)
-        pure = lambda state, x, c: call(nnx.merge(graphdef, state), x, c)
-        return jax.checkpoint(pure, policy=REMAT_SAVES[policy])(state, x_BxLxD, layer_cache)
-
-    return rematerialized
 
 
 def split_model(model: Transformer):

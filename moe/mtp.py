@@ -19,12 +19,13 @@ The loss of depth k is sum(weights_k * ce_k), normalized by the caller like the 
 target count, as the paper's 1/T); the training objective adds lambda / D * sum over k (train/step.py).
 """
 
+import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import nnx, struct
 
 from moe.config import ModelConfig
-from moe.layers import RMSNorm, matmul_rows, param
 from moe.lm_loss import cross_entropy, weighted_cross_entropy
+from moe.nn import RMSNorm, matmul_rows, param
 
 
 class MTPModule(nnx.Module):
@@ -73,17 +74,27 @@ def depth_targets(targets_BxL, weights_BxL, segment_ids_BxL, k: int):
     return tokens, targets, weights, same
 
 
-def mtp_forward(model, h0_BxLxD, targets_BxL, weights_BxL, segment_ids_BxL, valid_BxL, ex, fused: bool,
-                call_block):
-    """Run every MTP module of `model` on h^0 [B,L,D]. weights: the main loss's per-target weights (ones when
-    there are none); valid: the main call's valid tokens; call_block(block, x, valid) -> (x, routing): one block under
-    the main model's positions, mask and remat. Returns an aux dict:
+@struct.dataclass
+class MTPOutput:
+    """The multi-token prediction modules' outputs (K = model.mtp_depth)."""
 
-      mtp_ce       [K, B, L] per-token cross-entropy of each depth (values only when fused)
-      mtp_weights  [K, B, L] its weights: the main weights shifted by k, 0 across documents and past the end
-      mtp_objective [K] (fused) sum(weights * ce) per depth, differentiable (moe/lm_loss.py's fused loss)
-      mtp_routing  the MoE modules' routing dicts (load, balance_loss, dropped_frac), in depth order
-    """
+    ce: jax.Array  # [K, B, L] per-token cross-entropy of each depth (values only when fused)
+    weights: jax.Array  # [K, B, L] its weights: the main weights shifted by k, 0 across documents and past the end
+    objective: jax.Array | None  # [K] (fused) sum(weights * ce) per depth, differentiable (moe/lm_loss.py)
+    routing: list  # the MoE modules' Routing, in depth order
+
+    def total(self) -> jax.Array:
+        """The depths' objective summed and divided by K: what lambda multiplies in the training loss."""
+        if self.objective is not None:
+            return self.objective.sum() / self.objective.shape[0]
+        return (self.ce * self.weights).sum() / self.ce.shape[0]
+
+
+def mtp_forward(model, h0_BxLxD, targets_BxL, weights_BxL, segment_ids_BxL, valid_BxL, ex, fused: bool,
+                call_block) -> MTPOutput:
+    """Run every MTP module of `model` on h^0 [B,L,D]. weights: the main loss's per-target weights (ones when
+    there are none); valid: the main call's valid tokens; call_block(block, x, valid) -> (x, routing): one block
+    under the main model's positions, mask and remat."""
     head, h_BxLxD = model.head(), h0_BxLxD
     ce, weights, objective, routing = [], [], [], []
     for k, module in enumerate(model.mtp, start=1):
@@ -100,7 +111,5 @@ def mtp_forward(model, h0_BxLxD, targets_BxL, weights_BxL, segment_ids_BxL, vali
             ce_k = cross_entropy(*args, ex.loss_chunks, ex.constrain)
         ce.append(ce_k)
         weights.append(w_k)
-    aux = {"mtp_ce": jnp.stack(ce), "mtp_weights": jnp.stack(weights), "mtp_routing": routing}
-    if fused:
-        aux["mtp_objective"] = jnp.stack(objective)
-    return aux
+    return MTPOutput(ce=jnp.stack(ce), weights=jnp.stack(weights),
+                     objective=jnp.stack(objective) if fused else None, routing=routing)

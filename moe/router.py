@@ -1,28 +1,84 @@
-"""DeepSeek-V3 routing as pure functions (all in fp32).
+"""Routers: ONE table (`ROUTERS`) names every router the model trains and imports, and the pure functions they are
+made of. All router math is fp32, whatever the compute dtype.
 
 Shapes: T tokens, E routed experts, K experts per token, G expert groups, B sequences of length L.
 
-  s_{t,i} = sigmoid(u_t . e_i)                          affinity scores
-  chosen  = top-K of (s + b), among the best `topk_group` groups when G > 1
-  g_{t,i} = s_{t,i} / sum_{j chosen} s_{t,j} * routed_scaling_factor   (the bias b never enters g)
+A router turns the logits z_t = u_t . W (W: [D, E], fp32) into scores, chosen experts and gates:
 
-`score="softmax"` (Mixtral, Qwen-MoE, OLMoE, DeepSeek-V2) replaces the sigmoid by a softmax over all E experts; the
-rest is the same function (their routers have no bias, so b = 0; norm_topk_prob picks whether the chosen K are
-renormalized). A group scores as the sum of its two best (s + b) (DeepSeek-V3), or `group_score="max"` as its best
-one (DeepSeek-V2's group_limited_greedy).
+  s_{t,i} = score(z_t)_i                                affinity scores, `Router.score`
+  chosen  = top-K of (s + b), among the best `topk_group` of `n_group` groups when G > 1
+  g_{t,i} = s_{t,i} [/ sum_{j chosen} s_{t,j}] * routed_scaling_factor      (the bias b never enters g)
+
+The bias b (moe.ffn.RoutingBias) steers selection only; aux-loss-free balancing moves it by the expert load
+(`update_bias`; train.bias_update_rate, 0 for routers trained without it). A group scores as the sum of its two
+best (s + b) (DeepSeek-V3, `group_score="top2_sum"`) or as its best one (DeepSeek-V2's group_limited_greedy,
+`"max"`); the brackets apply with model.norm_topk_prob.
+
+Adding a router is one `Router` entry (and the score function it names) plus its tests: `ModelConfig` validates
+`model.router` against the table, the HF families name their router in it, the export check reads `exports_as`.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
+from flax import struct
+
+# The ModelConfig fields every top-K router reads.
+TOP_K_FIELDS = ("top_k", "n_group", "topk_group", "router_group_score", "norm_topk_prob", "routed_scaling_factor")
+
+
+@dataclasses.dataclass(frozen=True)
+class Router:
+    name: str  # model.router
+    score: str  # a key of SCORES: the logits -> affinity scores
+    selection: str  # "top_k": the K best (s + b), within the best groups when model.n_group > 1
+    gates: str  # "scores": the chosen experts' unbiased scores, normalized to sum 1 with model.norm_topk_prob
+    selection_bias: bool  # a RoutingBias steers selection (aux-loss-free balancing moves it)
+    reads: tuple[str, ...]  # the ModelConfig fields it reads
+    families: tuple[str, ...]  # the HF model types whose routers it reproduces
+    exports_as: tuple[str, ...]  # the HF model types an export of a model with this router is exact in
+    about: str
+
+
+SCORES = {
+    "sigmoid": jax.nn.sigmoid,
+    "softmax": lambda z_TxE: jax.nn.softmax(z_TxE, axis=-1),
+}
+GROUP_SCORES = ("top2_sum", "max")
+
+ROUTERS = {r.name: r for r in (
+    Router("sigmoid", score="sigmoid", selection="top_k", gates="scores", selection_bias=True, reads=TOP_K_FIELDS,
+           families=("deepseek_v3", "glm4_moe", "glm4_moe_lite"), exports_as=("glm4_moe", "deepseek_v3"),
+           about="DeepSeek-V3: sigmoid affinities, top-K of score + bias (group-limited), normalized gates x "
+                 "routed_scaling_factor"),
+    Router("softmax", score="softmax", selection="top_k", gates="scores", selection_bias=True, reads=TOP_K_FIELDS,
+           families=("deepseek_v2", "qwen2_moe", "qwen3_moe", "olmoe", "mixtral"), exports_as=(),
+           about="Mixtral, Qwen-MoE, OLMoE, DeepSeek-V2 (greedy, or group-limited with router_group_score='max'): "
+                 "softmax over all E experts, then top-K"),
+)}
+
+
+@struct.dataclass
+class Routing:
+    """One MoE layer's routing of a call (read by attribute; `routing["expert_ids"]` reads the same field)."""
+
+    expert_ids: jax.Array  # [B, L, K] the chosen experts (bias-steered: the experts that run)
+    gates: jax.Array  # [B, L, K] their weights
+    scores: jax.Array  # [B, L, E] affinity scores of every expert
+    load: jax.Array  # [E] valid tokens per expert, every top-k choice counted
+    balance_loss: jax.Array  # () the sequence-wise balance loss, unweighted
+    dropped_frac: jax.Array  # () fraction of valid token copies a capacity bound dropped (0: dropless)
+
+    def __getitem__(self, name: str):
+        return getattr(self, name)
 
 
 def affinity_scores(u_TxD: jax.Array, router_DxE: jax.Array, score: str = "sigmoid") -> jax.Array:
-    """Affinities s_{t,i} (sigmoid, or softmax over the E experts), computed in fp32 whatever the compute dtype."""
+    """Affinities s_{t,i} = SCORES[score](u_t . e_i), computed in fp32 whatever the compute dtype."""
     logits_TxE = jnp.dot(u_TxD.astype(jnp.float32), router_DxE.astype(jnp.float32),
                          precision=jax.lax.Precision.HIGHEST)
-    if score == "softmax":
-        return jax.nn.softmax(logits_TxE, axis=-1)
-    return jax.nn.sigmoid(logits_TxE)
+    return SCORES[score](logits_TxE)
 
 
 def select_experts(scores_TxE, bias_E, top_k: int, n_group: int = 1, topk_group: int = 1,
@@ -54,6 +110,24 @@ def gate_weights(scores_TxE, ids_TxK, routed_scaling_factor: float = 1.0, normal
     if normalize:
         s_TxK = s_TxK / (s_TxK.sum(-1, keepdims=True) + 1e-20)
     return s_TxK * routed_scaling_factor
+
+
+def route(u_TxD, router_DxE, bias_E, *, top_k, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+          normalize=True, router="sigmoid", group_score="top2_sum"):
+    """scores [T,E], chosen ids [T,K], gates [T,K] for a flat batch of tokens, by the `ROUTERS[router]` entry."""
+    r = ROUTERS[router]
+    scores_TxE = affinity_scores(u_TxD, router_DxE, r.score)
+    bias_E = jax.lax.stop_gradient(bias_E) if r.selection_bias else jnp.zeros_like(bias_E)
+    ids_TxK = select_experts(scores_TxE, bias_E, top_k, n_group, topk_group, group_score)
+    gates_TxK = gate_weights(scores_TxE, ids_TxK, routed_scaling_factor, normalize)
+    return scores_TxE, ids_TxK, gates_TxK
+
+
+def route_for(cfg, u_TxD, router_DxE, bias_E):
+    """`route` with the fields of model config `cfg` that its router reads."""
+    return route(u_TxD, router_DxE, bias_E, top_k=cfg.top_k, n_group=cfg.n_group, topk_group=cfg.topk_group,
+                 routed_scaling_factor=cfg.routed_scaling_factor, normalize=cfg.norm_topk_prob, router=cfg.router,
+                 group_score=cfg.router_group_score)
 
 
 def expert_load(ids_TxK, n_experts: int, valid_T=None):
@@ -97,12 +171,3 @@ def max_violation(load_xE):
     load_xE = jnp.asarray(load_xE, jnp.float32)
     mean_x = load_xE.mean(-1)
     return (load_xE.max(-1) - mean_x) / jnp.maximum(mean_x, 1e-9)
-
-
-def route(u_TxD, router_DxE, bias_E, *, top_k, n_group=1, topk_group=1, routed_scaling_factor=1.0,
-          normalize=True, score="sigmoid", group_score="top2_sum"):
-    """scores [T,E], chosen ids [T,K], gates [T,K] for a flat batch of tokens."""
-    scores_TxE = affinity_scores(u_TxD, router_DxE, score)
-    ids_TxK = select_experts(scores_TxE, jax.lax.stop_gradient(bias_E), top_k, n_group, topk_group, group_score)
-    gates_TxK = gate_weights(scores_TxE, ids_TxK, routed_scaling_factor, normalize)
-    return scores_TxE, ids_TxK, gates_TxK

@@ -1,7 +1,7 @@
 """Logical axis names -> mesh axes: ONE rules table, and the one mesh builder.
 
 Parameters carry logical names as NNX metadata (`out_sharding=("embed", "mlp")`); activations get
-`execution.constrain(x, ("batch", "length", "act_embed"))` (moe/execution.py), a no-op when the execution has no
+`execution.constrain(x, ("batch", "length", "act_embed"))` (moe/dispatch/execution.py), a no-op when the execution has no
 mesh, so the model runs unchanged on one device.
 """
 

@@ -23,10 +23,10 @@ from absl import logging as absl_logging
 from orbax.checkpoint.type_handlers import ArrayHandler
 
 from moe import ConfigError, ModelConfig
-from moe.config import LEGACY_EXECUTION_FIELDS
-from moe.errors import UserError, warn
+from moe.config import LEGACY_EXECUTION_FIELDS, RENAMED_FIELDS
 from moe.hf.paths import OutsideDirectoryError, tree_inside
 from moe.model import abstract_model, merge_model, split_model
+from plumbing.errors import UserError, warn
 
 
 def _array_metadata_store():
@@ -131,7 +131,8 @@ def check_compatible(saved_model: dict, mcfg: ModelConfig, where: str) -> None:
     # A field missing from a checkpoint written before it existed had its default value then (every field added
     # since is off by default), so such checkpoints still resume.
     defaults = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
-    saved = {**defaults, **{k: v for k, v in saved_model.items() if k not in LEGACY_EXECUTION_FIELDS}}
+    saved = {**defaults, **{RENAMED_FIELDS.get(k, k): v for k, v in saved_model.items()
+                            if k not in LEGACY_EXECUTION_FIELDS}}
     for key in sorted(set(ours) | set(saved)):
         if saved.get(key) != ours.get(key):
             raise UserError(f"checkpoint in {where} was written with model.{key}={saved.get(key)!r} but the "

@@ -8,6 +8,7 @@ MOVED_KEYS = {
     **{f"model.{k}": f"execution.{k}" for k in ("dispatch", "capacity_factor", "grouped_matmul", "attention_impl",
                                                 "dtype", "remat")},
     "model.balance_loss_weight": "train.balance_loss_weight",
+    "model.router_score": "model.router",  # renamed when routers became a table (moe/router.py)
 }
 
 

@@ -20,7 +20,7 @@ import datetime
 import json
 from pathlib import Path
 
-from moe.errors import UserError
+from plumbing.errors import UserError
 from rundir import atomic
 
 MARKER = "moe-run.json"

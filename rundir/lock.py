@@ -10,7 +10,7 @@ import fcntl
 import os
 import socket
 
-from moe.errors import UserError
+from plumbing.errors import UserError
 
 
 class RunLock:

@@ -7,7 +7,7 @@ from pathlib import Path
 import ml_collections
 import tokenizers
 
-from moe.errors import UserError, warn
+from plumbing.errors import UserError, warn
 from rundir import checkpoints, compile_cache, metrics
 from rundir.config_layout import migrate
 from rundir.layout import RunDir

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moe import Execution, platform
-from moe.layers import causal_blocks, rope, softmax_attention
+from moe import Execution
+from moe.attention import causal_blocks, rope, softmax_attention
+from moe.dispatch import platform
 from tests.model_fixtures import tiny_model
 
 L = 12

@@ -13,7 +13,7 @@ from scipy import stats
 
 from analysis import baselines, specialization
 from moe import RoutingBias
-from moe.errors import UserError
+from plumbing.errors import UserError
 from rundir import open_run
 from tests.conftest import tiny_config
 from train import mesh as mesh_lib

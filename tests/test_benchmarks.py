@@ -8,8 +8,9 @@ import pytest
 
 from benchmarks import common, cpu_dots, moe_layer, profile_step, train_experts, train_step
 from configs.default import get_config
-from moe import experts, kernels, router
-from moe.kernels import slab
+from moe import router
+from moe.dispatch import experts, kernels
+from moe.dispatch.kernels import slab
 from train.config import check
 
 

@@ -5,7 +5,7 @@ import pytest
 
 from analysis import loss_curves, rank, routing
 from experiments.masks_round1 import runner as experiments
-from moe.errors import UserError
+from plumbing.errors import UserError
 from train import __main__ as train_cli
 from train import export, generate
 from train.cli import apply_override, load_config_file

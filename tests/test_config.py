@@ -9,8 +9,8 @@ import pytest
 from configs.base import base_config
 from configs.default import get_config
 from moe import ConfigError, Execution, ModelConfig, sharding
-from moe.errors import UserError
-from moe.execution import DISPATCH_MODES, check_model, check_tokens, execution_fields
+from moe.dispatch.execution import DISPATCH_MODES, check_model, check_tokens, execution_fields
+from plumbing.errors import UserError
 from rundir.checkpoints import check_compatible
 from rundir.config_layout import migrate, pre_split_layout
 from tests.conftest import tiny_config
@@ -28,7 +28,7 @@ from train.config import activation_bytes, causality_warning, check, model_confi
     (dict(n_layers=-1), "model.n_layers"),
     (dict(moe_d_ff=0), "model.moe_d_ff"),
     (dict(first_k_dense=5, n_layers=4), "model.first_k_dense"),
-    (dict(router_score="relu"), "model.router_score"),
+    (dict(router="relu"), "model.router"),
     (dict(router_group_score="sum"), "model.router_group_score"),
     (dict(n_routed_experts=8, n_group=8, top_k=2, topk_group=2), "model.n_group"),  # top2_sum: >= 2 per group
     (dict(qk_norm="layer"), "model.qk_norm"),
@@ -126,13 +126,13 @@ def test_checkpoint_written_before_new_fields_still_resumes():
     field added since is off by default), so the run resumes; a non-default value on either side is refused.
     Execution fields that checkpoints once held under "model" (dispatch, dtype, ...) are ignored."""
     new_fields = ("moe_layer_step", "dense_layers", "rope_fraction", "qkv_bias", "attn_out_bias", "qk_norm",
-                  "router_score", "shared_d_ff", "shared_expert_gate")
+                  "router", "shared_d_ff", "shared_expert_gate")
     old = {k: v for k, v in dataclasses.asdict(ModelConfig()).items() if k not in new_fields}
     check_compatible(old, ModelConfig(), "old run")
     check_compatible({**old, "dispatch": "capacity", "dtype": "bfloat16", "remat": True,
                       "balance_loss_weight": 0.0}, ModelConfig(), "old run")
-    with pytest.raises(UserError, match="model.router_score"):
-        check_compatible(old, ModelConfig(router_score="softmax"), "old run")
+    with pytest.raises(UserError, match="model.router"):
+        check_compatible(old, ModelConfig(router="softmax"), "old run")
     with pytest.raises(UserError, match="model.qk_norm"):
         check_compatible({**old, "qk_norm": "head"}, ModelConfig(), "old run")
 

@@ -5,7 +5,7 @@ import lzma
 
 import pytest
 
-from moe.errors import UserError
+from plumbing.errors import UserError
 from train.data import tfds_corpus
 from train.data.tfds_corpus import DEFAULT_CORPUS_DIR, corpus_files, load_source, read_docs, validation_ids
 from train.data.tokenizer import EOS_ID, PAD_ID, load_tokenizer

@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from moe.errors import UserError
+from plumbing.errors import UserError
 from train.data.packing import (
     PackedSampler,
     TokenCache,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moe import decode
+from moe import decoding
 from tests.model_fixtures import forward_fn, tiny_model
 
 
@@ -17,10 +17,10 @@ def prefill_then_steps(model, tokens_BxL, P: int, prefix_len_B=None):
     """Logits [B, L, V]: the first P tokens prefilled into a cache of L slots, then one decoding step per token, in
     a loop over traced slot indices as generate runs it (one compiled step, not L - P unrolled ones)."""
     B, L = tokens_BxL.shape
-    logits_p, cache = decode.prefill(model, tokens_BxL[:, :P], decode.init_cache(model.cfg, B, L))
+    logits_p, cache = decoding.prefill(model, tokens_BxL[:, :P], decoding.init_cache(model.cfg, B, L))
 
     def one(cache, i):
-        logits_i, cache = decode.step(model, jax.lax.dynamic_slice_in_dim(tokens_BxL, i, 1, axis=1), i, cache,
+        logits_i, cache = decoding.step(model, jax.lax.dynamic_slice_in_dim(tokens_BxL, i, 1, axis=1), i, cache,
                                       prefix_len_B)
         return cache, logits_i
 
@@ -60,10 +60,10 @@ def test_prefill_continues_from_any_slot():
 
     @nnx.jit
     def turns(model, tokens):
-        cache = decode.init_cache(model.cfg, B, L)
-        first, cache = decode.prefill(model, tokens[:, :P1], cache)
-        second, cache = decode.prefill(model, tokens[:, P1:P1 + P2], cache, start=P1)
-        last, _ = decode.step(model, tokens[:, P1 + P2:P1 + P2 + 1], P1 + P2, cache)
+        cache = decoding.init_cache(model.cfg, B, L)
+        first, cache = decoding.prefill(model, tokens[:, :P1], cache)
+        second, cache = decoding.prefill(model, tokens[:, P1:P1 + P2], cache, start=P1)
+        last, _ = decoding.step(model, tokens[:, P1 + P2:P1 + P2 + 1], P1 + P2, cache)
         return first, second, last
 
     first, second, last = turns(model, tokens)
@@ -72,7 +72,7 @@ def test_prefill_continues_from_any_slot():
     np.testing.assert_allclose(last, full[:, P1 + P2], rtol=1e-5, atol=1e-5)
     prefix_model = tiny_model(mask="prefix")
     with pytest.raises(ValueError, match="start=0"):
-        decode.prefill(prefix_model, tokens[:, :2], decode.init_cache(prefix_model.cfg, B, L), start=2)
+        decoding.prefill(prefix_model, tokens[:, :2], decoding.init_cache(prefix_model.cfg, B, L), start=2)
 
 
 def test_cached_forward_refuses_packed_rows():
@@ -81,14 +81,14 @@ def test_cached_forward_refuses_packed_rows():
     model = tiny_model()
     tokens = jnp.zeros((1, 4), jnp.int32)
     with pytest.raises(ValueError, match="segment_ids"):
-        model(tokens, segment_ids_BxL=jnp.ones((1, 4), jnp.int32), cache=decode.init_cache(model.cfg, 1, 8),
+        model(tokens, segment_ids_BxL=jnp.ones((1, 4), jnp.int32), cache=decoding.init_cache(model.cfg, 1, 8),
               cache_index=0)
 
 
 def test_greedy_generate_follows_argmax_of_full_forward():
     model = tiny_model()
     prompt = jax.random.randint(jax.random.key(4), (2, 4), 0, 61)
-    new = decode.generate(model, prompt, jax.random.key(0), max_new_tokens=6)
+    new = decoding.generate(model, prompt, jax.random.key(0), max_new_tokens=6)
     seq = jnp.concatenate([prompt, new], 1)
     logits = forward_fn()(seq)
     np.testing.assert_array_equal(new, jnp.argmax(logits[:, 3:-1], -1))
@@ -97,8 +97,8 @@ def test_greedy_generate_follows_argmax_of_full_forward():
 def test_sampling_top_p_and_temperature():
     logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]]))
     keys = jax.random.split(jax.random.key(0), 400)
-    draws = np.asarray(jax.vmap(lambda k: decode.sample(logits, k, 1.0, 0.7))(keys))[:, 0]
+    draws = np.asarray(jax.vmap(lambda k: decoding.sample(logits, k, 1.0, 0.7))(keys))[:, 0]
     assert set(draws.tolist()) == {0, 1}  # 0.5 < 0.7 <= 0.8: the nucleus is the top two tokens
-    assert int(decode.sample(logits, keys[0], 0.0, 1.0)[0]) == 0
-    draws = np.asarray(jax.vmap(lambda k: decode.sample(logits, k, 1.0, 1.0))(keys))[:, 0]
+    assert int(decoding.sample(logits, keys[0], 0.0, 1.0)[0]) == 0
+    draws = np.asarray(jax.vmap(lambda k: decoding.sample(logits, k, 1.0, 1.0))(keys))[:, 0]
     assert abs(np.mean(draws == 0) - 0.5) < 0.08

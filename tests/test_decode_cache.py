@@ -1,12 +1,12 @@
 """benchmarks/decode_cache.py on toy shapes: a row per attention, decode form and context, the MLA cache smaller
-per token by the stated ratio, and the decode loop the benchmark times equal to moe.decode.generate's tokens."""
+per token by the stated ratio, and the decode loop the benchmark times equal to moe.decoding.generate.generate's tokens."""
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from benchmarks import decode_cache
-from moe import Execution, Transformer, decode
+from moe import Execution, Transformer, decoding
 from moe.accounting import kv_cache_bytes_per_token
 
 
@@ -33,10 +33,10 @@ def test_the_timed_loop_decodes_what_generate_decodes():
     cfg = decode_cache.model_configs("tiny")["mla"]
     model = Transformer(cfg, nnx.Rngs(0))
     prompt = jnp.asarray([[3, 5, 7, 11]], jnp.int32)
-    want = decode.generate(model, prompt, jax.random.key(0), max_new_tokens=4, temperature=0.0)
+    want = decoding.generate(model, prompt, jax.random.key(0), max_new_tokens=4, temperature=0.0)
     graphdef, state = nnx.split(model)
-    cache = decode.init_cache(cfg, 1, 8)
-    logits, cache = decode.prefill(model, prompt, cache)
+    cache = decoding.init_cache(cfg, 1, 8)
+    logits, cache = decoding.prefill(model, prompt, cache)
     first = jnp.argmax(logits[:, -1], -1)[:, None].astype(jnp.int32)
     last = decode_cache.decode_fn(graphdef, 4, 3, Execution())(state, first, cache)
     assert int(first[0, 0]) == int(want[0, 0]) and int(jnp.argmax(last, -1)[0]) == int(want[0, 3])

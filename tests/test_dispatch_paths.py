@@ -12,9 +12,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moe import Execution, ModelConfig, expert_parallel, experts, router, sharding
-from moe.kernels import slab
-from moe.moe_layer import MoE
+from moe import Execution, ModelConfig, router, sharding
+from moe.dispatch import expert_parallel, experts
+from moe.dispatch.kernels import slab
+from moe.ffn import MoE
 from tests.conftest import tiny_config
 from train.loop import run
 
@@ -50,7 +51,7 @@ def _assert_close(got, want):
 
 
 # What a GPU runs, on this CPU: slab's pure slabs and large fallback blocks with one-hot weight-gradient sums, and
-# rows moved backward by gathers (moe/kernels/slab.py default_layout_sets / weight_sum_for, experts.permute_for).
+# rows moved backward by gathers (moe/dispatch/kernels/slab.py default_layout_sets / weight_sum_for, experts.permute_for).
 # These routings fit a pure slab (top-3 of 8 experts: at most 2.7x the mean rows), so the fallback alone (every row
 # in blocks; factors=()) is tested too.
 GPU_SLAB = functools.partial(slab.grouped_swiglu_slab, fractions=(), factors=slab.NO_SPILL_SLAB_FACTORS,

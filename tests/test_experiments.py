@@ -8,7 +8,7 @@ import pytest
 
 from experiments.masks_round1.report import bootstrap_ci
 from experiments.masks_round1.runner import Interrupted, compare_masks, fingerprint, parse_flags, variant_name
-from moe.errors import UserError
+from plumbing.errors import UserError
 from tests.conftest import pipeline_config, tiny_config
 
 

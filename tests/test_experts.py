@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe import experts, kernels, router
+from moe import router
+from moe.dispatch import experts, kernels
 
 
 def _inputs(seed=0, T=40, D=12, E=8, F=10, K=3):

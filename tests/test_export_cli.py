@@ -14,8 +14,8 @@ import pytest
 from flax import nnx
 
 import moe
-from moe.errors import UserError
 from moe.hf.paths import OutsideDirectoryError
+from plumbing.errors import UserError
 from rundir import open_run
 from train import export as export_cli
 from train import generate as generate_cli

@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 from benchmarks import kernel_accuracy
-from moe import experts, kernels, router
-from moe.kernels import slab, tokamax_swiglu
+from moe import router
+from moe.dispatch import experts, kernels
+from moe.dispatch.kernels import slab, tokamax_swiglu
 
 N, D, E, F = 48, 12, 6, 10
 SIZES = {

@@ -11,7 +11,7 @@ from experiments.head_sweep import report as sweep_report
 from experiments.head_sweep import runner as head_sweep
 from experiments.masks_round2 import runner as study
 from moe.accounting import param_counts
-from moe.errors import UserError
+from plumbing.errors import UserError
 from tests.test_study import REFS, fake_result
 from train.config import model_config
 

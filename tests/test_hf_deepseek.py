@@ -25,7 +25,7 @@ transformers.utils.logging.disable_progress_bar()  # save_pretrained's bar on st
 
 from analysis import routing  # noqa: E402
 from moe import param_counts  # noqa: E402
-from moe.decode import generate  # noqa: E402
+from moe.decoding.generate import generate  # noqa: E402
 from moe.hf import HFImportError, load_hf_moe, model_config  # noqa: E402
 from moe.hf.common import read_config, read_tensors, rope_parameters  # noqa: E402
 from moe.hf.load import FAMILIES as LAYOUTS  # noqa: E402
@@ -175,11 +175,11 @@ def test_what_each_family_maps_to(built):
     """The distinguishing fields land where they should (the parity tests above would pass vacuously otherwise)."""
     cfgs = {name: built(name)["model"].cfg for name in FAMILIES}
     v2, v2g, v3, lite = (cfgs[k] for k in FAMILIES)
-    assert v2.router_score == v2g.router_score == "softmax" and not v2.norm_topk_prob and v2.n_group == 1
+    assert v2.router == v2g.router == "softmax" and not v2.norm_topk_prob and v2.n_group == 1
     assert (v2g.n_group, v2g.topk_group, v2g.router_group_score) == (4, 2, "max")
     assert v2.q_lora_rank == 0 and v2.rope_interleave and v2.rope_scaling_factor == 4.0
     assert v2.yarn_mscale == v2.yarn_mscale_all_dim == 0.707 and v2g.rope_scaling_factor == 1.0
-    assert v3.router_score == "sigmoid" and (v3.n_group, v3.topk_group, v3.router_group_score) == (4, 2, "top2_sum")
+    assert v3.router == "sigmoid" and (v3.n_group, v3.topk_group, v3.router_group_score) == (4, 2, "top2_sum")
     assert v3.q_lora_rank == 24 and v3.rope_interleave and v3.rope_original_max_position == 16
     assert (lite.first_k_dense, lite.dense_layers, lite.moe_layer_ids) == (1, "2", (1, 3))
     assert not lite.rope_interleave and lite.attention == "mla"
@@ -218,7 +218,7 @@ def test_mtp_layer_is_imported_and_equals_the_papers_module(built, tmp_path):
         ref = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V), tok[:, 2:].reshape(-1),
                                                 reduction="none").reshape(2, -1).numpy()
     _, aux = model.token_losses(jnp.asarray(TOKENS[:, :-1]), jnp.asarray(TOKENS[:, 1:]), mtp=True)
-    ours = np.asarray(aux["mtp_ce"][0])[:, :ref.shape[1]]
+    ours = np.asarray(aux.mtp.ce[0])[:, :ref.shape[1]]
     np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4)
 
 

@@ -12,8 +12,8 @@ from flax import nnx
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import moe
-from moe.decode import generate
-from moe.hf.export import (
+from moe.decoding.generate import generate
+from moe.hf.write import (
     ExportError,
     hf_config,
     hf_state_dict,

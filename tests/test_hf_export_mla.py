@@ -1,4 +1,4 @@
-"""HF export of multi-head latent attention models as DeepseekV3ForCausalLM (moe/hf/export_deepseek.py): transformers
+"""HF export of multi-head latent attention models as DeepseekV3ForCausalLM (moe/hf/write_mla.py): transformers
 loads the export with no missing or unexpected weights and gives our logits (fp32) and our greedy tokens (KV-cached
 decode against generate); importing the export back (moe.hf.load_hf_moe) gives the same parameters bit for bit and
 the same config; what deepseek_v3 cannot reproduce is refused in one line naming the field."""
@@ -13,10 +13,10 @@ from flax import nnx
 
 import moe
 from moe.config import ConfigError
-from moe.decode import generate
+from moe.decoding.generate import generate
 from moe.hf import load_hf_moe
-from moe.hf.export import ExportError, architecture, hf_config, unsupported_features, write_hf_checkpoint
 from moe.hf.safetensors_io import flat_variables
+from moe.hf.write import ExportError, architecture, hf_config, unsupported_features, write_hf_checkpoint
 from tests import test_hf_export
 from tests.test_hf_export import CARD, V, _forward, _hf, _hf_logits
 
@@ -172,7 +172,7 @@ def test_equivalent_configs_export(changes):
     (dict(latent_norm_eps=1e-5), "model.latent_norm_eps=1e-05 as the latent norms' eps"),
     (dict(dense_layers="2"), "model.dense_layers='2'"),
     (dict(moe_layer_step=2), "model.moe_layer_step=2"),
-    (dict(router_score="softmax"), "model.router_score='softmax'"),
+    (dict(router="softmax"), "model.router='softmax'"),
     (dict(router_group_score="max"), "model.router_group_score='max'"),
     (dict(n_routed_experts=1, top_k=1, n_group=1, topk_group=1), "fewer than 2 routed experts per group"),
     (dict(shared_d_ff=24), "model.shared_d_ff=24"),

@@ -10,8 +10,8 @@ import numpy as np
 
 from moe.hf import load_model
 from moe.hf.common import SafetensorsFiles
-from moe.hf.export import write_hf_checkpoint
 from moe.hf.safetensors_io import flat_variables
+from moe.hf.write import write_hf_checkpoint
 from tests.model_fixtures import tiny_model
 from train.data.tokenizer import DEFAULT_TOKENIZER
 

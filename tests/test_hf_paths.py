@@ -14,12 +14,12 @@ from safetensors.numpy import load_file, save_file
 
 from analysis.hf_source import text_cache
 from moe import ModelConfig
-from moe.errors import UserError
 from moe.hf import HFImportError, load_hf_moe
 from moe.hf.common import read_tensors
-from moe.hf.export import write_hf_checkpoint
 from moe.hf.paths import OutsideDirectoryError, file_inside
 from moe.hf.safetensors_io import flat_variables, load_safetensors, save_safetensors
+from moe.hf.write import write_hf_checkpoint
+from plumbing.errors import UserError
 from tests.model_fixtures import tiny_model
 from train import generate
 from train.data.tokenizer import DEFAULT_TOKENIZER, load_tokenizer

@@ -1,4 +1,4 @@
-"""execution.scan_layers (moe/layer_scan.py) against the unrolled loop: values, aux outputs and gradients."""
+"""execution.scan_layers (moe/model.py) against the unrolled loop: values, aux outputs and gradients."""
 
 import jax
 import jax.numpy as jnp
@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moe import Execution, layer_scan
-from moe.decode import init_cache
-from moe.layer_scan import runs_of_equal_blocks, scan_blocks
+from moe import Execution
+from moe import model as layer_scan
+from moe.decoding.generate import init_cache
+from moe.model import runs_of_equal_blocks, scan_blocks
 from tests.model_fixtures import TINY, tiny_model
 
 # 5 layers: one dense, four MoE (one scanned run of 4); the interleaved family alternates dense and MoE.

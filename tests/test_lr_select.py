@@ -9,7 +9,7 @@ import pytest
 
 from experiments.common import lr_select
 from experiments.encdec import runner as encdec_study
-from moe.errors import UserError
+from plumbing.errors import UserError
 
 
 @pytest.mark.parametrize("text,grid", [("6e-3,1.5e-3,3e-3", (1.5e-3, 3e-3, 6e-3)), ("0.1, 0.2", (0.1, 0.2))])

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe.masks import attention_mask
+from moe.attention import attention_mask
 from tests.model_fixtures import forward_fn
 
 L = 12

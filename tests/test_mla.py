@@ -14,11 +14,18 @@ from flax import nnx
 
 from moe import ConfigError, Execution, ModelConfig, param_counts, sharding, train_flops_per_token
 from moe.accounting import kv_cache_bytes_per_token
-from moe.hf.export import architecture, glm4_moe_unsupported_features, unsupported_features
-from moe.masks import attention_mask
+from moe.attention import (
+    BlockInputs,
+    attention_mask,
+    rope,
+    rotate,
+    softmax_scale,
+    yarn_attention_factor,
+    yarn_inv_frequencies,
+)
+from moe.hf.write import architecture, glm4_moe_unsupported_features, unsupported_features
 from moe.mla import MLA
 from moe.model import abstract_model
-from moe.rope import rope, rotate, softmax_scale, yarn_attention_factor, yarn_inv_frequencies
 from tests.model_fixtures import TINY, tiny_model
 
 # Dq = 12 query/key dims per head against Dv = 6 value dims: xla / cudnn pad them to one width.
@@ -177,16 +184,15 @@ def test_attention_matches_transformers_deepseek_v3(q_lora_rank, interleave, yar
     with torch.no_grad():
         want, want_probs = attn(torch.tensor(x), rotary(torch.tensor(x), torch.tensor(pos)), causal)
     idx = jnp.broadcast_to(jnp.arange(L), (B, L))
-    mask = attention_mask("causal", idx, idx, n_heads=4)
-    got, _, probs = mla(jnp.asarray(x), jnp.asarray(pos), mask, Execution(attention_impl="einsum"),
-                        return_probs=True)
+    inputs = BlockInputs(jnp.asarray(pos), attention_mask("causal", idx, idx, n_heads=4), jnp.ones((B, L), bool))
+    got, _, probs = mla(jnp.asarray(x), inputs, Execution(attention_impl="einsum"), return_probs=True)
     scale = np.abs(want.numpy()).max()
     np.testing.assert_allclose(np.asarray(got) / scale, want.numpy() / scale, rtol=0, atol=1e-5)
     np.testing.assert_allclose(probs, want_probs.numpy(), rtol=0, atol=1e-5)
     if interleave:  # the layout matters: rotate-half on interleaved weights gives other numbers
         other = mla.cfg.replace(rope_interleave=False)
         mla.cfg = other
-        assert np.abs(np.asarray(mla(jnp.asarray(x), jnp.asarray(pos), mask, Execution(attention_impl="einsum"))[0])
+        assert np.abs(np.asarray(mla(jnp.asarray(x), inputs, Execution(attention_impl="einsum"))[0])
                       - want.numpy()).max() > 1e-3
 
 
@@ -206,7 +212,7 @@ def _loss_and_grads(ex: Execution, mask: str = "causal", L: int = 64, sharded: b
 
     def loss(state):
         logits, aux = nnx.merge(graphdef, state)(tokens, execution=ex, prefix_len_B=prefix, return_attention=probs)
-        return jnp.mean(jnp.sin(logits.astype(jnp.float32))), (logits, aux.get("attention"))
+        return jnp.mean(jnp.sin(logits.astype(jnp.float32))), (logits, aux.attention)
 
     (_, (logits, attn)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(state)
     return logits, attn, jax.tree.leaves(grads)

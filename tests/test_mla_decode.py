@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moe import Execution, decode
+from moe import Execution, decoding
 from moe.accounting import kv_cache_bytes_per_token
-from moe.errors import UserError
+from plumbing.errors import UserError
 from tests.conftest import tiny_config
 from tests.model_fixtures import forward_fn, tiny_model
 from tests.test_mla import MLA_MODEL
@@ -21,7 +21,7 @@ ABSORBED, NAIVE = Execution(), Execution(attention_impl="einsum")  # the cached 
 
 
 def test_init_cache_holds_the_latent():
-    cache = decode.init_cache(tiny_model(**MLA_MODEL).cfg, 2, 9, "bfloat16")
+    cache = decoding.init_cache(tiny_model(**MLA_MODEL).cfg, 2, 9, "bfloat16")
     assert [{k: (v.shape, v.dtype) for k, v in layer.items()} for layer in cache] == [
         {"latent": ((2, 9, 16), jnp.bfloat16), "k_rope": ((2, 9, 4), jnp.bfloat16)}] * MLA_MODEL["n_layers"]
 
@@ -30,12 +30,12 @@ def test_init_cache_holds_the_latent():
 def _turns(model, tokens, ex, P1, P2):
     """Prefill [0, P1), prefill [P1, P1 + P2) on top of that cache, then one-token steps to the end."""
     B, L = tokens.shape
-    cache = decode.init_cache(model.cfg, B, L)
-    first, cache = decode.prefill(model, tokens[:, :P1], cache, execution=ex)
-    second, cache = decode.prefill(model, tokens[:, P1:P1 + P2], cache, start=P1, execution=ex)
+    cache = decoding.init_cache(model.cfg, B, L)
+    first, cache = decoding.prefill(model, tokens[:, :P1], cache, execution=ex)
+    second, cache = decoding.prefill(model, tokens[:, P1:P1 + P2], cache, start=P1, execution=ex)
     steps = []
     for i in range(P1 + P2, L):
-        logits_i, cache = decode.step(model, tokens[:, i:i + 1], i, cache, execution=ex)
+        logits_i, cache = decoding.step(model, tokens[:, i:i + 1], i, cache, execution=ex)
         steps.append(logits_i)
     return jnp.concatenate([first, second, jnp.stack(steps, 1)], 1)
 
@@ -65,10 +65,10 @@ def test_prefix_masks_decode_like_the_full_forward(mask):
 
     @nnx.jit
     def cached(model, tokens):
-        logits_p, cache = decode.prefill(model, tokens[:, :P], decode.init_cache(model.cfg, B, L))
+        logits_p, cache = decoding.prefill(model, tokens[:, :P], decoding.init_cache(model.cfg, B, L))
         steps = []
         for i in range(P, L):
-            logits_i, cache = decode.step(model, tokens[:, i:i + 1], i, cache, prefix)
+            logits_i, cache = decoding.step(model, tokens[:, i:i + 1], i, cache, prefix)
             steps.append(logits_i)
         return jnp.concatenate([logits_p, jnp.stack(steps, 1)], 1)
 
@@ -78,10 +78,10 @@ def test_prefix_masks_decode_like_the_full_forward(mask):
 def test_greedy_generate_follows_the_full_forward():
     model = tiny_model(**MLA_MODEL)
     prompt = jax.random.randint(jax.random.key(4), (2, 4), 0, 64)
-    new = decode.generate(model, prompt, jax.random.key(0), max_new_tokens=5)
+    new = decoding.generate(model, prompt, jax.random.key(0), max_new_tokens=5)
     logits = forward_fn(**MLA_MODEL)(jnp.concatenate([prompt, new], 1))
     np.testing.assert_array_equal(new, jnp.argmax(logits[:, 3:-1], -1))
-    bf16 = decode.generate(model, prompt, jax.random.key(0), max_new_tokens=5,
+    bf16 = decoding.generate(model, prompt, jax.random.key(0), max_new_tokens=5,
                            execution=Execution(dtype="bfloat16"))
     assert bf16.shape == new.shape and bool(jnp.all((bf16 >= 0) & (bf16 < 64)))
 

@@ -42,7 +42,7 @@ def test_rows_are_fixed_by_seed_and_row(sampler):
 
 @pytest.mark.parametrize("mask,ok", [("bidirectional", True), ("mixed", True), ("causal", False), ("prefix", False)])
 def test_config_masks_for_mlm(mask, ok):
-    from moe.errors import UserError
+    from plumbing.errors import UserError
     from tests.conftest import tiny_config
     from train.config import check
 

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moe import Execution, experts, param_counts, router, train_flops_per_token
-from moe.execution import REMAT_POLICIES
+from moe import Execution, param_counts, router, train_flops_per_token
+from moe.dispatch import experts
+from moe.dispatch.execution import REMAT_POLICIES
 from tests.model_fixtures import TINY, tiny_model
 
 

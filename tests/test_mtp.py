@@ -43,7 +43,7 @@ def mtp_ce_fn(depth=2):
     def f(s, seg):
         m = nnx.merge(graphdef, state)
         _, aux = m.token_losses(s[:, :-1], s[:, 1:], execution=EX, mtp=True, segment_ids_BxL=seg)
-        return aux["mtp_ce"], aux["mtp_weights"]
+        return aux.mtp.ce, aux.mtp.weights
 
     return f
 
@@ -52,15 +52,14 @@ def reference_mtp_ce(m: Transformer, s):
     """The paper's equations, position by position in the shifts: h^0 = the main model's final-normed hidden state;
     h^k = Block(eh_proj [enorm(Emb(t_{i+k})); hnorm(h^{k-1})]); ce of t_{i+k+1} under head(head_norm(h^k))."""
     tokens = jnp.asarray(s[:, :-1])
-    x, _ = m.trunk(tokens, execution=EX)
+    x, _ = m.forward(tokens, execution=EX)
     h = m.final_norm(x)
     out = []
     for k, mod in enumerate(m.mtp, start=1):
         nxt = jnp.asarray(np.pad(s[:, k:], ((0, 0), (0, k)))[:, :L])  # t_{i+k}, 0 past the row's end
         emb = jnp.take(m.embed[...], nxt, axis=0)
         inp = jnp.concatenate([mod.enorm(emb), mod.hnorm(h)], -1) @ mod.eh_proj[...]
-        positions, mask, valid = m.attention_inputs(tokens)
-        h, _, _, _ = mod.block(inp, positions, mask, valid, EX.resolved())
+        h = mod.block(inp, m.block_inputs(tokens), EX.resolved()).x
         logits = mod.head_norm(h) @ m.head()
         tgt = np.pad(s[:, k + 1:], ((0, 0), (0, k + 1)))[:, :L]
         ce = -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), jnp.asarray(tgt)[..., None], -1)[..., 0]
@@ -123,10 +122,10 @@ def test_fused_objective_equals_autodiff_of_the_per_token_loss():
         _, aux = mm.token_losses(s[:, :-1], s[:, 1:], execution=EX, mtp=True,
                                  loss_weights_BxL=weights if fused else None)
         if fused:
-            return aux["mtp_objective"].sum()
+            return aux.mtp.objective.sum()
         # the unfused weights are ones: apply the main weights shifted as depth_targets does
         w = jnp.stack([jnp.pad(weights[:, k:], ((0, 0), (0, k))) for k in (1, 2)])
-        return (aux["mtp_ce"] * w).sum()
+        return (aux.mtp.ce * w).sum()
 
     (a, ga), (b, gb) = (jax.value_and_grad(loss)(params, f) for f in (True, False))
     np.testing.assert_allclose(a, b, rtol=1e-5)

@@ -39,7 +39,8 @@ run(c, sys.argv[1], log=lambda *a: None)
 if len(sys.argv) > 2:  # an all_to_all that crosses processes: the expert axis spans all 8 devices
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec
-    from moe import expert_parallel, experts, router, sharding
+    from moe import router, sharding
+    from moe.dispatch import expert_parallel, experts
     mesh = sharding.make_mesh(1, 1, 8, 1)
     rng = np.random.default_rng(0)
     x, w_router = rng.normal(size=(64, 12)).astype("f4"), rng.normal(size=(12, 8)).astype("f4")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from analysis import routing
-from moe.errors import UserError
+from plumbing.errors import UserError
 from rundir.layout import check_workdir
 from train import generate
 from train.cli import load_config_file

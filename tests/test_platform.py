@@ -1,4 +1,4 @@
-"""moe/platform.py and Execution.resolved(): the one place `auto` becomes a concrete choice per platform, applied
+"""moe/dispatch/platform.py and Execution.resolved(): the one place `auto` becomes a concrete choice per platform, applied
 on the model's entry and recorded in a run's config.json (and left out of a study's fingerprint)."""
 
 import json
@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from moe import Execution, platform
+from moe import Execution
+from moe.dispatch import platform
 from rundir.config_layout import RESOLVED_KEY, pre_split_layout
 from tests.model_fixtures import tiny_model
 

@@ -82,7 +82,7 @@ def test_group_score_max_matches_deepseek_v2():
     T, D, E, G, KG, K = 256, 16, 16, 4, 2, 3
     u, w = rng.normal(size=(T, D)).astype(np.float32), rng.normal(size=(D, E)).astype(np.float32)
     s, ids, gates = router.route(jnp.asarray(u), jnp.asarray(w), jnp.zeros(E), top_k=K, n_group=G, topk_group=KG,
-                                 routed_scaling_factor=1.5, normalize=False, score="softmax", group_score="max")
+                                 routed_scaling_factor=1.5, normalize=False, router="softmax", group_score="max")
     logits = u.astype(np.float64) @ w.astype(np.float64)
     p = np.exp(logits - logits.max(-1, keepdims=True))
     p /= p.sum(-1, keepdims=True)

@@ -1,4 +1,4 @@
-"""Greedy speculative decoding with the MTP draft (moe/speculative.py, train.generate --speculative mtp): the
+"""Greedy speculative decoding with the MTP draft (moe/decoding/speculative.py, train.generate --speculative mtp): the
 output is plain greedy decoding's token for token, with drafts both accepted and rejected, for GQA and MLA caches;
 a run trained with MTP logs each depth, decodes speculatively from the command line and exports its MTP module."""
 
@@ -11,8 +11,8 @@ import pytest
 from flax import nnx
 
 from moe import ModelConfig, Transformer
-from moe.decode import generate
-from moe.speculative import speculative_generate
+from moe.decoding.generate import generate
+from moe.decoding.speculative import speculative_generate
 from tests.model_fixtures import TINY
 
 MLA = dict(attention="mla", q_lora_rank=0, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)

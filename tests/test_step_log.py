@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from moe.errors import UserError
+from plumbing.errors import UserError
 from rundir.layout import RunDir
 from tests.conftest import tiny_config
 from train.step_log import StepLog

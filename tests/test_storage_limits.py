@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from moe.errors import os_error, storage_full
+from plumbing.errors import os_error, storage_full
 from rundir.checkpoints import steps_in
 from rundir.layout import RunDir
 from tests.conftest import tiny_config

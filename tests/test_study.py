@@ -216,7 +216,7 @@ def test_equal_targets_keep_as_many_targets_as_the_output_part_spread_over_the_w
 
 def test_equal_targets_needs_prefix_loss():
     from experiments.masks_round2.config import get_config
-    from moe.errors import UserError
+    from plumbing.errors import UserError
     from train.config import check
 
     c = get_config()

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from analysis import routing, tiny_hf
-from moe.errors import UserError
 from moe.hf import load_hf_moe
 from moe.hf.safetensors_io import flat_variables
+from plumbing.errors import UserError
 
 
 def test_the_recipe_writes_a_checkpoint_the_importer_reads_back_exactly(tmp_path):

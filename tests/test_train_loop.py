@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from moe.errors import UserError
+from plumbing.errors import UserError
 from rundir import open_run
 from tests.conftest import tiny_config
 from train.__main__ import main

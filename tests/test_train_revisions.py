@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from benchmarks import train_revisions as tr
-from moe.errors import UserError
+from plumbing.errors import UserError
 
 needs_git = pytest.mark.skipif(shutil.which("git") is None or subprocess.run(
     ["git", "-C", str(tr.REPO), "rev-parse", "HEAD"], capture_output=True).returncode != 0,

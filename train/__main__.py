@@ -15,8 +15,8 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from moe import ConfigError  # noqa: E402
-from moe.cli import ArgParser  # noqa: E402
-from moe.errors import (  # noqa: E402
+from plumbing.args import ArgParser  # noqa: E402
+from plumbing.errors import (  # noqa: E402
     OOM_HINT,
     UserError,
     exit_with,

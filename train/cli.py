@@ -16,7 +16,7 @@ from pathlib import Path
 
 import ml_collections
 
-from moe.errors import UserError
+from plumbing.errors import UserError
 from rundir.config_layout import MOVED_KEYS
 
 _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
@@ -66,8 +66,8 @@ def all_keys(config: ml_collections.ConfigDict, prefix: str = "") -> dict:
 
 def unknown_key_error(key: str, known, where: str = "") -> UserError:
     if key in MOVED_KEYS:
-        return UserError(f"config key {key}{where} is now {MOVED_KEYS[key]} (model.* holds only the "
-                         f"architecture); use --config.{MOVED_KEYS[key]}=... or set c.{MOVED_KEYS[key]} in the file")
+        return UserError(f"config key {key}{where} is now {MOVED_KEYS[key]}; use --config.{MOVED_KEYS[key]}=... or "
+                         f"set c.{MOVED_KEYS[key]} in the file")
     close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
     hint = f"did you mean {close[0]}?" if close else "configs/base.py lists every key"
     return UserError(f"unknown config key {key}{where}; {hint}")

@@ -14,9 +14,10 @@ import ml_collections
 
 from configs.base import base_config
 from moe import ConfigError, Execution, ModelConfig, param_counts
-from moe.errors import UserError
-from moe.execution import DISPATCH_MODES, DROPPING_DISPATCH, check_model, check_tokens
-from moe.layers import causal_blocks, chunk_count
+from moe.attention import causal_blocks
+from moe.dispatch.execution import DISPATCH_MODES, DROPPING_DISPATCH, check_model, check_tokens
+from moe.nn import chunk_count
+from plumbing.errors import UserError
 from rundir.config_layout import ADDED_KEYS, RESOLVED_FIELDS, RESOLVED_KEY
 from train.cli import all_keys, unknown_key_error
 

@@ -29,12 +29,12 @@ import jax
 import orbax.checkpoint as ocp
 
 from moe import ConfigError, ModelConfig
-from moe.cli import ArgParser
-from moe.errors import UserError, exit_with, hide_orbax_tracebacks, os_error, storage_full
-from moe.hf.export import ExportError, check_exportable, write_hf_checkpoint
 from moe.hf.paths import tree_inside
 from moe.hf.safetensors_io import CONFIG_FILE, load_config, save_safetensors
+from moe.hf.write import ExportError, check_exportable, write_hf_checkpoint
 from moe.model import abstract_model, merge_model, split_model
+from plumbing.args import ArgParser
+from plumbing.errors import UserError, exit_with, hide_orbax_tracebacks, os_error, storage_full
 from rundir import RunDir, is_run_dir, metrics, open_run
 
 FORMATS = ("hf", "safetensors", "orbax")
@@ -260,7 +260,7 @@ def main(argv=None):
     except UserError as e:
         exit_with(e)
     kind = args.format
-    if args.format == "hf":  # the architecture picked from the model (moe.hf.export.architecture)
+    if args.format == "hf":  # the architecture picked from the model (moe.hf.write.architecture)
         kind = f"hf {json.loads((out / 'config.json').read_text())['architectures'][0]}"
     print(f"exported {args.workdir} ({kind}, {args.dtype}) to {out}")
 

@@ -5,7 +5,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from moe import platform
+from moe.dispatch import platform
 
 
 def measure_peak_flops(n: int | None = None, dtype=None, repeats: int = 5) -> float:

@@ -1,12 +1,12 @@
 """Generate text: `python -m train.generate (--workdir DIR [--step N] | --export EXPORT_DIR) --prompt TEXT
 [--max_new_tokens N] [--temperature T] [--top_p P] [--seed S] [--speculative mtp]`.
 
-KV-cache decoding (moe/decode.py); temperature 0 is greedy. --export takes a directory written by
+KV-cache decoding (moe/decoding/generate.py); temperature 0 is greedy. --export takes a directory written by
 `python -m train.export` in any format (hf, safetensors, orbax); the run's tokenizer is the one in it. Prints the
 prompt and its continuation, which stops before the first <|endoftext|>. Bad input: one line, exit 2.
 
 --speculative mtp (greedy, a model with multi-token prediction): the MTP module drafts one token and the main model
-verifies it with the next (moe/speculative.py); prints the drafts' acceptance rate and tokens/s against plain
+verifies it with the next (moe/decoding/speculative.py); prints the drafts' acceptance rate and tokens/s against plain
 greedy decoding of the same prompt, whose output it checks is identical.
 """
 
@@ -22,13 +22,13 @@ import numpy as np
 
 from moe import Execution
 from moe.accounting import kv_cache_bytes_per_token
-from moe.cli import ArgParser
-from moe.decode import generate
-from moe.errors import UserError, exit_with, os_error, out_of_memory
+from moe.decoding.generate import generate
+from moe.decoding.speculative import speculative_generate
 from moe.hf import load_model
 from moe.hf.paths import OutsideDirectoryError, file_inside, tree_inside
 from moe.hf.safetensors_io import load_safetensors
-from moe.speculative import speculative_generate
+from plumbing.args import ArgParser
+from plumbing.errors import UserError, exit_with, os_error, out_of_memory
 from rundir import open_run
 from train.config import device_memory_bytes
 from train.data.tokenizer import EOS_ID, load_tokenizer

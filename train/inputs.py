@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moe.errors import UserError
+from plumbing.errors import UserError
 from train.data import packing, tfds_corpus
 from train.data.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
 

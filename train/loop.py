@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 
 from moe import param_counts, train_flops_per_token
-from moe.errors import UserError
+from plumbing.errors import UserError
 from rundir import checkpoints, compile_cache, layout
 from rundir import metrics as metrics_file
 from rundir.lock import RunLock

@@ -5,8 +5,8 @@ import math
 import jax
 
 from moe import sharding
-from moe.errors import UserError
 from moe.sharding import MESH_AXES
+from plumbing.errors import UserError
 
 
 def mesh_shape(mesh_cfg, n_devices: int) -> tuple[int, ...]:

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moe import Transformer
-from moe.errors import UserError
 from moe.model import abstract_model, split_model
 from moe.sharding import state_shardings
+from plumbing.errors import UserError
 
 
 def state_shapes(mcfg, tx, mesh, build=Transformer):

@@ -19,7 +19,7 @@ from moe.model import merge_model
 
 def forward(graphdef, params, bias, batch, ex: Execution, fused_loss: bool = False, mtp: bool = False):
     """(masked ce [B, L], aux). fused_loss (the train step's, `train_forward`): the model computes the LM head's
-    gradient in its forward pass (moe/lm_loss.py) and returns aux["objective"] = sum(loss_mask * ce),
+    gradient in its forward pass (moe/lm_loss.py) and returns aux.objective = sum(loss_mask * ce),
     differentiable, and the ce are values only -- differentiate `objective`, never the ce. False: the per-token ce,
     differentiable as they are (evaluation, and the reference: benchmarks.train_step --loss plain). mtp: run the
     multi-token prediction modules too (training; validation scores the main head alone)."""
@@ -40,19 +40,10 @@ def mtp_weight(t, step):
     return jnp.where(step < int(t.mtp_weight_switch * t.steps), t.mtp_weight, t.mtp_weight_late)
 
 
-def mtp_objective(aux):
-    """The MTP modules' summed objective (0 without them): what lambda / D multiplies."""
-    if "mtp_objective" in aux:
-        return aux["mtp_objective"].sum() / aux["mtp_objective"].shape[0]
-    if "mtp_ce" in aux:
-        return (aux["mtp_ce"] * aux["mtp_weights"]).sum() / aux["mtp_ce"].shape[0]
-    return jnp.float32(0)
-
-
 def objective(ce_BxL, aux):
-    """What a forward_fn's caller differentiates: aux["objective"] when the forward gives one (the masked ce's sum
+    """What a forward_fn's caller differentiates: aux.objective when the forward gives one (the masked ce's sum
     with a gradient of its own: `forward`'s fused loss, whose ce are values only), else the masked ce's sum."""
-    return aux["objective"] if "objective" in aux else ce_BxL.sum()
+    return aux.objective if aux.objective is not None else ce_BxL.sum()
 
 
 def _micro_batches(batch, n: int):
@@ -72,12 +63,13 @@ def make_train_step(graphdef, tx, lr_schedule, t, ex: Execution, forward_fn=trai
 
         def loss_fn(params, bias, mb):
             ce_BxL, aux = forward_fn(graphdef, params, bias, mb, ex)
-            balance = t.balance_loss_weight * aux["balance_loss"]
-            loss = (objective(ce_BxL, aux) + lam * mtp_objective(aux)) / n_targets + balance / t.grad_accum
-            stats = {"ce": ce_BxL.sum(), "balance": balance, "load": aux["expert_load"], "drop": aux["dropped_frac"]}
-            if "mtp_ce" in aux:  # per depth: the weighted ce and its target count, for the depth's loss metric
-                stats["mtp_ce"] = (aux["mtp_ce"] * aux["mtp_weights"]).sum((1, 2))
-                stats["mtp_targets"] = aux["mtp_weights"].sum((1, 2))
+            balance = t.balance_loss_weight * aux.balance_loss
+            mtp = aux.mtp.total() if aux.mtp is not None else 0.0
+            loss = (objective(ce_BxL, aux) + lam * mtp) / n_targets + balance / t.grad_accum
+            stats = {"ce": ce_BxL.sum(), "balance": balance, "load": aux.expert_load, "drop": aux.dropped_frac}
+            if aux.mtp is not None:  # per depth: the weighted ce and its target count, for the depth's loss metric
+                stats["mtp_ce"] = (aux.mtp.ce * aux.mtp.weights).sum((1, 2))
+                stats["mtp_targets"] = aux.mtp.weights.sum((1, 2))
             return loss, stats
 
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -131,7 +123,7 @@ def make_eval_step(graphdef, n_domains: int, ex: Execution, forward_fn=forward):
         return {
             "ce_sum": jax.ops.segment_sum(ce_BxL.reshape(-1), ids, n_domains),
             "count": jax.ops.segment_sum(mask_BxL.reshape(-1), ids, n_domains),
-            "load": aux["expert_load"],
+            "load": aux.expert_load,
         }
 
     return eval_step

@@ -10,7 +10,7 @@ import time
 
 import jax
 
-from moe.errors import UserError
+from plumbing.errors import UserError
 from train.metrics import MetricsWriter, flatten
 from train.progress import Progress, eval_line
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import jax
 
 from moe import ConfigError
-from moe.cli import ArgParser
-from moe.errors import UserError, exit_with, os_error
+from plumbing.args import ArgParser
+from plumbing.errors import UserError, exit_with, os_error
 
 
 class Interrupted(Exception):

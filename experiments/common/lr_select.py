@@ -12,7 +12,7 @@ import json
 import math
 from pathlib import Path
 
-from moe.errors import UserError
+from plumbing.errors import UserError
 from rundir.atomic import write_text
 
 HELD_OUT_SEED = 1000  # above any --seeds a study takes, so the selection never sees a comparison seed

@@ -33,7 +33,7 @@ from experiments.common.runs import fingerprint, read_metrics
 from experiments.common.verdicts import cell_gate, decide, family_table, member
 from moe import param_counts
 from moe.accounting import kv_cache_bytes_per_token
-from moe.errors import UserError
+from plumbing.errors import UserError
 from rundir import RunDir, open_run
 from rundir.atomic import write_text
 from rundir.checkpoints import steps_in

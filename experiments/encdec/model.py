@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moe.execution import Execution
-from moe.layers import MLP, Attention, RMSNorm, matmul_rows, param
-from moe.masks import attention_mask
-from moe.model import DEFAULT_EXECUTION, Block
-from moe.moe_layer import MoE
+from moe.attention import Attention, BlockInputs, attention_mask
+from moe.dispatch.execution import Execution
+from moe.ffn import MLP, MoE
+from moe.model import DEFAULT_EXECUTION, Aux, Block, routing_stats
+from moe.nn import RMSNorm, matmul_rows, param
 
 
 class CrossAttention(nnx.Module):
@@ -61,7 +61,8 @@ class DecoderBlock(nnx.Module):
 
     def __call__(self, x_BxTxD, positions_BxT, self_mask, mem_BxSxD, cross_mask, valid_BxT, ex: Execution):
         # self_mask is causal (EncoderDecoder builds it so): the kernels may skip later keys.
-        x_BxTxD = x_BxTxD + self.attn(self.attn_norm(x_BxTxD), positions_BxT, self_mask, ex, causal=True)[0]
+        inputs = BlockInputs(positions_BxT, self_mask, valid_BxT, causal=True)
+        x_BxTxD = x_BxTxD + self.attn(self.attn_norm(x_BxTxD), inputs, ex)[0]
         x_BxTxD = x_BxTxD + self.cross(self.cross_norm(x_BxTxD), mem_BxSxD, cross_mask)
         if self.is_moe:
             h, routing = self.ffn(self.ffn_norm(x_BxTxD), valid_BxT, ex)
@@ -98,14 +99,15 @@ class EncoderDecoder(nnx.Module):
         x = jnp.take(self.embed[...], src_BxS, axis=0).astype(dt)
         routing = []
         for block in self.encoder:
-            x, _, _, r = block(x, idx, mask, seg > 0, ex)
-            routing += [r] if r is not None else []
+            out = block(x, BlockInputs(idx, mask, seg > 0), ex)
+            x = out.x
+            routing += [out.routing] if out.routing is not None else []
         return self.enc_norm(x), routing
 
     def __call__(self, src_BxS, tgt_BxT, *, src_segment_ids_BxS=None, tgt_segment_ids_BxT=None,
                  execution: Execution = DEFAULT_EXECUTION):
-        """Logits [B,T,V] (fp32) for the next target token at every target position, and the aux dict of
-        moe.Transformer (balance_loss unweighted; expert_load and dropped_frac over the decoder's then the
+        """Logits [B,T,V] (fp32) for the next target token at every target position, and an Aux as
+        moe.Transformer's (balance_loss unweighted; expert_load and dropped_frac over the decoder's then the
         encoder's MoE layers)."""
         ex = execution
         cfg, dt = self.cfg, jnp.dtype(ex.dtype)
@@ -127,11 +129,7 @@ class EncoderDecoder(nnx.Module):
         # Decoder layers first: the order of the model's RoutingBias leaves (nnx orders attributes by name), which
         # the train step pairs with these rows to update each layer's bias from its own load.
         routing += enc_routing
-        E = cfg.n_routed_experts
-        aux = {"balance_loss": sum((r["balance_loss"] for r in routing), jnp.float32(0)),
-               "expert_load": jnp.stack([r["load"] for r in routing]) if routing else jnp.zeros((0, E)),
-               "dropped_frac": jnp.stack([r["dropped_frac"] for r in routing]) if routing else jnp.zeros((0,))}
-        return logits, aux
+        return logits, Aux(**routing_stats(routing, cfg.n_routed_experts))
 
 
 def n_params(model) -> int:

@@ -46,9 +46,9 @@ from experiments.encdec import task as encdec_task
 from experiments.encdec.model import EncoderDecoder, n_params
 from experiments.encdec.report import CELLS, write_report
 from moe import ConfigError, Transformer
-from moe.cli import ArgParser
-from moe.errors import UserError, exit_with, os_error
 from moe.sharding import make_mesh
+from plumbing.args import ArgParser
+from plumbing.errors import UserError, exit_with, os_error
 from rundir.atomic import write_text
 from train import optim, step
 from train.cli import config_from_argv

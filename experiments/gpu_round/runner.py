@@ -24,8 +24,8 @@ from experiments.head_sweep import runner as head_sweep
 from experiments.masks_round2 import runner as study
 from experiments.mlm import runner as mlm
 from moe import ConfigError
-from moe.cli import ArgParser
-from moe.errors import UserError, exit_with
+from plumbing.args import ArgParser
+from plumbing.errors import UserError, exit_with
 from train.config import check
 
 STUDY_GPU = "experiments/masks_round2/config_gpu.py"

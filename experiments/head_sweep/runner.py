@@ -27,8 +27,8 @@ from analysis.rank_logits import measure_run
 from experiments.common.cli import run_cli, seeds_and_steps, study_parser, use_compilation_cache
 from experiments.head_sweep.report import ARMS, sweep_rows, write_report
 from experiments.masks_round2.runner import DEFAULT_CONFIG, DEFAULT_PROBE_ROWS, probe_sizes, run_study
-from moe.cli import ArgParser
-from moe.errors import UserError
+from plumbing.args import ArgParser
+from plumbing.errors import UserError
 from rundir import RunDir
 from rundir.checkpoints import steps_in
 from train.cli import config_from_argv

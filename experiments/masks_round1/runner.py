@@ -28,8 +28,8 @@ from experiments.common.cli import Interrupted, run_cli, seeds_and_steps, study_
 from experiments.common.runs import fingerprint, read_metrics
 from experiments.masks_round1.report import write_report
 from moe import param_counts, train_flops_per_token
-from moe.cli import ArgParser
-from moe.errors import UserError
+from plumbing.args import ArgParser
+from plumbing.errors import UserError
 from rundir import RunDir, open_run
 from rundir.checkpoints import steps_in
 from train.cli import config_from_argv

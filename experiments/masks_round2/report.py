@@ -27,8 +27,8 @@ from experiments.common.verdicts import (
     masks_family,
     study_gate,
 )
-from moe.cli import ArgParser
-from moe.errors import UserError, exit_with, os_error
+from plumbing.args import ArgParser
+from plumbing.errors import UserError, exit_with, os_error
 from rundir.atomic import write_text
 
 

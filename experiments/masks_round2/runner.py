@@ -36,8 +36,8 @@ from experiments.common.refs import study_references
 from experiments.common.rows import all_rows, first_rows_per_domain, token_weighted
 from experiments.common.runs import fingerprint, read_metrics
 from experiments.masks_round2.report import write_report
-from moe.cli import ArgParser
-from moe.errors import UserError
+from plumbing.args import ArgParser
+from plumbing.errors import UserError
 from rundir import RunDir, open_run
 from rundir.atomic import write_text
 from rundir.checkpoints import steps_in

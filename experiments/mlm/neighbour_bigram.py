@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from experiments.common.rows import all_rows
-from moe.cli import ArgParser
-from moe.errors import UserError, exit_with
+from plumbing.args import ArgParser
+from plumbing.errors import UserError, exit_with
 from rundir.atomic import write_text
 from train.cli import config_from_argv
 from train.inputs import mask_id, token_cache_for

@@ -29,8 +29,8 @@ from experiments.common.stats import GATE_BIGRAM_MARGIN
 from experiments.common.verdicts import decide, member
 from experiments.mlm.neighbour_bigram import baselines as cheap_baselines
 from moe import ConfigError
-from moe.cli import ArgParser
-from moe.errors import UserError, exit_with, os_error
+from plumbing.args import ArgParser
+from plumbing.errors import UserError, exit_with, os_error
 from rundir import RunDir
 from rundir.atomic import write_text
 from rundir.checkpoints import steps_in

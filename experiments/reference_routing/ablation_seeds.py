@@ -18,8 +18,8 @@ import numpy as np
 
 from analysis.routing_stats import plain_json
 from analysis.specialization import interval
-from moe.cli import ArgParser, run_cli
-from moe.errors import UserError
+from plumbing.args import ArgParser, run_cli
+from plumbing.errors import UserError
 
 # Per layer, from one run; "zeroed" is the expert's output set to zero with routing kept, "rerouted" the expert
 # masked out of the selection (its tokens take their next choice).

@@ -17,7 +17,7 @@ import numpy as np
 from analysis import ablation_controls
 from analysis.routing_stats import plain_json
 from analysis.specialization import check_same_config, interval
-from moe.cli import ArgParser, run_cli
+from plumbing.args import ArgParser, run_cli
 from rundir import open_run
 from train.references import references
 

@@ -91,7 +91,7 @@ def rope_settings(c: dict, where: str, default_partial: float = 1.0) -> tuple[fl
 
 def yarn_rope_fields(c: dict, where: str) -> dict:
     """ModelConfig RoPE fields for default RoPE or YaRN, as transformers' `_compute_yarn_parameters` and DeepSeek's
-    `yarn_apply_mscale` read them (moe/rope.py computes the same); other scalings are refused. A factor of 1 is
+    `yarn_apply_mscale` read them (moe/attention.py computes the same); other scalings are refused. A factor of 1 is
     plain RoPE (the frequencies and both mscales are then unchanged)."""
     rp = rope_parameters(c)
     kind, theta = rp["rope_type"], float(rp["rope_theta"])

@@ -59,9 +59,9 @@ def model_config(c: dict, where: str) -> ModelConfig:
     if kind == "deepseek_v2":
         grouped = get("topk_method") == "group_limited_greedy"
         groups = dict(n_group=c["n_group"], topk_group=c["topk_group"], router_group_score="max") if grouped else {}
-        routing = dict(router_score="softmax", norm_topk_prob=False, **groups)
+        routing = dict(router="softmax", norm_topk_prob=False, **groups)
     else:
-        routing = dict(router_score="sigmoid", norm_topk_prob=bool(get("norm_topk_prob")), n_group=get("n_group"),
+        routing = dict(router="sigmoid", norm_topk_prob=bool(get("norm_topk_prob")), n_group=get("n_group"),
                        topk_group=get("topk_group"))
     return ModelConfig(
         **{**stack_fields(c, where), **attention}, **yarn_rope_fields(c, where), **_dense_layers(c, where, kind),

@@ -26,7 +26,7 @@ def model_config(c: dict, where: str) -> ModelConfig:
         moe_d_ff=c["moe_intermediate_size"], n_group=c.get("n_group", 1), topk_group=c.get("topk_group", 1),
         routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)),
         norm_topk_prob=bool(c.get("norm_topk_prob", True)), qkv_bias=bool(c.get("attention_bias", False)),
-        qk_norm="head" if c.get("use_qk_norm", False) else "none", router_score="sigmoid")
+        qk_norm="head" if c.get("use_qk_norm", False) else "none", router="sigmoid")
 
 
 def layout(c: dict) -> Layout:

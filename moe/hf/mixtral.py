@@ -21,7 +21,7 @@ def model_config(c: dict, where: str) -> ModelConfig:
     F = c["intermediate_size"]
     return ModelConfig(**stack_fields(c, where), rope_theta=theta, d_ff=F, first_k_dense=0,
                        n_routed_experts=n_experts(c), n_shared_experts=0, top_k=c["num_experts_per_tok"],
-                       moe_d_ff=F, norm_topk_prob=True, router_score="softmax")
+                       moe_d_ff=F, norm_topk_prob=True, router="softmax")
 
 
 def layout(c: dict) -> Layout:

@@ -23,7 +23,7 @@ def model_config(c: dict, where: str) -> ModelConfig:
     F = c["intermediate_size"]
     return ModelConfig(**fields, rope_theta=theta, d_ff=F, first_k_dense=0, n_routed_experts=n_experts(c),
                        n_shared_experts=0, top_k=c["num_experts_per_tok"], moe_d_ff=F,
-                       norm_topk_prob=bool(c.get("norm_topk_prob", False)), router_score="softmax", qkv_bias=bias,
+                       norm_topk_prob=bool(c.get("norm_topk_prob", False)), router="softmax", qkv_bias=bias,
                        attn_out_bias=bias, qk_norm="full")
 
 

@@ -29,7 +29,7 @@ def model_config(c: dict, where: str) -> ModelConfig:
         **stack_fields(c, where), rope_theta=theta, d_ff=c["intermediate_size"], first_k_dense=0,
         moe_layer_step=c.get("decoder_sparse_step", 1) or 1, dense_layers=dense_layer_text(c.get("mlp_only_layers")),
         n_routed_experts=n_experts(c), top_k=c["num_experts_per_tok"], moe_d_ff=c["moe_intermediate_size"],
-        norm_topk_prob=bool(c.get("norm_topk_prob", False)), router_score="softmax")
+        norm_topk_prob=bool(c.get("norm_topk_prob", False)), router="softmax")
     if qwen2:
         shared = c.get("shared_expert_intermediate_size", 0)
         if not shared:

@@ -5,7 +5,7 @@
   path_dir/moe_config.json     dataclasses.asdict(ModelConfig)
 
 `load_safetensors` rebuilds the exact model for any config (prefix mask, NoPE, tied embeddings ...): no
-HuggingFace mapping is involved (that is moe/hf/export.py). Optional `extra_meta` (JSON-serializable) rides in
+HuggingFace mapping is involved (that is moe/hf/write.py). Optional `extra_meta` (JSON-serializable) rides in
 the safetensors header and comes back from `read_extra_meta`.
 """
 
@@ -19,7 +19,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from moe.config import LEGACY_EXECUTION_FIELDS, ModelConfig
+from moe.config import LEGACY_EXECUTION_FIELDS, RENAMED_FIELDS, ModelConfig
 from moe.hf.paths import file_inside
 from moe.model import Transformer
 
@@ -55,7 +55,7 @@ def load_config(path_dir: str) -> ModelConfig:
         raise ValueError(f"{path}: missing; expected a directory written by moe.hf.safetensors_io.save_safetensors")
     with open(file_inside(path_dir, CONFIG_FILE, "file")) as f:
         fields = json.load(f)
-    known = {f.name for f in dataclasses.fields(ModelConfig)} | set(LEGACY_EXECUTION_FIELDS)
+    known = {f.name for f in dataclasses.fields(ModelConfig)} | set(LEGACY_EXECUTION_FIELDS) | set(RENAMED_FIELDS)
     unknown = sorted(set(fields) - known)
     if unknown:
         raise ValueError(f"{path}: unknown ModelConfig field(s) {', '.join(unknown)}; written by a newer version?")

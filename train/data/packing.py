@@ -30,7 +30,7 @@ from pathlib import Path
 import grain
 import numpy as np
 
-from moe.errors import UserError
+from plumbing.errors import UserError
 from train.data.tokenizer import DEFAULT_TOKENIZER, EOS_ID, PAD_ID, load_tokenizer, token_dtype
 
 DEFAULT_CACHE_DIR = os.environ.get("MOE_LM_TOKEN_CACHE", os.path.expanduser("~/.cache/moe-lm/tokens"))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import tensorflow_datasets as tfds
 
-from moe.errors import UserError
+from plumbing.errors import UserError
 
 DEFAULT_CORPUS_DIR = Path(__file__).parent / "corpus"
 DEFAULT_DATA_DIR = os.environ.get("MOE_LM_TFDS_DIR", os.path.expanduser("~/.cache/moe-lm/tfds"))

@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import tokenizers
 
-from moe.errors import UserError
+from plumbing.errors import UserError
 
 DEFAULT_TOKENIZER = Path(__file__).parent / "tokenizer.json"
 EOS, PAD = "<|endoftext|>", "<|pad|>"

@@ -1,0 +1,35 @@
+"""How the routed experts run: the Execution (what the caller chose: dispatch, kernels, dtype, remat, mesh; its
+`auto` choices made per platform in platform.py) and the dispatch paths it picks between.
+
+  execution.py        Execution, validated; `resolved()` makes every `auto` concrete for the platform
+  platform.py         what `auto` means on each platform (the one place a platform decides anything)
+  experts.py          reference (the loop over experts), dropless (sort + grouped matmul), capacity (GShard)
+  expert_parallel.py  shard_map + all_to_all over the mesh's expert axis
+  kernels/            the grouped SwiGLU backends (ragged_dot, blocked, slab, tokamax); they never import the above
+"""
+
+from moe.dispatch import expert_parallel, experts, kernels
+from moe.dispatch.execution import Execution, check_tokens
+
+
+def routed_experts(ex: Execution, x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_down, group_size: int):
+    """sum_k g_{t,k} SwiGLU_{e_{t,k}}(x_t) by `ex.dispatch`: (y_TxD, keep_TxK, or None when nothing can be
+    dropped). group_size: the tokens of one capacity group (one sequence)."""
+    if ex.dispatch == "capacity":
+        return experts.capacity_with_stats(x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_down,
+                                           capacity_factor=ex.capacity_factor, group_size=group_size)
+    grouped = kernels.grouped_swiglu_for(ex.grouped_matmul, ex.platform or None)
+    if ex.dispatch in ("expert_parallel", "expert_parallel_dropless"):
+        check_tokens(ex, x_TxD.shape[0])
+        cf = ex.capacity_factor if ex.dispatch == "expert_parallel" else None
+        y_TxD, keep_TxK = expert_parallel.dispatch(x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_down,
+                                                   mesh=ex.mesh, capacity_factor=cf, grouped_matmul=grouped,
+                                                   permute=ex.permute_grad)
+        return y_TxD, keep_TxK if cf is not None else None
+    if ex.dispatch == "reference":
+        return experts.reference(x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_down), None
+    return experts.dropless(x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_down, grouped=grouped,
+                            constrain=ex.constrain, permute=ex.permute_grad), None
+
+
+__all__ = ["Execution", "routed_experts"]

@@ -1,0 +1,100 @@
+"""The feed-forward side of a block: the dense SwiGLU, and the DeepSeek-V3 MoE (shared plus fine-grained routed
+experts).
+
+  MLP(x)  = down(silu(x W_gate) * x W_up)
+  MoE(u)  = sum_i Shared_i(u) + sum_{i chosen} g_i Routed_i(u)      (the residual add is in the block)
+
+(Qwen2-MoE's shared_expert_gate scales the shared term by sigmoid(u . w) when cfg.shared_expert_gate.)
+
+The router (moe/router.py, `model.router`) picks the experts and their gates; which routed-expert algorithm then
+runs is `ex.dispatch` of the Execution the caller passes (moe/dispatch/). The routing bias is a `RoutingBias`
+variable, not an `nnx.Param`: the optimizer never sees it; the training loop updates it from the expert load that
+every forward call returns (aux-loss-free balancing). Router statistics (load, balance loss) always follow the
+router's choice, dropped copies included, and count the bias-steered selection (the experts that actually run), as
+DeepSeek-V3 does; `dropped_frac` is the fraction of valid token copies that got no expert.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from moe import router
+from moe.dispatch import kernels, routed_experts
+from moe.dispatch.execution import Execution
+from moe.nn import param
+from moe.router import Routing
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(x W_gate) * x W_up)."""
+
+    def __init__(self, d_model: int, d_ff: int, cfg, rngs: nnx.Rngs):
+        self.w_gate = param(rngs, (d_model, d_ff), ("embed", "mlp"), cfg.init_std)
+        self.w_up = param(rngs, (d_model, d_ff), ("embed", "mlp"), cfg.init_std)
+        self.w_down = param(rngs, (d_ff, d_model), ("mlp", "embed"), cfg.out_init_std)
+
+    def __call__(self, x_BxLxD, ex: Execution):
+        dt = x_BxLxD.dtype
+        B, L, D = x_BxLxD.shape
+        # 2-D matmuls over all B*L rows: XLA:CPU runs the backward of the 3-D form (weight gradients contracted
+        # over b and l) ~3x slower; the same math on every backend.
+        x_NxD = x_BxLxD.reshape(B * L, D)
+        h_NxF = jax.nn.silu(x_NxD @ self.w_gate[...].astype(dt)) * (x_NxD @ self.w_up[...].astype(dt))
+        h_BxLxF = ex.constrain(h_NxF.reshape(B, L, -1), ("batch", "length", "act_mlp"))
+        return (h_BxLxF.reshape(B * L, -1) @ self.w_down[...].astype(dt)).reshape(B, L, D)
+
+
+class RoutingBias(nnx.Variable):
+    """Per-expert selection bias b (fp32). Steers top-k selection only; never enters the gate values."""
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        D, E, F = cfg.d_model, cfg.n_routed_experts, cfg.moe_d_ff
+        self.router = param(rngs, (D, E), ("embed", None), cfg.init_std)
+        self.bias = RoutingBias(jnp.zeros((E,), jnp.float32), out_sharding=(None,))
+        self.w_gate = param(rngs, (E, D, F), ("expert", "embed", "mlp"), cfg.init_std)
+        self.w_up = param(rngs, (E, D, F), ("expert", "embed", "mlp"), cfg.init_std)
+        self.w_down = param(rngs, (E, F, D), ("expert", "mlp", "embed"), cfg.out_init_std)
+        # N shared experts are one SwiGLU of width N * F (mathematically the same sum; HF stores it this way),
+        # or of width shared_d_ff when given (Qwen2-MoE's shared_expert_intermediate_size).
+        self.shared = MLP(D, cfg.shared_width, cfg, rngs) if cfg.n_shared_experts else None
+        if cfg.shared_expert_gate:  # Qwen2-MoE: one scalar gate per token on the shared output
+            self.shared_gate = param(rngs, (D,), ("embed",), cfg.init_std)
+        self.cfg = cfg
+
+    def __call__(self, u_BxLxD, valid_BxL, ex: Execution) -> tuple[jax.Array, Routing]:
+        """(out [B,L,D], this call's Routing)."""
+        cfg = self.cfg
+        B, L, D = u_BxLxD.shape
+        u_TxD = u_BxLxD.reshape(B * L, D)
+        scores_TxE, ids_TxK, gates_TxK = router.route_for(cfg, u_TxD, self.router[...], self.bias[...])
+        # Kept under remat_policy="save_moe" with the experts' rows they index: a router rerun in the backward pass
+        # (its bf16 inputs recomputed, maybe fused otherwise) could flip a choice and misalign every saved row.
+        ids_TxK, gates_TxK = kernels.saved(ids_TxK), kernels.saved(gates_TxK)
+        dt = u_BxLxD.dtype
+        w = [self.w_gate[...].astype(dt), self.w_up[...].astype(dt), self.w_down[...].astype(dt)]
+        routed_TxD, keep_TxK = routed_experts(ex, u_TxD, ids_TxK, gates_TxK, *w, group_size=L)
+        out_BxLxD = routed_TxD.reshape(B, L, D)
+        if self.shared is not None:
+            shared_BxLxD = self.shared(u_BxLxD, ex)
+            if cfg.shared_expert_gate:
+                g_BxL = jax.nn.sigmoid(jnp.einsum("bld,d->bl", u_BxLxD.astype(jnp.float32),
+                                                  self.shared_gate[...], precision=jax.lax.Precision.HIGHEST))
+                shared_BxLxD = shared_BxLxD * g_BxL[..., None].astype(dt)
+            out_BxLxD = out_BxLxD + shared_BxLxD
+        out_BxLxD = ex.constrain(out_BxLxD, ("batch", "length", "act_embed"))
+
+        K, E = cfg.top_k, cfg.n_routed_experts
+        valid_T = valid_BxL.reshape(-1).astype(jnp.float32)
+        if keep_TxK is None:
+            dropped_frac = jnp.float32(0)
+        else:
+            n_dropped = ((1.0 - keep_TxK.astype(jnp.float32)) * valid_T[:, None]).sum()
+            dropped_frac = n_dropped / jnp.maximum(valid_T.sum() * K, 1.0)
+        ids_BxLxK = ids_TxK.reshape(B, L, K)
+        scores_BxLxE = scores_TxE.reshape(B, L, E)
+        return out_BxLxD, Routing(
+            expert_ids=ids_BxLxK, gates=gates_TxK.reshape(B, L, K), scores=scores_BxLxE,
+            load=router.expert_load(ids_TxK, E, valid_BxL.reshape(-1)),
+            balance_loss=router.sequence_balance_loss(scores_BxLxE, ids_BxLxK, valid_BxL), dropped_frac=dropped_frac)
