@@ -12,12 +12,12 @@ document), or, without --text, every domain of the bundled corpus's --split toke
 import dataclasses
 from pathlib import Path
 
-import ml_collections
 import numpy as np
 
 from moe.hf import load_hf_moe
 from moe.hf.common import read_config
 from plumbing.errors import UserError
+from rundir.run_config import DataConfig, EvalConfig, RunConfig
 from train.data import packing, tfds_corpus
 
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|im_end|>", "<eos>", "<|end_of_text|>")
@@ -25,12 +25,12 @@ EOS_NAMES = ("<|endoftext|>", "</s>", "<|im_end|>", "<eos>", "<|end_of_text|>")
 
 @dataclasses.dataclass
 class HFRun:
-    """The parts of rundir.Run that analysis.routing_run uses, for a HF directory (no run, no step)."""
+    """The parts of rundir.Run that analysis.routing.collect uses, for a HF directory (no run, no step)."""
 
     workdir: Path
     model: object  # moe.Transformer
     tokenizer: object  # tokenizers.Tokenizer
-    config: ml_collections.ConfigDict  # data.seq_len / task / eval_split, eval.batch_size, train.prefix_loss
+    config: RunConfig  # what the analysis reads of it: data.seq_len / task / eval_split, eval.batch_size
     step: int | None = None
 
     @property
@@ -124,9 +124,8 @@ def open_source(path_dir, texts=None, split=None, seq_len=256, batch_size=16) ->
     else:
         split = split or "validation"
         cache = corpus_cache(path_dir, split, tokenizer, eos, pad)
-    config = ml_collections.ConfigDict(dict(
-        data=dict(seq_len=seq_len, task="lm", eval_split=split), eval=dict(batch_size=batch_size),
-        train=dict(prefix_loss=False)))
+    config = RunConfig(model=model.cfg, data=DataConfig(seq_len=seq_len, task="lm", eval_split=split),
+                       eval=EvalConfig(batch_size=batch_size))
     return HFSource(HFRun(Path(path_dir), model, tokenizer, config), cache, split, c["model_type"])
 
 

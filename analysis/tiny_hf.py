@@ -18,12 +18,12 @@ from moe import Transformer, set_routing_biases
 from moe.hf import write_hf_checkpoint
 from plumbing.args import ArgParser, check_out_dir, run_cli
 from plumbing.errors import UserError
-from train.config import model_config
 from train.data.tokenizer import DEFAULT_TOKENIZER
+from train.preflight import parse
 
 
 def tiny_model(seed: int = 0) -> Transformer:
-    cfg = model_config(get_config())
+    cfg = parse(get_config()).model
     model = Transformer(cfg, nnx.Rngs(seed))
     keys = jax.random.split(jax.random.key(seed + 1), cfg.n_layers)
     set_routing_biases(model, [0.01 * jax.random.normal(k, (cfg.n_routed_experts,), jnp.float32)

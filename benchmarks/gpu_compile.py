@@ -49,7 +49,7 @@ from benchmarks.train_step import _config, batch_sharding, random_batch
 from moe import train_flops_per_token
 from moe.dispatch.kernels import GROUPED_SWIGLU
 from train import optim
-from train.config import check, execution
+from train.preflight import parse
 from train.state import state_shapes
 from train.step import forward, make_train_step
 
@@ -78,7 +78,7 @@ def compile_row(spec: dict) -> dict:
         c.model.n_layers = spec["n_layers"]
     if spec["attention"] == "pallas_flash":
         _flash_attention_standin()
-    mcfg, t = check(c), c.train
+    mcfg, t = parse(c).model, c.train
     mesh = topologies.make_mesh(topology, (1, 1, 1, 1), ("data", "fsdp", "expert", "tensor"))
     tx = optim.optimizer(t)
     shaped = lambda tree, shardings: jax.tree.map(  # shapes placed on the GPU's mesh: nothing allocated
@@ -87,7 +87,7 @@ def compile_row(spec: dict) -> dict:
     state = shaped(abstract, shardings)
     batch = jax.eval_shape(lambda: random_batch(t.batch_size, c.data.seq_len, mcfg.vocab_size))
     batch = shaped(batch, jax.tree.map(lambda _: batch_sharding(mesh), batch))
-    ex = execution(c, mesh)
+    ex = parse(c).execution_on(mesh)
     step = jax.jit(make_train_step(graphdef, tx, optim.schedule(t), t, ex, functools.partial(forward, fused_loss=True)))
     t0 = time.perf_counter()
     lowered = step.lower(state, batch)

@@ -24,7 +24,7 @@ import numpy as np
 from benchmarks.common import describe, table
 from plumbing.errors import UserError, exit_with
 from train import host_memory, loop
-from train.cli import config_from_argv
+from train.command_line import config_from_argv
 
 
 def expert_config(base, n_experts: int, steps: int):

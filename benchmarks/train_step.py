@@ -64,8 +64,8 @@ from moe import train_flops_per_token
 from moe.dispatch.execution import DISPATCH_MODES
 from train import host_memory, optim
 from train import mesh as mesh_lib
-from train.config import check, execution
 from train.flops import measure_peak_flops
+from train.preflight import parse
 from train.state import init_state
 from train.step import forward, make_train_step, objective
 
@@ -133,11 +133,11 @@ def prepare(name, dispatch, n_experts, peak, capacity_factor=1.25, grouped="auto
     peak_before = peak_memory_gb()
     c = _config(name, dispatch, n_experts, capacity_factor, grouped, attention, batch, loss_chunks, scan_layers,
                 remat)
-    mcfg, t = check(c), c.train
+    mcfg, t = parse(c).model, c.train
     mesh = mesh_lib.make_mesh(c.mesh)
     tx = optim.optimizer(t)
     graphdef, state, shardings = init_state(mcfg, tx, 0, mesh)
-    ex = execution(c, mesh)
+    ex = parse(c).execution_on(mesh)
     fwd = functools.partial(forward, fused_loss=loss == "fused")
     batch = _batch(t.batch_size, c.data.seq_len, mcfg.vocab_size, mesh)
     run, compile_s = jax.jit(make_train_step(graphdef, tx, optim.schedule(t), t, ex, fwd)), None

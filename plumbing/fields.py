@@ -21,7 +21,7 @@ import typing
 
 from plumbing.errors import ConfigError
 
-_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string"}
 
 
 def field(default, *rules, doc: str = ""):

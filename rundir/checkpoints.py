@@ -16,7 +16,6 @@ import logging
 from pathlib import Path
 
 import jax
-import ml_collections
 import orbax.checkpoint as ocp
 import tokenizers
 from absl import logging as absl_logging
@@ -27,6 +26,7 @@ from moe.config import LEGACY_EXECUTION_FIELDS, RENAMED_FIELDS
 from moe.hf.paths import OutsideDirectoryError, tree_inside
 from moe.model import abstract_model, merge_model, split_model
 from plumbing.errors import UserError, warn
+from rundir.run_config import RunConfig
 
 
 def _array_metadata_store():
@@ -66,9 +66,8 @@ def manager(ckpt_dir, keep: int = 3, async_save: bool = True, read_only: bool = 
     return ocp.CheckpointManager(Path(ckpt_dir).absolute(), options=opts)
 
 
-def save(mngr: ocp.CheckpointManager, step: int, state, config: ml_collections.ConfigDict, mcfg: ModelConfig,
-         tokenizer_path) -> None:
-    meta = {"step": int(step), "config": config.to_dict(), "model": dataclasses.asdict(mcfg),
+def save(mngr: ocp.CheckpointManager, step: int, state, rc: RunConfig, tokenizer_path) -> None:
+    meta = {"step": int(step), "config": rc.to_dict(), "model": dataclasses.asdict(rc.model),
             "data_position": int(step), "tokenizer": Path(tokenizer_path).read_text(encoding="utf-8")}
     mngr.save(int(step), args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                  meta=ocp.args.JsonSave(meta)), force=True)

@@ -31,13 +31,27 @@ def migrate(config: dict) -> dict:
 # earlier runs scatter-added; experiments.common.runs.fingerprint leaves any value of the three out.)
 ADDED_KEYS = {"eval.dispatch": "", "execution.loss_chunks": 8, "execution.scan_layers": False,
               "execution.remat_policy": "full", "execution.permute_grad": "auto",
-              # issue 47: MLA, YaRN, DeepSeek-V2's group score, multi-token prediction
+              # MLA, YaRN, DeepSeek-V2's group score, multi-token prediction
               "model.attention": "gqa", "model.q_lora_rank": 0, "model.kv_lora_rank": 0, "model.qk_nope_head_dim": 0,
               "model.qk_rope_head_dim": 0, "model.v_head_dim": 0, "model.rope_interleave": False,
               "model.latent_norm_eps": 0.0, "model.rope_scaling_factor": 1.0, "model.rope_original_max_position": 0,
               "model.yarn_beta_fast": 32.0, "model.yarn_beta_slow": 1.0, "model.yarn_mscale": 0.0,
               "model.yarn_mscale_all_dim": 0.0, "model.router_group_score": "top2_sum", "model.mtp_depth": 0,
-              "train.mtp_weight": 0.3, "train.mtp_weight_late": 0.1, "train.mtp_weight_switch": 1.0}
+              "train.mtp_weight": 0.3, "train.mtp_weight_late": 0.1, "train.mtp_weight_switch": 1.0,
+              # a run saved before the setting existed is read with the compilation cache off
+              "train.compile_cache_dir": ""}
+
+
+def up_to_date(config: dict) -> dict:
+    """A run config saved by any version (config.json, a checkpoint's metadata) in today's layout: moved keys
+    moved, keys added since at the default that reproduces the run, the record of where it ran left out."""
+    out = migrate(config)
+    out.pop(RESOLVED_KEY, None)
+    for key, default in ADDED_KEYS.items():
+        section, name = key.split(".")
+        if isinstance(out.get(section), dict):
+            out[section].setdefault(name, default)
+    return out
 
 
 # Recorded beside the config in config.json at a run's creation: the platform and what each `auto` execution choice

@@ -4,13 +4,13 @@ import dataclasses
 import functools
 from pathlib import Path
 
-import ml_collections
 import tokenizers
 
-from plumbing.errors import UserError, warn
+from plumbing.errors import ConfigError, UserError, warn
 from rundir import checkpoints, compile_cache, metrics
-from rundir.config_layout import migrate
+from rundir.config_layout import up_to_date
 from rundir.layout import RunDir
+from rundir.run_config import RunConfig
 
 # What a reader's user can do about an unwritable cache directory (the reading commands take no config flags).
 READER_FIX = ("set JAX_COMPILATION_CACHE_DIR to a writable directory, or JAX_ENABLE_COMPILATION_CACHE=false to read "
@@ -24,7 +24,7 @@ class Run:
     workdir: Path
     step: int
     model: object  # moe.Transformer
-    config: ml_collections.ConfigDict
+    config: RunConfig
     meta: dict  # the checkpoint's metadata (rundir.checkpoints)
 
     @property
@@ -50,8 +50,12 @@ def open_run(workdir, step: int | None = None, log=warn) -> Run:
         what = "is a file, not a run directory" if root.exists() else "does not exist"
         raise UserError(f"--workdir {root} {what}; pass a run directory written by `python -m train`")
     model, meta = checkpoints.restore_model(RunDir(root).checkpoints, step, log)
-    config = ml_collections.ConfigDict(migrate(meta["config"]))
+    try:
+        config = RunConfig.parse(up_to_date(meta["config"]))
+    except (ConfigError, TypeError) as e:
+        raise UserError(f"--workdir {root}: its checkpoint's run config cannot be read by this version "
+                        f"({' '.join(str(e).split())}); use the moe-lm version that wrote it") from None
     # A second analysis, export or generation of the run loads its programs from the reader's cache; a run that
     # turned its cache off, or was saved before the setting existed, is read with it off.
-    compile_cache.enable(compile_cache.reader_dir(config.train.get("compile_cache_dir", "")), log, READER_FIX)
+    compile_cache.enable(compile_cache.reader_dir(config.train.compile_cache_dir), log, READER_FIX)
     return Run(root, int(meta["step"]), model, config, meta)

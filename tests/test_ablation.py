@@ -1,4 +1,4 @@
-"""analysis.ablation / analysis.ablate / analysis.ablation_controls: token classes, the row-level standard error,
+"""analysis.ablate (ablation.py, controls.py, the command): token classes, the row-level standard error,
 a never-chosen expert changes the loss by exactly 0 whether rerouted or zeroed, a used one does not, every edit is
 undone, the controls agree with expert-by-expert zeroing, the CLI's outputs and bad input."""
 
@@ -8,7 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from analysis import ablate, ablation, ablation_controls
+from analysis.ablate import ablation
+from analysis.ablate import cli as ablate
+from analysis.ablate import controls as ablation_controls
 from moe import routing_biases, set_routing_biases
 from rundir import open_run
 

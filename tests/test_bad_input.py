@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from analysis import loss_curves, rank, routing
+from analysis import loss_curves
+from analysis.rank import cli as rank
+from analysis.routing import cli as routing
 from experiments.masks_round1 import runner as experiments
 from rundir.lock import RunLock
 from train import __main__ as train_cli
@@ -117,10 +119,10 @@ CASES = [
     ("config_unknown_key", train_cli.main, "did you mean train.steps",
      config_file("from configs.tiny import get_config as g\ndef get_config():\n    c = g()\n"
                  "    c.train.stepz = 3\n    return c\n")),
-    ("lr_negative", train_cli.main, "train.lr must be > 0", train("--config.train.lr=-1")),
-    ("b2_above_1", train_cli.main, "train.b2 must be in [0, 1)", train("--config.train.b2=2")),
-    ("warmup_negative", train_cli.main, "train.warmup_steps must be >= 0", train("--config.train.warmup_steps=-5")),
-    ("prefix_frac", train_cli.main, "data.prefix_frac must be in (0, 1)", train("--config.data.prefix_frac=1.5")),
+    ("lr_negative", train_cli.main, "train.lr: must be > 0", train("--config.train.lr=-1")),
+    ("b2_above_1", train_cli.main, "train.b2: must be in [0, 1)", train("--config.train.b2=2")),
+    ("warmup_negative", train_cli.main, "train.warmup_steps: must be >= 0", train("--config.train.warmup_steps=-5")),
+    ("prefix_frac", train_cli.main, "data.prefix_frac: must be in (0, 1)", train("--config.data.prefix_frac=1.5")),
     ("bias_rate", train_cli.main, "train.bias_update_rate", train("--config.train.bias_update_rate=-0.1")),
     ("balance_nan", train_cli.main, "finite", train("--config.train.balance_loss_weight=nan")),
     ("scaling_inf", train_cli.main, "finite", train("--config.model.routed_scaling_factor=inf")),
@@ -128,17 +130,17 @@ CASES = [
     ("bool_as_int", train_cli.main, "takes an integer", train("--config.model.n_shared_experts=True")),
     ("float_as_int", train_cli.main, "takes an integer", train("--config.train.steps=1e3")),
     ("bad_bool", train_cli.main, "takes true or false", train("--config.model.rope=maybe")),
-    ("eval_batch_0", train_cli.main, "eval.batch_size must be > 0", train("--config.eval.batch_size=0")),
+    ("eval_batch_0", train_cli.main, "eval.batch_size: must be > 0", train("--config.eval.batch_size=0")),
     ("seq_len_huge", train_cli.main, "activations 373.3", train("--config.data.seq_len=100000")),
     ("state_too_big", train_cli.main, "train state", train("--config.model.moe_d_ff=100000000")),
     ("tokenizer_missing", train_cli.main, "tokenizer file", train("--config.data.tokenizer=/nope.json")),
     ("vocab_too_small", train_cli.main, "model.vocab_size", train("--config.model.vocab_size=100")),
     ("corpus_missing", train_cli.main, "/nope", train("--config.data.corpus_dir=/nope")),
-    ("seq_len_1", train_cli.main, "data.seq_len must be > 1", train("--config.data.seq_len=1")),
-    ("schedule", train_cli.main, "train.schedule must be one of", train("--config.train.schedule=linear")),
-    ("task", train_cli.main, "data.task must be one of", train("--config.data.task=foo")),
+    ("seq_len_1", train_cli.main, "data.seq_len: must be >= 2", train("--config.data.seq_len=1")),
+    ("schedule", train_cli.main, "train.schedule: must be one of", train("--config.train.schedule=linear")),
+    ("task", train_cli.main, "data.task: must be one of", train("--config.data.task=foo")),
     ("min_lr_ratio", train_cli.main, "train.min_lr_ratio", train("--config.train.min_lr_ratio=2")),
-    ("checkpoint_every_0", train_cli.main, "checkpoint.every must be > 0", train("--config.checkpoint.every=0")),
+    ("checkpoint_every_0", train_cli.main, "checkpoint.every: must be > 0", train("--config.checkpoint.every=0")),
     ("prefix_mask_lm", train_cli.main, "needs a per-row prefix", train("--config.model.mask=prefix")),
     ("mlm_causal", train_cli.main, "needs model.mask bidirectional or mixed", train("--config.data.task=mlm")),
     ("mlm_no_mask_id", train_cli.main, "[MASK] id",

@@ -1,4 +1,4 @@
-"""analysis.baselines and analysis.specialization: hand-computed chance levels, the step-0 model, the CLI."""
+"""analysis.specialization: hand-computed chance levels (baselines.py), the step-0 model, intervals, the CLI."""
 
 import json
 import types
@@ -11,13 +11,14 @@ import pytest
 from flax import nnx
 from scipy import stats
 
-from analysis import baselines, specialization
+from analysis.specialization import baselines, compare
+from analysis.specialization import cli as specialization
 from moe import RoutingBias
 from plumbing.errors import UserError
 from rundir import open_run
 from tests.conftest import tiny_config
 from train import mesh as mesh_lib
-from train.config import check
+from train.preflight import parse
 from train.state import init_state
 
 
@@ -76,7 +77,7 @@ def test_step0_model_is_the_trainers_initialization():
     """init_model rebuilds exactly what train.state.init_state starts from (jitted, sharded): same params,
     zero routing biases."""
     config = tiny_config(**{"train.seed": 3})
-    mcfg = check(config)  # what train.loop.run builds the model from
+    mcfg = parse(config).model  # what train.loop.run builds the model from
     _, state, _ = init_state(mcfg, optax.sgd(0.1), config.train.seed, mesh_lib.make_mesh(config.mesh))
     run = types.SimpleNamespace(model=types.SimpleNamespace(cfg=mcfg), config=config)
     init = baselines.init_model(run)
@@ -98,11 +99,11 @@ def test_step0_of_a_trained_run_differs_from_its_checkpoint(tiny_run):
 
 
 def test_interval_hand_case():
-    iv = specialization.interval([[1.0], [2.0], [3.0]])
+    iv = compare.interval([[1.0], [2.0], [3.0]])
     half = stats.t.ppf(0.975, 2) * 1.0 / np.sqrt(3)
     assert iv["mean"][0] == 2.0 and iv["min"][0] == 1.0 and iv["max"][0] == 3.0 and iv["n"] == 3
     assert iv["ci95_low"][0] == pytest.approx(2 - half) and iv["ci95_high"][0] == pytest.approx(2 + half)
-    assert np.isnan(specialization.interval([[1.0], [2.0]])["ci95_low"][0])  # two runs: the range only
+    assert np.isnan(compare.interval([[1.0], [2.0]])["ci95_low"][0])  # two runs: the range only
 
 
 def test_check_same_config_names_the_differing_key():
@@ -110,16 +111,16 @@ def test_check_same_config_names_the_differing_key():
         c = ml_collections.ConfigDict({"train": {"seed": seed, "lr": lr}, "log": {"every": seed}})
         return types.SimpleNamespace(config=c, workdir=f"runs/s{seed}")
 
-    specialization.check_same_config([fake(0, 1e-3), fake(1, 1e-3)])  # seeds and log settings may differ
+    compare.check_same_config([fake(0, 1e-3), fake(1, 1e-3)])  # seeds and log settings may differ
     with pytest.raises(UserError, match="config key train.lr"):
-        specialization.check_same_config([fake(0, 1e-3), fake(1, 3e-3)])
+        compare.check_same_config([fake(0, 1e-3), fake(1, 3e-3)])
     # a seed resumed by a later version carries keys added since, at their defaults: still the same config
     later = fake(1, 1e-3)
     later.config.train.mtp_weight = 0.3
-    specialization.check_same_config([fake(0, 1e-3), later])
+    compare.check_same_config([fake(0, 1e-3), later])
     later.config.train.mtp_weight = 0.5
     with pytest.raises(UserError, match="config key train.mtp_weight"):
-        specialization.check_same_config([fake(0, 1e-3), later])
+        compare.check_same_config([fake(0, 1e-3), later])
 
 
 def test_specialization_cli_on_the_tiny_run(tiny_run, tmp_path):

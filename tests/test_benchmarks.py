@@ -11,7 +11,7 @@ from configs.default import get_config
 from moe import router
 from moe.dispatch import experts, kernels
 from moe.dispatch.kernels import slab
-from train.config import check
+from train.preflight import parse
 
 
 def test_variants_cover_grouped_matmuls_only_where_they_apply():
@@ -187,7 +187,7 @@ def test_train_step_round_robin_rows(capsys):
 
 def test_train_experts_alternates_runs_and_reads_the_balanced_windows(tmp_path):
     c = train_experts.expert_config(get_config(), 64, 200)
-    check(c)
+    parse(c)
     assert c.model.n_routed_experts == 64 and c.model.top_k == 2 and c.eval.every > 200 and c.checkpoint.every > 200
     order = []
 

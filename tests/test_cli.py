@@ -3,12 +3,14 @@ chosen --config; overrides are parsed by the key's type."""
 
 import pytest
 
-from analysis import loss_curves, rank, routing
+from analysis import loss_curves
+from analysis.rank import cli as rank
+from analysis.routing import cli as routing
 from experiments.masks_round1 import runner as experiments
 from plumbing.errors import UserError
 from train import __main__ as train_cli
 from train import export, generate
-from train.cli import apply_override, load_config_file
+from train.command_line import apply_override, load_config_file
 
 CLIS = {"train": lambda a: train_cli.main(["train", *a]), "experiments.masks_round1": lambda a: experiments.main(["x", *a]),
         "analysis.routing": routing.main, "analysis.rank": rank.main, "analysis.loss_curves": loss_curves.main,

@@ -14,8 +14,8 @@ from plumbing.errors import UserError
 from rundir.checkpoints import check_compatible
 from rundir.config_layout import migrate, pre_split_layout
 from tests.conftest import tiny_config
-from train.cli import unknown_key_error
-from train.config import activation_bytes, causality_warning, check, model_config
+from train.command_line import unknown_key_error
+from train.preflight import activation_bytes, causality_warning, parse
 
 
 @pytest.mark.parametrize("changes,field", [
@@ -51,6 +51,7 @@ def test_validation_errors(changes, field):
     (dict(dispatch="magic"), "execution.dispatch"),
     (dict(capacity_factor=0.0), "execution.capacity_factor"),
     (dict(capacity_factor="big"), "execution.capacity_factor"),
+    (dict(capacity_factor=float("inf")), "execution.capacity_factor"),
     (dict(grouped_matmul="cutlass"), "execution.grouped_matmul"),
     (dict(attention_impl="flash"), "execution.attention_impl"),
     (dict(attention_impl="cudnn", dtype="float32"), "execution.attention_impl"),
@@ -141,7 +142,7 @@ def test_causal_run_with_a_dropping_dispatch_is_warned():
     for dispatch, warned in (("dropless", False), ("expert_parallel_dropless", False), ("capacity", True),
                              ("expert_parallel", True)):
         c = tiny_config(**{"execution.dispatch": dispatch})
-        msg = causality_warning(c, check(c))
+        msg = causality_warning(parse(c))
         assert (msg is not None) == warned and (not warned or "not strictly causal" in msg)
 
 
@@ -151,10 +152,10 @@ def test_activation_bound_follows_attention_impl_and_loss_chunks():
     def bound(**execution):
         c = get_config()
         c.execution.update(**execution)
-        return activation_bytes(c, model_config(c), data_parallel=1)
+        return activation_bytes(parse(c), data_parallel=1)
 
     c = get_config()
-    mcfg, rows, L = model_config(c), c.train.batch_size, c.data.seq_len
+    mcfg, rows, L = parse(c).model, c.train.batch_size, c.data.seq_len
     logits, square = rows * L * mcfg.vocab_size * 8, rows * mcfg.n_heads * L * L * 8 * mcfg.n_layers
     assert bound(attention_impl="einsum", loss_chunks=1) == logits + square
     assert bound(attention_impl="blockwise", loss_chunks=1) == logits + square * 5 // 8
@@ -166,4 +167,4 @@ def test_activation_bound_follows_attention_impl_and_loss_chunks():
 def test_every_bundled_config_passes_the_trainers_checks(name):
     """Each configs/NAME.py builds a config the trainer accepts (types, ranges, a valid ModelConfig)."""
     c = importlib.import_module(f"configs.{name}").get_config()
-    check(c)
+    parse(c)

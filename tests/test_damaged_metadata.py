@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from analysis import routing
+from analysis.routing import cli as routing
 from train import export, generate
 
 

@@ -28,12 +28,13 @@ def prefill_then_steps(model, tokens_BxL, P: int, prefix_len_B=None):
     return jnp.concatenate([logits_p, jnp.moveaxis(steps, 0, 1)], 1)
 
 
-@pytest.mark.parametrize("mode", ["causal", "prefix"])
+@pytest.mark.parametrize("mode", ["causal", "prefix", "mixed"])
 def test_cached_logits_equal_full_forward(mode):
+    """Prefix and mixed masks: the prompt is the prefix (bidirectional once), then generation is causal."""
     model = tiny_model(mask=mode)
     B, P, L = 2, 5, 11
     tokens = jax.random.randint(jax.random.key(3), (B, L), 0, 61)
-    prefix = jnp.full((B,), P, jnp.int32) if mode == "prefix" else None
+    prefix = jnp.full((B,), P, jnp.int32) if mode != "causal" else None
     full = forward_fn(mask=mode)(tokens, None, prefix)
 
     np.testing.assert_allclose(prefill_then_steps(model, tokens, P, prefix), full, rtol=1e-5, atol=1e-5)
@@ -102,3 +103,27 @@ def test_sampling_top_p_and_temperature():
     assert int(decoding.sample(logits, keys[0], 0.0, 1.0)[0]) == 0
     draws = np.asarray(jax.vmap(lambda k: decoding.sample(logits, k, 1.0, 1.0))(keys))[:, 0]
     assert abs(np.mean(draws == 0) - 0.5) < 0.08
+
+
+def test_a_bidirectional_model_is_refused_by_every_generator():
+    """Every position of a bidirectional model attends to later ones: its cached logits could never equal the
+    full forward's, so decoding refuses rather than return tokens."""
+    model = tiny_model(mask="bidirectional")
+    prompt = jnp.zeros((1, 3), jnp.int32)
+    with pytest.raises(ValueError, match="bidirectional"):
+        decoding.generate(model, prompt, jax.random.key(0), max_new_tokens=2)
+    with pytest.raises(ValueError, match="bidirectional"):
+        next(decoding.generate_chunks(model, prompt, jax.random.key(0), max_new_tokens=2))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_generate_chunks_yield_generates_tokens(temperature):
+    """The chunked decoder (what train.generate runs, so that Ctrl-C stops between chunks) makes the same tokens
+    as the one-call `generate`, sampling included."""
+    model = tiny_model()
+    prompt = jax.random.randint(jax.random.key(5), (2, 3), 0, 61)
+    want = decoding.generate(model, prompt, jax.random.key(7), max_new_tokens=9, temperature=temperature)
+    chunks = list(decoding.generate_chunks(model, prompt, jax.random.key(7), max_new_tokens=9, chunk=3,
+                                           temperature=temperature))
+    assert [c.shape[1] for c in chunks] == [1, 3, 3, 2]
+    np.testing.assert_array_equal(jnp.concatenate(chunks, 1), want)

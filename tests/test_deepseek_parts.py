@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from experiments.deepseek_parts import runner as study
-from train.config import check, model_config
+from train.preflight import parse
 
 
 def test_arms_take_away_one_part_each():
@@ -16,8 +16,8 @@ def test_arms_take_away_one_part_each():
     base = get_config()
     cfgs = {a: study.arm_config(base, a, 0, 10) for a in study.ARMS}
     for c in cfgs.values():
-        check(c)
-    m = {a: model_config(c) for a, c in cfgs.items()}
+        parse(c)
+    m = {a: parse(c).model for a, c in cfgs.items()}
     assert (m["mla_mtp"].mtp_depth, m["mla"].mtp_depth, m["gqa"].mtp_depth) == (1, 0, 0)
     assert m["mla"].attention == m["mla_mtp"].attention == "mla" and m["gqa"].attention == "gqa"
     assert (m["gqa"].n_heads, m["gqa"].n_kv_heads, m["gqa"].head_dim) == (4, 2, 48)  # configs/default.py's

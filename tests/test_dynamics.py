@@ -6,7 +6,9 @@ import json
 import numpy as np
 import pytest
 
-from analysis import baselines, dynamics
+from analysis.dynamics import cli as dynamics
+from analysis.dynamics import trajectory
+from analysis.specialization import baselines
 
 
 def _record(ids_BxLxK):
@@ -19,14 +21,14 @@ def _record(ids_BxLxK):
 def test_saturation_and_load_hand_case():
     final = _record([[[0, 1], [2, 3]]])
     early = _record([[[1, 2], [3, 2]]])  # token 1 shares {1} of {0, 1}, token 2 both of {2, 3}: 3 of 4
-    assert dynamics.saturation(early, final)[0] == pytest.approx(0.75)
-    assert dynamics.saturation(final, final)[0] == 1.0
-    np.testing.assert_array_equal(dynamics.load(early), [[0, 1, 2, 1]])
+    assert trajectory.saturation(early, final)[0] == pytest.approx(0.75)
+    assert trajectory.saturation(final, final)[0] == 1.0
+    np.testing.assert_array_equal(trajectory.load(early), [[0, 1, 2, 1]])
 
 
 @pytest.fixture(scope="module")
 def traj(tiny_run):
-    return dynamics.trajectory(tiny_run, max_tokens=256, log=lambda *a: None)
+    return trajectory.trajectory(tiny_run, max_tokens=256, log=lambda *a: None)
 
 
 def test_trajectory_over_every_checkpoint(traj):

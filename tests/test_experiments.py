@@ -76,8 +76,8 @@ def _config():
 
 @pytest.mark.slow
 def test_compare_masks_end_to_end_and_resume(tmp_path):
-    from train.config import to_json
     from train.loop import run
+    from train.preflight import to_json
 
     base, out = _config(), tmp_path / "study"
     calls, logs = [], []

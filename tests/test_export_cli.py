@@ -286,3 +286,34 @@ def test_a_symlink_inside_a_checkpoint_is_refused(tiny_run, tmp_path):
     _link_out(step_dir / "state", tmp_path / "elsewhere")
     with pytest.raises(UserError, match="outside the directory"):
         open_run(run, int(step_dir.name))
+
+
+def test_a_killed_exports_leftovers_are_cleared_and_its_old_export_restored(tiny_run, tmp_path):
+    """A kill mid-write leaves `.OUT.tmp-*` (removed by the next export of OUT); a kill between the swap's two
+    renames leaves OUT missing and the previous export under `.OUT.old-*/x` (moved back, never lost)."""
+    out = tmp_path / "e"
+    junk = tmp_path / ".e.tmp-killed"
+    junk.mkdir()
+    (junk / "model.safetensors").write_bytes(b"half")
+    export_cli.export(tiny_run, out, fmt="safetensors")
+    assert not junk.exists() and (out / "moe-export.json").is_file()
+    aside = tmp_path / ".e.old-killed"
+    aside.mkdir()
+    os.replace(out, aside / "x")  # the state after the first rename of a swap
+    with pytest.raises(UserError, match="exists and is not empty; pass --overwrite"):
+        export_cli.export(tiny_run, out, fmt="safetensors")  # restored, and not replaced without --overwrite
+    assert (out / "moe-export.json").is_file() and not aside.exists()
+    (aside / "x").mkdir(parents=True)  # a swap that finished its second rename: the old export is deleted
+    export_cli.export(tiny_run, out, fmt="safetensors", overwrite=True)
+    assert not aside.exists() and not [p.name for p in tmp_path.iterdir() if p.name.startswith(".e.")]
+
+
+def test_a_second_export_into_the_same_out_is_refused_while_one_runs(tiny_run, tmp_path):
+    import fcntl
+
+    out = tmp_path / "e"
+    with open(tmp_path / ".e.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(UserError, match="another export into --out"):
+            export_cli.export(tiny_run, out, fmt="safetensors")
+    assert not out.exists()

@@ -13,7 +13,7 @@ from experiments.masks_round2 import runner as study
 from moe.accounting import param_counts
 from plumbing.errors import UserError
 from tests.test_study import REFS, fake_result
-from train.config import model_config
+from train.preflight import parse
 
 
 def study_base():
@@ -29,7 +29,7 @@ def test_head_configs_keep_parameters_and_group_ratio():
         c = head_sweep.head_config(base, d)
         m = c.model
         assert m.head_dim == d and m.n_heads * d == 128 and m.n_heads == 2 * m.n_kv_heads
-        counts.add(param_counts(model_config(c))["total"])
+        counts.add(param_counts(parse(c).model)["total"])
         c.model.head_dim = base.model.head_dim  # the only changes: the head split
         c.model.n_heads, c.model.n_kv_heads = base.model.n_heads, base.model.n_kv_heads
         assert c.to_dict() == base.to_dict()

@@ -23,12 +23,13 @@ from tests.hf_random import random_hf  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()  # save_pretrained's bar on stderr
 
-from analysis import routing  # noqa: E402
+from analysis.routing import cli as routing  # noqa: E402
 from moe import param_counts  # noqa: E402
 from moe.decoding.generate import generate  # noqa: E402
 from moe.hf import HFImportError, load_hf_moe, model_config  # noqa: E402
-from moe.hf.common import read_config, read_tensors, rope_parameters  # noqa: E402
+from moe.hf.common import read_config, rope_parameters  # noqa: E402
 from moe.hf.load import FAMILIES as LAYOUTS  # noqa: E402
+from moe.hf.tensors import read_tensors  # noqa: E402
 from moe.hf.weights import our_tensors  # noqa: E402
 
 V = 128
@@ -235,6 +236,43 @@ def test_mtp_copies_that_differ_from_the_main_embedding_are_refused(built):
         our_tensors(model_config(c), LAYOUTS["deepseek_v3"].layout(c), read_tensors(f["path"]), where)
 
 
+def test_a_config_claiming_fewer_layers_than_stored_is_refused(built, tmp_path):
+    """Layers at or past num_hidden_layers are MTP layers only when they hold an eh_proj: a config claiming 2 of
+    the 3 decoder layers stored (plus the MTP layer) is refused with num_nextn_predict_layers set, not loaded as a
+    truncated model, and refused without it."""
+    f = built("deepseek_v3")
+    shutil.copytree(f["path"], tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    for nextn in (1, 0):
+        (tmp_path / "hf" / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=2,
+                                                                     num_nextn_predict_layers=nextn)))
+        with pytest.raises(HFImportError, match=r"num_hidden_layers is 2 but the weights hold model\.layers\.0-3, "
+                                                r"1 of them MTP layers") as e:
+            load_hf_moe(str(tmp_path / "hf"))
+        assert "unexpected tensor(s) 'model.layers.2." in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("tensor,stored", [
+    ("model.layers.1.self_attn.kv_b_proj.weight", lambda w: np.ascontiguousarray(w.T)),  # [R, H*(Dn+Dv)]
+    ("model.layers.1.self_attn.o_proj.weight", lambda w: w.reshape(-1)),  # 1-D, right count
+    ("model.layers.0.self_attn.q_b_proj.weight", lambda w: w.reshape(w.shape[1], w.shape[0])),
+    ("model.layers.1.mlp.experts.3.down_proj.weight", lambda w: np.ascontiguousarray(w.T)),
+    ("model.layers.1.mlp.shared_experts.up_proj.weight", lambda w: np.ascontiguousarray(w.T)),
+    ("model.layers.1.self_attn.kv_a_layernorm.weight", lambda w: w.reshape(2, -1)),
+    ("model.layers.3.eh_proj.weight", lambda w: np.ascontiguousarray(w.T)),  # the MTP layer's [D, 2D]
+])
+def test_a_tensor_of_the_right_size_but_the_wrong_shape_is_refused(built, tensor, stored):
+    f = built("deepseek_v3")
+    c, where = read_config(f["path"])
+    sd = read_tensors(f["path"])
+    want = list(sd[tensor].shape)
+    sd[tensor] = stored(sd[tensor])
+    cfg = dataclasses.replace(model_config(c), mtp_depth=1)
+    with pytest.raises(HFImportError, match=f"tensor '{tensor}' is {list(sd[tensor].shape)}, the config in "
+                                            f"config.json needs {want}".replace("[", r"\[").replace("]", r"\]")):
+        our_tensors(cfg, LAYOUTS["deepseek_v3"].layout(c), sd, where)
+
+
 def _config_dict(name, **changes):
     c = FAMILIES[name]().to_dict()
     c.update(changes)
@@ -277,6 +315,22 @@ def test_rope_parameters_read_as_transformers_reads_them():
     ("glm4_moe_lite", dict(first_k_dense_replace=2), "first_k_dense_replace"),
     ("glm4_moe_lite", dict(head_dim=16), "head_dim"),
     ("deepseek_v3", dict(qk_rope_head_dim="DELETE"), "qk_rope_head_dim"),
+    # JSON types (Python reads "false" as true) and YaRN settings that used to fail inside Python
+    ("deepseek_v3", dict(norm_topk_prob="false"), "field 'norm_topk_prob' is a string.*expected a boolean"),
+    ("deepseek_v3", dict(rope_interleave="false"), "field 'rope_interleave' is a string.*expected a boolean"),
+    ("glm4_moe_lite", dict(mlp_layer_types="dense"), "field 'mlp_layer_types' is a string.*list of strings"),
+    ("deepseek_v2_greedy", dict(q_lora_rank="none"), "field 'q_lora_rank' is a string.*expected an integer"),
+    ("deepseek_v3", dict(rope_parameters=dict(YARN, beta_fast="32")), "'rope_parameters.beta_fast' is a string"),
+    ("deepseek_v3", dict(rope_parameters="DELETE", rope_scaling="yarn"),
+     "field 'rope_scaling' is a string .\"yarn\".; expected an object"),
+    ("deepseek_v3", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 500.0}, max_position_embeddings=0),
+     "max_position_embeddings=0 is not supported .YaRN needs the context length"),
+    ("deepseek_v3", dict(rope_parameters=dict(YARN, original_max_position_embeddings=-16)),
+     "rope_parameters.original_max_position_embeddings=-16"),
+    ("deepseek_v3", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 500.0,
+                                          "original_max_position_embeddings": 128}),
+     "max_position_embeddings=64 .*must be >= 1"),
+    ("deepseek_v3", dict(rope_parameters=dict(YARN, factor=0.5)), "rope_parameters.factor=0.5"),
 ])
 def test_refused_configs_name_the_field(name, changes, field):
     with pytest.raises(HFImportError, match=field) as e:

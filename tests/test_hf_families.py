@@ -4,6 +4,7 @@ refused naming the field; the routing analysis runs on an imported model over a 
 
 import json
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,12 +20,14 @@ from tests.hf_random import random_hf  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()  # save_pretrained's bar on stderr
 
-from analysis import hf_source, routing  # noqa: E402
+from analysis import hf_source  # noqa: E402
+from analysis.routing import cli as routing  # noqa: E402
 from moe import param_counts  # noqa: E402
 from moe.hf import HFImportError, load_hf_moe, model_config  # noqa: E402
-from moe.hf.common import read_config, read_tensors  # noqa: E402
+from moe.hf.common import read_config  # noqa: E402
 from moe.hf.load import FAMILIES as LAYOUTS  # noqa: E402
 from moe.hf.safetensors_io import flat_variables  # noqa: E402
+from moe.hf.tensors import read_tensors  # noqa: E402
 from moe.hf.weights import our_tensors  # noqa: E402
 
 V = 320  # >= the test tokenizer's vocabulary
@@ -143,11 +146,70 @@ def _config_dict(name, **changes):
     ("mixtral", dict(model_type="llama"), "model_type"),
     ("mixtral", dict(num_experts_per_tok="DELETE"), "num_experts_per_tok"),
     ("qwen3_moe", dict(num_attention_heads=3), "model.n_kv_heads"),  # our ConfigError, as an HFImportError
+    # JSON types: Python reads "false" as true and "4" as a string (a key-head mismatch, once); each names its field
+    ("qwen3_moe", dict(tie_word_embeddings="false"), "field 'tie_word_embeddings' is a string.*expected a boolean"),
+    ("qwen2_moe", dict(norm_topk_prob="false"), "field 'norm_topk_prob' is a string.*expected a boolean"),
+    ("olmoe", dict(attention_bias=1), "field 'attention_bias' is an integer .1.; expected a boolean"),
+    ("qwen3_moe", dict(num_attention_heads="4"), "field 'num_attention_heads' is a string .\"4\".; expected an "
+                                                 "integer"),
+    ("glm4_moe", dict(hidden_size=32.0), "field 'hidden_size' is a number .32.0.; expected an integer"),
+    ("mixtral", dict(num_experts_per_tok=True), "field 'num_experts_per_tok' is the boolean true; expected an "
+                                                "integer"),
+    ("glm4_moe", dict(rms_norm_eps="1e-5"), "field 'rms_norm_eps' is a string.*expected a number"),
+    ("qwen2_moe", dict(mlp_only_layers=["1"]), "field 'mlp_only_layers' is a list.*expected a list of integers"),
+    ("qwen3_moe", dict(num_hidden_layers=None), "field 'num_hidden_layers' is null; expected an integer"),
+    ("glm4_moe", dict(rope_parameters={"rope_type": "default", "rope_theta": "500"}),
+     "field 'rope_parameters.rope_theta' is a string.*expected a number"),
+    ("mixtral", dict(model_type=["mixtral"]), "field 'model_type' is a list.*expected a string"),
 ])
 def test_refused_configs_name_the_field(name, changes, field):
     with pytest.raises(HFImportError, match=field) as e:
         model_config(_config_dict(name, **changes))
     assert "\n" not in str(e.value) and isinstance(e.value, ValueError)
+
+
+@pytest.mark.parametrize("name,tensor,stored", [
+    ("qwen2_moe", "model.layers.0.self_attn.o_proj.weight", lambda w: w.reshape(-1)),  # 1-D, right count
+    ("qwen2_moe", "model.layers.0.self_attn.k_proj.weight", lambda w: w.reshape(w.shape[1], w.shape[0])),
+    ("qwen2_moe", "model.layers.0.self_attn.k_proj.bias", lambda b: b.reshape(2, -1)),
+    ("qwen2_moe", "model.layers.0.mlp.shared_expert_gate.weight", lambda w: w.reshape(-1)),
+    ("glm4_moe", "model.layers.0.mlp.down_proj.weight", lambda w: w.T),  # the dense SwiGLU, transposed
+    ("olmoe", "model.layers.0.self_attn.k_norm.weight", lambda w: w.reshape(1, -1)),
+    ("mixtral", "model.layers.0.block_sparse_moe.gate.weight", lambda w: w.T),
+])
+def test_a_tensor_of_the_right_size_but_the_wrong_shape_is_refused(built, name, tensor, stored):
+    """Every tensor's full HF shape ([out, in] for a Linear) is checked before it is read: a transposed or
+    flattened tensor with the right number of elements would otherwise load into a wrong model."""
+    _, path, _, _ = built(name)
+    c, where = read_config(path)
+    sd = read_tensors(path)
+    want = list(sd[tensor].shape)
+    sd[tensor] = stored(sd[tensor])
+    with pytest.raises(HFImportError, match=f"tensor '{tensor}' is {list(sd[tensor].shape)}.*needs {want}".replace(
+            "[", r"\[").replace("]", r"\]")):
+        our_tensors(model_config(c), LAYOUTS[name].layout(c), sd, where)
+
+
+def test_a_tied_config_with_a_different_stored_head_loads_as_transformers_does(built, tmp_path):
+    """tie_word_embeddings true but lm_head.weight stored and different: transformers 5.x does not tie them and
+    uses the stored head (its logits differ from the tied model's); ours too. An identical stored copy stays tied."""
+    _, path, _, _ = built("qwen3_moe")
+    sd = read_tensors(path)
+    assert "lm_head.weight" not in sd and json.loads((Path(path) / "config.json").read_text())["tie_word_embeddings"]
+    shutil.copy(Path(path) / "config.json", tmp_path / "config.json")
+    for head, tied in ((sd["model.embed_tokens.weight"] + 0.25, False), (sd["model.embed_tokens.weight"], True)):
+        save_file({**sd, "lm_head.weight": head}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+        assert np.array_equal(hf.lm_head.weight.detach().numpy(), head)  # what transformers computes with
+        hf_logits, _ = _hf_forward(hf, TOKENS)
+        model, _ = load_hf_moe(str(tmp_path))
+        ours = np.asarray(_forward(model, jnp.asarray(TOKENS))[0])
+        assert model.cfg.tie_embeddings == tied
+        np.testing.assert_allclose(ours, hf_logits, atol=1e-4 * np.abs(hf_logits).max())
+    c, where = read_config(path)  # the lower-level mapping, told the model is tied, refuses the differing head
+    with pytest.raises(HFImportError, match="tie_word_embeddings is true but tensor 'lm_head.weight' differs"):
+        our_tensors(model_config(c), LAYOUTS["qwen3_moe"].layout(c), {**sd, "lm_head.weight": sd[
+            "model.embed_tokens.weight"] + 0.25}, where)
 
 
 def test_inactive_sliding_window_is_accepted():

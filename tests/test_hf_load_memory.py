@@ -9,8 +9,8 @@ import weakref
 import numpy as np
 
 from moe.hf import load_model
-from moe.hf.common import SafetensorsFiles
 from moe.hf.safetensors_io import flat_variables
+from moe.hf.tensors import SafetensorsFiles
 from moe.hf.write import write_hf_checkpoint
 from tests.model_fixtures import tiny_model
 from train.data.tokenizer import DEFAULT_TOKENIZER

@@ -7,17 +7,20 @@ import dataclasses
 import json
 import os
 import shutil
+import threading
+import time
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from analysis.hf_source import text_cache
 from moe import ModelConfig
 from moe.hf import HFImportError, load_hf_moe
-from moe.hf.common import read_tensors
 from moe.hf.paths import OutsideDirectoryError, file_inside
 from moe.hf.safetensors_io import flat_variables, load_safetensors, save_safetensors
+from moe.hf.tensors import read_tensors
 from moe.hf.write import write_hf_checkpoint
 from plumbing.errors import UserError
 from tests.model_fixtures import tiny_model
@@ -25,13 +28,18 @@ from train import generate
 from train.data.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
 
 INDEX = "model.safetensors.index.json"
+VOCAB = load_tokenizer().get_vocab_size(with_added_tokens=True)  # the bundled tokenizer's ids all index the model
+
+
+def _model():
+    return tiny_model(vocab_size=VOCAB)
 
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
     """A two-shard HF export of the tiny model (the loader's happy path), copied fresh per test by `hf_dir`."""
     out = tmp_path_factory.mktemp("hf") / "model"
-    write_hf_checkpoint(tiny_model(), str(out), str(DEFAULT_TOKENIZER), max_shard_bytes=20_000)
+    write_hf_checkpoint(_model(), str(out), str(DEFAULT_TOKENIZER), max_shard_bytes=100_000)
     assert (out / INDEX).is_file()
     return out
 
@@ -53,7 +61,7 @@ def _point_first_shard_at(hf_dir, name):
 
 def test_a_sharded_export_loads_exactly(hf_dir):
     model, tokenizer = load_hf_moe(str(hf_dir))
-    ours = flat_variables(tiny_model())
+    ours = flat_variables(_model())
     for k, v in flat_variables(model).items():
         np.testing.assert_array_equal(v, ours[k], err_msg=k)
     assert tokenizer is not None
@@ -107,7 +115,7 @@ def test_the_hub_caches_snapshot_symlinks_load(sharded, tmp_path):
         shutil.copy(f, repo / "blobs" / f"hash-{f.name}")
         os.symlink(f"../../blobs/hash-{f.name}", snapshot / f.name)
     model, _ = load_hf_moe(str(snapshot))
-    assert model.cfg == tiny_model().cfg
+    assert model.cfg == _model().cfg
     # the blob store of *another* repo is outside
     other = tmp_path / "hub" / "models--org--other" / "blobs"
     other.mkdir(parents=True)
@@ -195,3 +203,64 @@ def test_a_config_larger_than_its_weights_names_the_tensor(hf_dir):
     with pytest.raises(HFImportError, match=r"tensor 'model.layers.0.self_attn.q_proj.weight' is \[") as e:
         load_hf_moe(str(hf_dir))
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("n_layers", [100, 2_000, 10**9])
+def test_a_config_with_far_more_layers_than_stored_is_refused_at_once(hf_dir, n_layers):
+    """The layer count is compared with the stored tensor names before any shape is built (100 layers took a
+    minute, 2,000 did not finish)."""
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=n_layers)))
+    t0 = time.perf_counter()
+    with pytest.raises(HFImportError, match=fr"model.layers.3 missing: num_hidden_layers is {n_layers} but the "
+                                            r"weights hold model\.layers\.0-2"):
+        load_hf_moe(str(hf_dir))
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_a_weight_map_entry_that_is_a_fifo_is_refused(hf_dir):
+    """Opening a FIFO for reading blocks until a writer comes: refused before it is opened, naming the entry."""
+    _point_first_shard_at(hf_dir, "pipe.safetensors")
+    os.mkfifo(hf_dir / "pipe.safetensors")
+    raised = []
+
+    def load():
+        try:
+            read_tensors(str(hf_dir))
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            raised.append(e)
+
+    reader = threading.Thread(target=load, daemon=True)
+    reader.start()
+    reader.join(20)
+    blocked = reader.is_alive()
+    if blocked:  # let the blocked open() return, so that the thread ends
+        os.close(os.open(hf_dir / "pipe.safetensors", os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(5)
+    assert not blocked, "the loader blocked opening a FIFO"
+    assert isinstance(raised[0], HFImportError), raised
+    assert "'pipe.safetensors' is not a regular file" in str(raised[0]) and "\n" not in str(raised[0])
+
+
+def _sparse_tokenizer(path, vocab, specials=()):
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(list(specials))
+    tok.save(str(path))
+    return tok
+
+
+@pytest.mark.parametrize("vocab,specials,token,top", [
+    ({"[UNK]": 0, "a": 1, "b": 100}, (), "b", 100),  # 3 tokens, fewer than the model's 61, but id 100
+    ({"[UNK]": 0, **{f"w{i}": i for i in range(1, 61)}}, ("<|endoftext|>",), "<|endoftext|>", 61),  # an added one
+])
+def test_a_tokenizer_whose_ids_reach_past_vocab_size_is_refused(tmp_path, vocab, specials, token, top):
+    write_hf_checkpoint(tiny_model(), str(tmp_path / "hf"), str(DEFAULT_TOKENIZER))
+    _sparse_tokenizer(tmp_path / "hf" / "tokenizer.json", vocab, specials)
+    assert tiny_model().cfg.vocab_size == 61
+    with pytest.raises(HFImportError, match=f"tokenizer.json: token '{token}' has id {top}, past the model's "
+                                            "vocab_size 61") as e:
+        load_hf_moe(str(tmp_path / "hf"))
+    assert "\n" not in str(e.value)
+    _sparse_tokenizer(tmp_path / "hf" / "tokenizer.json", {"[UNK]": 0, "a": 1, "b": 60})  # the largest id fits
+    assert load_hf_moe(str(tmp_path / "hf"))[1].token_to_id("b") == 60

@@ -58,7 +58,7 @@ YARN = dict(rope_scaling_factor=40.0, rope_original_max_position=8, yarn_mscale=
     (dict(rope_scaling_factor=float("nan")), "model.rope_scaling_factor"),
     (dict(rope_scaling_factor=4.0), "model.rope_original_max_position"),
     (dict(YARN, rope=False), "model.rope_scaling_factor"),
-    (dict(YARN, yarn_beta_fast=1.0), "model.yarn_beta_fast"),
+    (dict(YARN, yarn_beta_fast=0.5), "model.yarn_beta_fast"),
     (dict(YARN, yarn_mscale=-1.0), "model.yarn_mscale"),
     (dict(yarn_mscale_all_dim=1.0), "model.yarn_mscale_all_dim"),  # a YaRN field without YaRN
     (dict(rope_original_max_position=4096), "model.rope_original_max_position"),

@@ -44,14 +44,14 @@ def test_rows_are_fixed_by_seed_and_row(sampler):
 def test_config_masks_for_mlm(mask, ok):
     from plumbing.errors import UserError
     from tests.conftest import tiny_config
-    from train.config import check
+    from train.preflight import parse
 
     c = tiny_config(**{"data.task": "mlm", "model.mask": mask})
     if ok:
-        check(c)
+        parse(c)
     else:
         with pytest.raises(UserError):
-            check(c)
+            parse(c)
 
 
 def test_verdict_gate_on_the_strongest_baseline_and_equivalence():

@@ -17,7 +17,7 @@ from moe.model import split_model
 from tests.conftest import tiny_config
 from tests.model_fixtures import TINY
 from train import optim
-from train.config import check
+from train.preflight import parse
 from train.state import init_state
 from train.step import make_train_step
 
@@ -163,7 +163,7 @@ def _batch(seed=0, n=8, length=16, vocab=64):
 def _steps(mesh_shape=(1, 1, 1, 1), depth=1, weight=0.3, steps=2, balance=1e-4):
     c = tiny_config(**{"model.vocab_size": 64, "model.mtp_depth": depth, "train.mtp_weight": weight,
                        "train.bias_update_rate": 1e-2, "train.balance_loss_weight": balance})
-    mcfg = check(c)
+    mcfg = parse(c).model
     mesh = sharding.make_mesh(*mesh_shape, devices=jax.devices()[:int(np.prod(mesh_shape))])
     tx = optim.optimizer(c.train)
     graphdef, state, _ = init_state(mcfg, tx, 0, mesh)

@@ -63,7 +63,7 @@ OTHER_FIGURES = {"loss_curves.png", "specialization.png", "ablation_importance.p
 
 
 def _same_files_as_the_cli(workdir, cli_out, executed):
-    from analysis import routing
+    from analysis.routing import cli as routing
 
     out = workdir / "analysis"  # the default, as python -m analysis.routing's
     cells = json.loads(executed.read_text())["cells"]

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from analysis import routing
+from analysis.routing import cli as routing
 from plumbing.errors import UserError
 from rundir.layout import check_workdir
 from train import generate
-from train.cli import load_config_file
+from train.command_line import load_config_file
 
 ROOT = Path(__file__).resolve().parent.parent
 

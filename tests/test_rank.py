@@ -1,4 +1,4 @@
-"""analysis.rank_metrics against formulas on matrices of known rank; analysis.rank on a freshly built model."""
+"""analysis.rank.metrics against formulas on matrices of known rank; analysis.rank on a freshly built model."""
 
 import json
 
@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from analysis import rank_metrics as rm
-from analysis.rank import analyse, documents, forward_paths, main
+from analysis.rank import metrics as rm
+from analysis.rank.attention import analyse, documents, forward_paths
+from analysis.rank.cli import main
+from moe import ModelConfig
 from moe.model import Transformer
 from tests.conftest import tiny_config
-from train.config import model_config
 
 
 def _low_rank(n, r, seed=0):
@@ -78,7 +79,7 @@ def test_residual_ratio():
 
 def _model(mask, **model):
     c = tiny_config(**{"model.mask": mask, **{f"model.{k}": v for k, v in model.items()}})
-    return Transformer(model_config(c), nnx.Rngs(0))
+    return Transformer(ModelConfig(**c.model.to_dict()), nnx.Rngs(0))  # the model alone: no task to match
 
 
 def _batch(L=24, n=(24, 17), prefix=(10, 6), seed=0):

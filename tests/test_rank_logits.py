@@ -1,10 +1,10 @@
-"""analysis/rank_logits.py: the masks, the baselines' known ranks, and trained logits that reproduce the model's
+"""analysis/rank/logits.py: the masks, the baselines' known ranks, and trained logits that reproduce the model's
 own attention probabilities."""
 
 import numpy as np
 import pytest
 
-from analysis import rank_logits as rl
+from analysis.rank import logits as rl
 from tests.model_fixtures import tiny_model
 from train.data.packing import TokenCache, prefix_rows
 

@@ -10,7 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from analysis import ablate, dynamics, loss_curves, rank, routing, specialization
+from analysis import loss_curves
+from analysis.ablate import cli as ablate
+from analysis.dynamics import cli as dynamics
+from analysis.rank import cli as rank
+from analysis.routing import cli as routing
+from analysis.specialization import cli as specialization
 from experiments.masks_round1 import runner as experiments
 from train import __main__ as train_cli
 from train import export, generate

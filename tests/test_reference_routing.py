@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from analysis import ablate
+from analysis.ablate import cli as ablate
 from experiments.reference_routing import ablation_seeds, controls
 
 

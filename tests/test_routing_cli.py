@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from analysis import routing
+from analysis.routing import cli as routing
 
 MAX_TOKENS = "1500"  # per domain: a few batches, enough for every view
 

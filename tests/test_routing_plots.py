@@ -8,8 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from analysis import routing as routing_cli
-from analysis import routing_html, routing_plots, routing_run, routing_stats
+from analysis.routing import collect, outputs, tokens_html
+from analysis.routing import plots as routing_plots
+from analysis.routing import stats as routing_stats
 
 DOMAINS = ["religion", "literature", "law", "speeches", "mathematics", "technical", "code", "encyclopedia",
            "science"]
@@ -89,7 +90,7 @@ def write_all(data, out_dir, full=True):
     for row in range(0, 18, 2):
         first_LxN = [r["expert_ids"][row, :40, 0].tolist() for r in routing]
         samples.append((DOMAINS[domains[row, 0]], [text(t) for t in tokens[row, :40]], first_LxN))
-    paths.append(routing_html.render_tokens_html(samples, [0, 3], E, f"{out_dir}/tokens.html"))
+    paths.append(tokens_html.render_tokens_html(samples, [0, 3], E, f"{out_dir}/tokens.html"))
     return paths
 
 
@@ -110,9 +111,9 @@ def test_plot_edge_cases(data, tmp_path):
     routing_plots.plot_maxvio_series({}, tmp_path / "empty.png")
     routing_plots.plot_domain_heatmaps(data[0], tmp_path / "top1.png", layers=[0], key="share_top1_LxDxE")
     assert (tmp_path / "empty.png").stat().st_size > 0
-    colors = routing_html.expert_colors(64)
+    colors = tokens_html.expert_colors(64)
     assert len(set(c for c, _ in colors)) == 64
-    assert [c for c, _ in colors[:20]] == list(routing_html.DISTINCT_20)  # the hand-picked palette first
+    assert [c for c, _ in colors[:20]] == list(tokens_html.DISTINCT_20)  # the hand-picked palette first
 
 
 @pytest.fixture
@@ -186,7 +187,7 @@ def test_layer_labels_use_model_layer_ids(data):
 
 
 def test_write_plots_draws_domain_bars_for_every_moe_layer(data, tmp_path, monkeypatch):
-    """analysis.routing.write_plots: one domain_experts_layerL.png per MoE layer, model-layer labels on the
+    """analysis.routing.outputs.write_plots: one domain_experts_layerL.png per MoE layer, model-layer labels on the
     saturation plot (the drawing itself is stubbed: the tests above cover it)."""
     calls = []
     for name in dir(routing_plots):
@@ -194,8 +195,8 @@ def test_write_plots_draws_domain_bars_for_every_moe_layer(data, tmp_path, monke
             monkeypatch.setattr(routing_plots, name, lambda *a, _n=name, **kw: calls.append((_n, a, kw))
                                 or next(x for x in a if isinstance(x, pathlib.Path)))
     result = dict(data[0], layer_ids_L=np.array([1, 2, 3, 5]))
-    a = routing_run.Analysis(result, DOMAINS, TOKEN_TEXT, [], [], {"saturation_L": np.full(L, 0.5)}, 1, 1.0)
-    paths = routing_cli.write_plots(a, tmp_path, 0, data[1], final_step=20, compare_step=10)
+    a = collect.Analysis(result, DOMAINS, TOKEN_TEXT, [], [], {"saturation_L": np.full(L, 0.5)}, 1, 1.0)
+    paths = outputs.write_plots(a, tmp_path, 0, data[1], final_step=20, compare_step=10)
     bars = [c for c in calls if c[0] == "plot_domain_bars"]
     assert [c[1][1] for c in bars] == [0, 1, 2, 3]
     assert [p.name for p in paths[:4]] == [f"domain_experts_layer{i}.png" for i in (1, 2, 3, 5)]

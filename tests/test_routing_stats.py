@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from analysis import routing_stats as rs
+from analysis.routing import stats as rs
 from moe import router
 
 E, K = 8, 2

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from analysis import rank
+from analysis.rank import cli as rank
 from rundir import RunDir, metrics
 from rundir.checkpoints import steps_in
 from rundir.lock import RunLock

@@ -14,7 +14,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from analysis import routing
+from analysis.routing import cli as routing
 from rundir import open_run
 from rundir.config_layout import RESOLVED_KEY, migrate
 from train import export

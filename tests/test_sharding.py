@@ -73,3 +73,17 @@ def test_sharded_blockwise_attention_and_chunked_loss_match_single_device(scan):
     np.testing.assert_allclose(got_ce, want_ce, rtol=1e-5, atol=1e-6)
     for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_a_parameter_that_does_not_split_is_one_line_naming_the_field():
+    """9 experts over mesh.expert=2: a ConfigError naming the parameter, model.n_routed_experts and mesh.expert,
+    from the sharding rules and from expert-parallel dispatch alike (JAX's own errors are multi-line dumps)."""
+    from moe import ConfigError
+
+    mesh = sharding.make_mesh(1, 1, 2, 1, devices=jax.devices()[:2])
+    model = tiny_model(n_routed_experts=9, top_k=2, n_group=1, topk_group=1)
+    with pytest.raises(ConfigError, match=r"w_\w+.*logical axis 'expert'.*model.n_routed_experts.*mesh.expert") as e:
+        sharding.state_shardings(nnx.state(model), mesh)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"model.n_routed_experts \(9\) over mesh.expert \(2\)"):
+        model(jnp.zeros((2, 4), jnp.int32), execution=Execution(dispatch="expert_parallel_dropless", mesh=mesh))

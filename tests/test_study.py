@@ -217,14 +217,14 @@ def test_equal_targets_keep_as_many_targets_as_the_output_part_spread_over_the_w
 def test_equal_targets_needs_prefix_loss():
     from experiments.masks_round2.config import get_config
     from plumbing.errors import UserError
-    from train.config import check
+    from train.preflight import parse
 
     c = get_config()
     c.train.equal_targets = True
     with pytest.raises(UserError, match="train.prefix_loss=True"):
-        check(c)
+        parse(c)
     c.train.prefix_loss = True
-    check(c)
+    parse(c)
 
 
 def test_equal_targets_tests_split_causal_alls_gain(tmp_path):

@@ -6,7 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from analysis import routing, tiny_hf
+from analysis import tiny_hf
+from analysis.routing import cli as routing
 from moe.hf import load_hf_moe
 from moe.hf.safetensors_io import flat_variables
 from plumbing.errors import UserError

@@ -31,7 +31,9 @@ def _legacy_config(config: dict) -> dict:
     """A run config as versions before the model/execution split wrote it: execution keys and the balance-loss
     weight under "model", no "execution" section."""
     old = json.loads(json.dumps(config))
-    old["model"].update(old.pop("execution"))
+    execution = old.pop("execution")  # its keys added after the split did not exist then
+    old["model"].update({k: execution[k] for k in ("dispatch", "capacity_factor", "grouped_matmul",
+                                                   "attention_impl", "dtype", "remat")})
     old["model"]["balance_loss_weight"] = old["train"].pop("balance_loss_weight")
     return old
 
@@ -170,3 +172,18 @@ def test_damaged_latest_checkpoint_falls_back_to_previous(tiny_run, tmp_path):
     assert (work / "checkpoints" / "20.damaged").is_dir() and (work / "checkpoints" / "20").is_dir()
     rows = [json.loads(x) for x in (work / "metrics.jsonl").read_text().splitlines()]
     assert sum(r["step"] == 20 and "loss" in r for r in rows) == 1  # trained again; the old row was dropped
+
+
+def test_resuming_with_a_changed_schedule_says_what_changed(tmp_path):
+    """A finished 4-step run resumed under a config that says 8 steps (and another peak rate) continues, and says
+    which settings changed and that the schedule follows them from here."""
+    run(tiny_config(**{"train.steps": 4, "checkpoint.every": 4, "eval.every": 100}), tmp_path, log=lambda *x: None)
+    lines = []
+    run(tiny_config(**{"train.steps": 8, "checkpoint.every": 4, "eval.every": 100, "train.lr": 1e-3}), tmp_path,
+        log=lambda *x: lines.append(" ".join(map(str, x))))
+    note = next(line for line in lines if line.startswith("note: the config differs"))
+    assert "train.steps 4 -> 8" in note and "train.lr 0.003 -> 0.001" in note and "Steps 5 on" in note
+    lines.clear()
+    run(tiny_config(**{"train.steps": 8, "checkpoint.every": 4, "eval.every": 100, "train.lr": 1e-3}), tmp_path,
+        log=lambda *x: lines.append(" ".join(map(str, x))))
+    assert not any("differs" in line for line in lines)  # finished: nothing to resume, nothing to note

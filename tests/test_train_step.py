@@ -10,7 +10,7 @@ from moe import Execution, ModelConfig, Transformer, router, routing_biases, set
 from moe.model import split_model
 from tests.conftest import tiny_config
 from train import optim
-from train.config import check
+from train.preflight import parse
 from train.state import init_state
 from train.step import forward, make_train_step, train_forward
 
@@ -29,7 +29,7 @@ def _batch(B=8, L=16, V=64, seed=0):
 
 def _two_steps(mesh_shape, grad_accum=1, dispatch="dropless", loss_chunks=1, fused_loss=True, remat=""):
     c = tiny_config(**{"model.vocab_size": 64, "train.grad_accum": grad_accum, "train.bias_update_rate": 1e-2})
-    mcfg = check(c)
+    mcfg = parse(c).model
     n = int(np.prod(mesh_shape))
     mesh = sharding.make_mesh(*mesh_shape, devices=jax.devices()[:n])
     tx = optim.optimizer(c.train)

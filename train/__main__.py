@@ -25,7 +25,7 @@ from plumbing.errors import (  # noqa: E402
     out_of_memory,
     storage_full,
 )
-from train.cli import config_from_argv, print_help  # noqa: E402
+from train.command_line import config_from_argv, print_help  # noqa: E402
 from train.loop import run  # noqa: E402
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "default.py")

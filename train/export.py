@@ -16,7 +16,10 @@ The export is written into a temporary directory next to --out and renamed into 
 never leaves a half export or touches an existing one. Bad input prints one line on stderr and exits 2.
 """
 
+import contextlib
 import dataclasses
+import fcntl
+import glob
 import json
 import math
 import os
@@ -34,7 +37,7 @@ from moe.hf.safetensors_io import CONFIG_FILE, load_config, save_safetensors
 from moe.hf.write import ExportError, check_exportable, write_hf_checkpoint
 from moe.model import abstract_model, merge_model, split_model
 from plumbing.args import ArgParser
-from plumbing.errors import UserError, exit_with, hide_orbax_tracebacks, os_error, storage_full
+from plumbing.errors import UserError, exit_with, hide_orbax_tracebacks, os_error, storage_full, warn
 from rundir import RunDir, is_run_dir, metrics, open_run
 
 FORMATS = ("hf", "safetensors", "orbax")
@@ -206,6 +209,42 @@ def _swap_in(new: Path, out: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def exporting_into(out: Path, say=warn):
+    """Hold `out` for one export (an flock on `.OUT.lock` beside it, removed when done; the kernel releases it if
+    the process dies), after clearing what a killed export of `out` left there: its temporary directories (deleted) and the previous
+    export an interrupted swap set aside (moved back when `out` is missing, deleted when the swap had finished)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    path = out.parent / f".{out.name}.lock"
+    while True:  # removed when done: hold it only if the file locked is still the one at `path`
+        lock = open(path, "a")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            raise UserError(f"another export into --out {out} is running; wait for it, or choose another --out") \
+                from None
+        try:
+            if os.stat(path).st_ino == os.fstat(lock.fileno()).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        lock.close()
+    try:
+        for leftover in sorted(out.parent.glob(f".{glob.escape(out.name)}.tmp-*")):
+            shutil.rmtree(leftover, ignore_errors=True)
+            say(f"removed {leftover}, the unfinished output of an interrupted export")
+        for aside in sorted(out.parent.glob(f".{glob.escape(out.name)}.old-*")):
+            if (aside / "x").is_dir() and not out.exists():
+                os.replace(aside / "x", out)
+                say(f"restored the previous export to {out} (an interrupted export had moved it to {aside})")
+            shutil.rmtree(aside, ignore_errors=True)
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        lock.close()
+
+
 def export(workdir, out, step=None, dtype="float32", fmt="hf", overwrite=False, mtp=True) -> Path:
     """Export checkpoint `step` (default newest) of `workdir` to `out`; returns `out`. Raises UserError. mtp: hf
     keeps the MTP modules (--mtp keep)."""
@@ -215,7 +254,13 @@ def export(workdir, out, step=None, dtype="float32", fmt="hf", overwrite=False, 
     out = Path(out).resolve()  # "." and "x/.." name a real directory (with a name and a parent)
     if not Path(workdir).is_dir():
         raise UserError(f"--workdir {workdir} does not exist; pass a run directory written by `python -m train`")
-    check_out(out, workdir, overwrite)
+    check_out(out, workdir, overwrite)  # before anything is written beside it
+    with exporting_into(out):
+        check_out(out, workdir, overwrite)  # a restored previous export is checked like any other
+        return _export(workdir, out, step, dtype, fmt, mtp)
+
+
+def _export(workdir, out: Path, step, dtype, fmt, mtp) -> Path:
     run = open_run(workdir, step)
     model, meta = run.model, run.meta
     if fmt == "hf":
@@ -223,7 +268,6 @@ def export(workdir, out, step=None, dtype="float32", fmt="hf", overwrite=False, 
             check_exportable(ModelConfig.from_dict(meta["model"]))
         except ExportError as e:
             raise UserError(f"{e} (use --format safetensors or orbax)") from None
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         write_export(model, meta, workdir, tmp, fmt, dtype, mtp)

@@ -22,7 +22,8 @@ import numpy as np
 
 from moe import Execution
 from moe.accounting import kv_cache_bytes_per_token
-from moe.decoding.generate import generate
+from moe.decoding.generate import check_decodable as decodable
+from moe.decoding.generate import generate, generate_chunks
 from moe.decoding.speculative import speculative_generate
 from moe.hf import load_model
 from moe.hf.paths import OutsideDirectoryError, file_inside, tree_inside
@@ -30,9 +31,9 @@ from moe.hf.safetensors_io import load_safetensors
 from plumbing.args import ArgParser
 from plumbing.errors import UserError, exit_with, os_error, out_of_memory
 from rundir import open_run
-from train.config import device_memory_bytes
 from train.data.tokenizer import EOS_ID, load_tokenizer
-from train.export import ORBAX_DIR, load_orbax_export
+from train.export import EXPORT_MARKER, ORBAX_DIR, load_orbax_export
+from train.preflight import device_memory_bytes
 
 # How generation runs, whatever the run trained with: fp32 and dropless (KV-cache decoding steps one token at a
 # time, and a dropping dispatch would make a row's continuation depend on the rest of the batch).
@@ -110,8 +111,11 @@ def load_export(path):
     except (UserError, OSError):
         raise
     except Exception as e:  # noqa: BLE001 - HFImportError, a truncated safetensors file, a bad orbax export
-        raise UserError(f"--export {path} is unreadable ({type(e).__name__}: {' '.join(str(e).split())[:120]}); "
-                        "write it again with `python -m train.export`") from None
+        reason = " ".join(str(e).split())
+        if (path / EXPORT_MARKER).is_file():  # one of ours: writing it again is the fix
+            raise UserError(f"--export {path} is unreadable ({type(e).__name__}: {reason}); write it again with "
+                            "`python -m train.export`") from None
+        raise UserError(f"--export {path}: {reason}") from None  # a third party's model: the loader names the fix
     if not (path / "tokenizer.json").is_file():
         raise UserError(f"--export {path} has no tokenizer.json; write it again with `python -m train.export`")
     return model, load_tokenizer(path / "tokenizer.json")
@@ -137,20 +141,35 @@ def check_cache_fits(model, total_tokens: int) -> None:
 
 def check_decodable(model) -> None:
     """KV-cache decoding appends one token at a time, which only a causal or prefix-style mask allows."""
-    if model.cfg.mask == "bidirectional":
-        raise UserError("this model was trained with a bidirectional mask: every position attends to later ones, "
-                        "so it cannot generate left to right; use a causal, prefix or mixed model")
+    try:
+        decodable(model)
+    except ValueError as e:
+        raise UserError(f"this model cannot generate: {e}") from None
 
 
 def continue_ids(model, prompt_ids, *, max_new_tokens=64, temperature=0.0, top_p=1.0, seed=0) -> list[int]:
-    """New token ids after `prompt_ids`, cut before the first EOS (which is not returned)."""
-
-
-    new = generate(model, jnp.asarray([prompt_ids], jnp.int32), jax.random.key(seed),
-                   max_new_tokens=max_new_tokens, temperature=float(temperature), top_p=float(top_p),
-                   execution=GENERATION)
-    new = np.asarray(new)[0].tolist()
+    """New token ids after `prompt_ids`, cut before the first EOS (which is not returned). Decoded a chunk at a time
+    (one compiled call each), stopping early at EOS; Ctrl-C between chunks raises Interrupted with the tokens so far."""
+    new = []
+    chunks = generate_chunks(model, jnp.asarray([prompt_ids], jnp.int32), jax.random.key(seed),
+                             max_new_tokens=max_new_tokens, temperature=float(temperature), top_p=float(top_p),
+                             execution=GENERATION)
+    try:
+        for chunk in chunks:
+            new += np.asarray(chunk)[0].tolist()
+            if EOS_ID in new:
+                break
+    except KeyboardInterrupt:
+        raise Interrupted(new[:new.index(EOS_ID)] if EOS_ID in new else new) from None
     return new[:new.index(EOS_ID)] if EOS_ID in new else new
+
+
+class Interrupted(Exception):
+    """Ctrl-C during generation, with the token ids generated before it."""
+
+    def __init__(self, ids: list[int]):
+        super().__init__(f"interrupted after {len(ids)} tokens")
+        self.ids = ids
 
 
 def main(argv=None) -> list[int]:
@@ -177,6 +196,11 @@ def main(argv=None) -> list[int]:
         else:
             new = continue_ids(model, prompt_ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                top_p=args.top_p, seed=args.seed)
+    except Interrupted as e:
+        print(tok.decode(prompt_ids + e.ids, skip_special_tokens=False))
+        exit_with(UserError(f"interrupted (Ctrl-C) after {len(e.ids)} of {args.max_new_tokens} new tokens"), 130)
+    except KeyboardInterrupt:
+        exit_with(UserError("interrupted (Ctrl-C) before generating"), 130)
     except UserError as e:
         exit_with(e)
     except OSError as e:

@@ -1,7 +1,7 @@
 """Training and validation rows: packed LM rows, prefix-task rows (one document each) or masked-LM windows.
 
-Everything below the three entry points at the end (`sampler`, `eval_rows`, `eval_batches`, which take a run
-config) takes the data config and the few values it needs explicitly.
+Everything below the three entry points at the end (`sampler`, `eval_rows`, `eval_batches`, which take the run
+config) takes the data section (rundir.run_config.DataConfig) and the few values it needs explicitly.
 """
 
 import dataclasses
@@ -104,7 +104,7 @@ def task_cache(data_cfg, split: str):
     """The split's token cache as the task reads it: windowed documents for the prefix task with data.windows
     and always for the masked-LM task."""
     cache = token_cache_for(data_cfg, split)
-    if data_cfg.task == "mlm" or data_cfg.task == "prefix" and data_cfg.get("windows", False):
+    if data_cfg.task == "mlm" or data_cfg.task == "prefix" and data_cfg.windows:
         cache = packing.window_documents(cache, data_cfg.seq_len)
     return cache
 
@@ -119,11 +119,11 @@ class Targets:
     equal_targets: bool = False
 
 
-def targets(config, evaluation: bool = False) -> Targets:
+def targets(rc, evaluation: bool = False) -> Targets:
     """The run's Targets from train.prefix_loss / train.equal_targets; evaluation: eval.output_only (studies)
     scores the output part whatever training scores."""
-    loss_all = config.train.prefix_loss and not (evaluation and config.eval.get("output_only", False))
-    return Targets(loss_all, loss_all and config.train.get("equal_targets", False))
+    loss_all = rc.train.prefix_loss and not (evaluation and rc.eval.output_only)
+    return Targets(loss_all, loss_all and rc.train.equal_targets)
 
 
 def train_sampler(data_cfg, seed: int, tgt: Targets):
@@ -191,19 +191,19 @@ def batches_of(rows: dict, batch_size: int, process_index: int = 0, process_coun
 # The run config's entry points: the only functions here that read more than the data config.
 
 
-def sampler(config):
+def sampler(rc):
     """The training sampler of a run config and its domain names."""
-    return train_sampler(config.data, config.train.seed, targets(config))
+    return train_sampler(rc.data, rc.train.seed, targets(rc))
 
 
-def eval_rows(config) -> dict:
+def eval_rows(rc) -> dict:
     """A run config's validation rows (eval.rows_per_domain per domain, scored as evaluation scores them)."""
-    return validation_rows(config.data, config.eval.rows_per_domain, targets(config, evaluation=True))
+    return validation_rows(rc.data, rc.eval.rows_per_domain, targets(rc, evaluation=True))
 
 
-def eval_batches(config, process_index: int = 0, process_count: int = 1) -> list[dict]:
+def eval_batches(rc, process_index: int = 0, process_count: int = 1) -> list[dict]:
     """A run config's validation batches of eval.batch_size, this process's slice of each."""
-    return batches_of(eval_rows(config), config.eval.batch_size, process_index, process_count)
+    return batches_of(eval_rows(rc), rc.eval.batch_size, process_index, process_count)
 
 
 def check_vocab(data_cfg, vocab_size: int) -> None:

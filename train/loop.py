@@ -1,7 +1,7 @@
 """The training loop, top to bottom: claim the run, resume, step, log, evaluate, checkpoint, stop cleanly.
 
 `run(config, workdir)` is what `python -m train` calls; experiments call it too. Each concern is a small piece:
-the checks (train/config.py), the data (train/inputs.py), the state (train/state.py), the step (train/step.py),
+the checks (train/preflight.py), the data (train/inputs.py), the state (train/state.py), the step (train/step.py),
 the host side of each step (train/step_log.py), validation (train/evaluation.py), checkpoints (train/saver.py).
 """
 
@@ -20,10 +20,10 @@ from rundir import metrics as metrics_file
 from rundir.lock import RunLock
 from train import host_memory, inputs, optim, signals
 from train import mesh as mesh_lib
-from train.config import causality_warning, check, check_memory, check_mesh, execution, resolved_line, to_json
 from train.data.packing import iterate
 from train.evaluation import draw_loss_curves, evaluate, to_global
 from train.flops import measure_peak_flops
+from train.preflight import causality_warning, check_memory, check_mesh, parse, resolved_line, to_json
 from train.progress import duration
 from train.references import gap_line, references
 from train.saver import Saver
@@ -43,27 +43,28 @@ def maybe_init_distributed() -> None:
 
 
 def run(config, workdir, log=print) -> dict:
-    """Train (or resume) the run in `workdir`. Returns the last logged metrics plus the last eval, with
-    "stopped_by" set when SIGTERM / SIGINT stopped it early (after saving a checkpoint)."""
-    mcfg = check(config)
+    """Train (or resume) the run in `workdir` with `config` (a RunConfig, or a ConfigDict parsed here). Returns
+    the last logged metrics plus the last eval, with "stopped_by" set when SIGTERM / SIGINT stopped it early
+    (after saving a checkpoint)."""
+    rc = parse(config)
     host_memory.keep_freed_memory()  # before JAX computes anything: made later, it changes little
     maybe_init_distributed()
-    mesh = make_mesh(config)
-    check_mesh(config, mcfg, mesh)
-    check_memory(config, mcfg, mesh, jax.devices()[0])
+    mesh = make_mesh(rc)
+    check_mesh(rc, mesh)
+    check_memory(rc, mesh, jax.devices()[0])
     # Tokenizer, data set and vocabulary are checked before anything is written into the run directory.
-    inputs.check_vocab(config.data, mcfg.vocab_size)
-    data = inputs.sampler(config), inputs.eval_batches(config, jax.process_index(), jax.process_count())
-    resolved = execution(config).resolved()
-    with claimed(workdir, config, resolved, log) as run_dir:
-        compile_cache.enable(config.train.get("compile_cache_dir", ""), log)  # after the input checks
-        return train(config, mcfg, mesh, run_dir, data, log)
+    inputs.check_vocab(rc.data, rc.model.vocab_size)
+    data = inputs.sampler(rc), inputs.eval_batches(rc, jax.process_index(), jax.process_count())
+    resolved = rc.execution.resolved()
+    with claimed(workdir, rc, resolved, log) as run_dir:
+        compile_cache.enable(rc.train.compile_cache_dir, log)  # after the input checks
+        return train(rc, mesh, run_dir, data, log)
 
 
-def make_mesh(config):
+def make_mesh(rc):
     """The device mesh, after checking that every process feeds whole rows of every micro-batch."""
-    t = config.train
-    mesh = mesh_lib.make_mesh(config.mesh)
+    t = rc.train
+    mesh = mesh_lib.make_mesh(rc.mesh)
     dp = mesh_lib.data_parallel_size(mesh)
     if dp % jax.process_count():
         raise UserError(f"mesh.data x mesh.fsdp ({dp}) must be a multiple of the {jax.process_count()} processes: "
@@ -75,7 +76,7 @@ def make_mesh(config):
 
 
 @contextlib.contextmanager
-def claimed(workdir, config, resolved, log):
+def claimed(workdir, rc, resolved, log):
     """The run directory, held: checked (never a directory that is not a run), locked, created with its config
     and the platform's execution choices on first use; signal handlers installed. Only process 0 writes into the
     run directory; the others would race with its creation."""
@@ -92,8 +93,8 @@ def claimed(workdir, config, resolved, log):
             if lock.previous:
                 log(f"took over the lock left by a stopped process ({lock.previous})")
             if not run_dir.is_run():
-                layout.create(run_dir, to_json(config, resolved))
-            log(resolved_line(resolved, config))
+                layout.create(run_dir, to_json(rc, resolved))
+            log(resolved_line(resolved, rc))
         yield run_dir
     finally:
         if lock is not None:
@@ -122,15 +123,15 @@ def _last_rows(run_dir) -> dict:
     return last
 
 
-def train(config, mcfg, mesh, run_dir, data, log) -> dict:
+def train(rc, mesh, run_dir, data, log) -> dict:
     """The loop over steps in a claimed run directory: what `run` does once every check has passed."""
-    t = config.train
+    t, mcfg = rc.train, rc.model
     say = log if jax.process_index() == 0 else (lambda *a: None)
     _check_history(run_dir)
     (sampler, domain_names), val_batches = data
     tx = optim.optimizer(t)
     graphdef, state, shardings = init_state(mcfg, tx, t.seed, mesh)
-    saver = Saver(config, mcfg, run_dir, inputs.tokenizer_path(config.data), say)
+    saver = Saver(rc, run_dir, inputs.tokenizer_path(rc.data), say)
     state, start = saver.restore(state)
     if start >= t.steps:
         say(f"{run_dir.root} is already trained to step {start} (train.steps={t.steps}); nothing to do. "
@@ -139,13 +140,18 @@ def train(config, mcfg, mesh, run_dir, data, log) -> dict:
         return _last_rows(run_dir)
     if start:
         say(f"resuming {run_dir.root} from step {start}")
-    refs = references(config) if jax.process_index() == 0 else None  # cached after a run's first use
-    train_step, eval_step = compile_steps(config, mcfg, mesh, graphdef, tx, shardings, len(domain_names), say)
-    tokens_per_step = t.batch_size * config.data.seq_len
-    peak = float(config.log.peak_flops) or measure_peak_flops()
-    say(header(config, mcfg, mesh, start))
-    steps = StepLog(config, run_dir, start, tokens_per_step=tokens_per_step, peak=peak,
-                    flops_per_step=train_flops_per_token(mcfg, config.data.seq_len) * tokens_per_step,
+        changed = changed_settings(saver.restored_config, rc)
+        if changed:
+            say(f"note: the config differs from the one checkpoint {start} was trained with: {'; '.join(changed)}. "
+                f"Steps {start + 1} on follow the new values (the learning-rate schedule, bias updates and MTP "
+                "weight are functions of the step and these settings); pass the old values to continue as before")
+    refs = references(rc) if jax.process_index() == 0 else None  # cached after a run's first use
+    train_step, eval_step = compile_steps(rc, mesh, graphdef, tx, shardings, len(domain_names), say)
+    tokens_per_step = t.batch_size * rc.data.seq_len
+    peak = float(rc.log.peak_flops) or measure_peak_flops()
+    say(header(rc, mesh, start))
+    steps = StepLog(rc, run_dir, start, tokens_per_step=tokens_per_step, peak=peak,
+                    flops_per_step=train_flops_per_token(mcfg, rc.data.seq_len) * tokens_per_step,
                     moe_layer_ids=mcfg.train_load_layer_ids, last_checkpoint=lambda: saver.last_saved, say=say)
     stopped_by, step = signals.requested(), start
     if stopped_by:
@@ -159,7 +165,7 @@ def train(config, mcfg, mesh, run_dir, data, log) -> dict:
             state, metrics = train_step(state, to_global(next(batches)[1], mesh))
             steps.push(step, metrics)  # pulls the previous step's metrics now that this one is dispatched
             stopped_by = signals.requested()
-            if step % config.eval.every == 0 or step == t.steps:
+            if step % rc.eval.every == 0 or step == t.steps:
                 steps.flush()
                 ev = evaluate(eval_step, state, val_batches, mesh, domain_names, mcfg.moe_layer_ids)
                 saver.report(steps.line, wait=True)  # earlier checkpoints' lines first: the console reads in order
@@ -167,7 +173,7 @@ def train(config, mcfg, mesh, run_dir, data, log) -> dict:
                 if jax.process_index() == 0:
                     draw_loss_curves(run_dir, say, refs)
                 steps.restart_clock(step)
-            if step % config.checkpoint.every == 0 or step == t.steps or stopped_by:
+            if step % rc.checkpoint.every == 0 or step == t.steps or stopped_by:
                 steps.flush()  # never save a state whose step went NaN
                 saver.save(step, state, steps.line)
                 steps.restart_clock(step)
@@ -187,18 +193,35 @@ def train(config, mcfg, mesh, run_dir, data, log) -> dict:
     return steps.last
 
 
-def compile_steps(config, mcfg, mesh, graphdef, tx, shardings, n_domains: int, say):
+# What shapes a run's trajectory from step to step: a difference on resume is reported, never silent.
+SCHEDULE_SECTIONS = ("train", "data")
+
+
+def changed_settings(saved: dict | None, rc) -> list[str]:
+    """'train.steps 60 -> 800', ... for every training or data setting that differs from the saved run config (the
+    compilation cache's directory is where programs are cached, not what they compute)."""
+    now = rc.to_dict()
+    out = []
+    for section in SCHEDULE_SECTIONS:
+        old = (saved or {}).get(section, {})
+        for key, value in now[section].items():
+            if key != "compile_cache_dir" and key in old and old[key] != value:
+                out.append(f"{section}.{key} {old[key]!r} -> {value!r}")
+    return out
+
+
+def compile_steps(rc, mesh, graphdef, tx, shardings, n_domains: int, say):
     """(train_step, eval_step), jitted: the train step donates the old state and keeps the state's layout (and
     so the checkpoints')."""
-    train_ex, eval_ex = execution(config, mesh), execution(config, mesh, evaluation=True)
-    warning = causality_warning(config, mcfg)
+    train_ex, eval_ex = rc.execution_on(mesh), rc.execution_on(mesh, evaluation=True)
+    warning = causality_warning(rc)
     if warning:
         say(warning)
     if mesh.shape["expert"] > 1 and train_ex.dispatch == "dropless":
         say(f"note: execution.dispatch=dropless on mesh.expert={mesh.shape['expert']}: XLA partitions the sorted "
             "grouped matmul; execution.dispatch=expert_parallel_dropless moves tokens with all_to_all instead "
             "(docs/scaling.md)")
-    step_fn = make_train_step(graphdef, tx, optim.schedule(config.train), config.train, train_ex)
+    step_fn = make_train_step(graphdef, tx, optim.schedule(rc.train), rc.train, train_ex)
 
     def sharded_step(state, batch):
         new_state, metrics = step_fn(state, batch)
@@ -207,9 +230,9 @@ def compile_steps(config, mcfg, mesh, graphdef, tx, shardings, n_domains: int, s
     return jax.jit(sharded_step, donate_argnums=0), jax.jit(make_eval_step(graphdef, n_domains, eval_ex))
 
 
-def header(config, mcfg, mesh, start: int) -> str:
+def header(rc, mesh, start: int) -> str:
     """What is being trained, in one line."""
-    counts, t, d = param_counts(mcfg), config.train, config.data
+    counts, t, d = param_counts(rc.model), rc.train, rc.data
     devices = f"{jax.device_count()} {jax.devices()[0].platform} device" + ("s" if jax.device_count() > 1 else "")
     return (f"training {counts['total'] / 1e6:.2f}M parameters ({counts['active'] / 1e6:.2f}M active per token) "
             f"on {d.name} ({d.task}, {d.seq_len}-token rows, batch {t.batch_size}), steps {start} -> {t.steps}, "

@@ -10,7 +10,7 @@ from plumbing.errors import UserError
 
 
 def mesh_shape(mesh_cfg, n_devices: int) -> tuple[int, ...]:
-    sizes = [int(mesh_cfg[a]) for a in MESH_AXES]
+    sizes = [int(getattr(mesh_cfg, a)) for a in MESH_AXES]
     free = [i for i, s in enumerate(sizes) if s == -1]
     if len(free) > 1:
         raise UserError("at most one mesh axis may be -1 (the remaining devices); set the others explicitly")

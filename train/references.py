@@ -21,25 +21,25 @@ from train.ngram import ngram_pair_references
 TASKS = ("lm", "prefix")  # next-token targets; a masked target's bigram needs both neighbours (not here)
 
 
-def references(config) -> dict | None:
+def references(rc) -> dict | None:
     """{"unigram", "bigram", "bigram_lambda", "targets"} in nats per validation target, or None for a task whose
     targets are not next tokens."""
-    d = config.data
+    d = rc.data
     if d.task not in TASKS:
         return None
     train = inputs.token_cache_for(d, d.split)
-    tgt = inputs.targets(config, evaluation=True)
+    tgt = inputs.targets(rc, evaluation=True)
     spec = {"train": train.key, "split": d.eval_split, "seq_len": d.seq_len, "task": d.task,
-            "prefix_frac": d.prefix_frac, "windows": d.get("windows", False), "rows": config.eval.rows_per_domain,
-            "targets": [tgt.prefix_loss, tgt.equal_targets], "vocab": config.model.vocab_size}
+            "prefix_frac": d.prefix_frac, "windows": d.windows, "rows": rc.eval.rows_per_domain,
+            "targets": [tgt.prefix_loss, tgt.equal_targets], "vocab": rc.model.vocab_size}
     key = hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(d.token_cache_dir or packing.DEFAULT_CACHE_DIR) / f"references-{key}.json"
     if train.key and path.is_file():
         return json.loads(path.read_text())
-    rows = inputs.eval_rows(config)
+    rows = inputs.eval_rows(rc)
     scored = rows["loss_mask"] > 0
     refs = ngram_pair_references(np.asarray(train.tokens), rows["tokens"][scored], rows["targets"][scored],
-                                 config.model.vocab_size)
+                                 rc.model.vocab_size)
     refs["targets"] = int(scored.sum())
     if train.key:  # written beside, then renamed: a concurrent run never reads half a file
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -5,22 +5,23 @@ import jax
 
 from rundir import checkpoints
 from rundir import metrics as metrics_file
+from rundir.config_layout import up_to_date
 from train.state import abstract_state
 
 
 class Saver:
-    def __init__(self, config, mcfg, run_dir, tokenizer_path, say=print):
-        c = config.checkpoint
-        self.config, self.mcfg, self.run_dir, self.tokenizer_path, self.say = config, mcfg, run_dir, tokenizer_path, say
-        self.mngr = checkpoints.manager(run_dir.checkpoints, c.keep, c.async_save)
+    def __init__(self, rc, run_dir, tokenizer_path, say=print):
+        self.rc, self.run_dir, self.tokenizer_path, self.say = rc, run_dir, tokenizer_path, say
+        self.mngr = checkpoints.manager(run_dir.checkpoints, rc.checkpoint.keep, rc.checkpoint.async_save)
         self.last_saved = None  # the newest step saved (or restored): what a NaN stop names
+        self.restored_config = None  # the run config the restored checkpoint was written with (today's layout)
         self.saving = []  # steps whose save has not been reported complete yet
 
     def restore(self, state):
         """(state, start step): the newest readable checkpoint's, or `state` and 0. On resume, the metrics the
         stopped run logged after that checkpoint are dropped (they are logged again) and the run is marked
         resumable (a run written before the marker existed gets it)."""
-        restored, meta = checkpoints.restore_latest(self.mngr, abstract_state(state), self.mcfg, self.say)
+        restored, meta = checkpoints.restore_latest(self.mngr, abstract_state(state), self.rc.model, self.say)
         start = 0 if restored is None else int(meta["data_position"])
         if jax.process_index() == 0:
             dropped = metrics_file.truncate_after(self.run_dir.metrics, start)
@@ -31,7 +32,7 @@ class Saver:
                 self.run_dir.write_marker(checkpointed=True)
         if restored is None:
             return state, 0
-        self.last_saved = start
+        self.last_saved, self.restored_config = start, up_to_date(meta["config"])
         return restored, start
 
     def save(self, step: int, state, line) -> None:
@@ -39,7 +40,7 @@ class Saver:
         then on the run can resume, which the marker records."""
         first = self.last_saved is None
         self.report(line)  # the previous save, if it has finished meanwhile
-        checkpoints.save(self.mngr, step, state, self.config, self.mcfg, self.tokenizer_path)
+        checkpoints.save(self.mngr, step, state, self.rc, self.tokenizer_path)
         self.last_saved = step
         self.saving.append(step)
         if first:

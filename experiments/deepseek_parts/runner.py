@@ -14,11 +14,12 @@ bigram of the scored targets. Measurements beside them: KV-cache bytes per token
 of the logged rows of the run), parameters.
 
 Each run lives in OUT/<arm>/seed<k> (train.loop.run: resumable) and leaves result.json, scored on the first
---rows_per_domain validation rows of every domain (analysis.ablation.Scorer); OUT/report.md and OUT/results.json
+--rows_per_domain validation rows of every domain (analysis.ablate.ablation.Scorer); OUT/report.md and OUT/results.json
 hold the report.
 """
 
 import copy
+import dataclasses
 import json
 import statistics
 import sys
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis.ablation import Scorer
+from analysis.ablate.ablation import Scorer
 from configs.default import get_config as default_config
 from experiments.common.cli import Interrupted, run_cli, seeds_and_steps, study_parser
 from experiments.common.runs import fingerprint, read_metrics
@@ -38,9 +39,9 @@ from rundir import RunDir, open_run
 from rundir.atomic import write_text
 from rundir.checkpoints import steps_in
 from rundir.metrics import read_rows
-from train.cli import config_from_argv
-from train.config import check, model_config
+from train.command_line import config_from_argv
 from train.loop import run as train_run
+from train.preflight import parse
 from train.references import references
 
 ARMS = ("gqa", "mla", "mla_mtp")
@@ -64,12 +65,11 @@ def arm_config(base, arm: str, seed: int, steps: int):
 def measure(config, workdir, rows_per_domain: int) -> dict:
     """The run's result: main-head validation loss and its bigram on the same rows, speed, sizes."""
     run = open_run(workdir)
-    c = copy.deepcopy(run.config)
-    c.eval.rows_per_domain = rows_per_domain
+    c = dataclasses.replace(run.config, eval=dataclasses.replace(run.config.eval, rows_per_domain=rows_per_domain))
     ce, n = Scorer(run.model, c, run.tokenizer)(run.model)
     refs = references(c)
     speeds = [r["tokens_per_sec"] for r in read_rows(RunDir(Path(workdir)).metrics) if "tokens_per_sec" in r]
-    mcfg = model_config(config)
+    mcfg = parse(config).model
     _, evals = read_metrics(workdir)
     return {"seed": int(config.train.seed), "steps": int(config.train.steps), "fingerprint": fingerprint(config),
             "val_loss": float(ce.sum() / n.sum()), "targets": int(n.sum()), "bigram": refs["bigram"],
@@ -128,7 +128,7 @@ def run_study(base, seeds: int, steps: int, out, rows_per_domain: int, log=print
     out = Path(out)
     runs = [(a, s) for s in range(seeds) for a in ARMS]  # seed-major: a cut-short study stays paired
     for a, s in runs:
-        check(arm_config(base, a, s, steps))
+        parse(arm_config(base, a, s, steps))
     results = []
     for i, (a, s) in enumerate(runs):
         workdir = out / a / f"seed{s}"

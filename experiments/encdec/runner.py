@@ -51,10 +51,10 @@ from plumbing.args import ArgParser
 from plumbing.errors import UserError, exit_with, os_error
 from rundir.atomic import write_text
 from train import optim, step
-from train.cli import config_from_argv
-from train.config import check, execution, model_config
+from train.command_line import config_from_argv
 from train.inputs import sampler as make_sampler
 from train.inputs import task_cache
+from train.preflight import parse
 from train.state import init_state
 
 DEFAULT_CONFIG = "experiments/masks_round2/config.py"
@@ -119,11 +119,11 @@ def row_losses(loss_fn, state, to_batch, rows, batch_size: int) -> np.ndarray:
 
 def train_cell(c, cell: Cell, log=print) -> dict:
     """Train one cell from scratch and measure it: curves, final loss on every validation window, the gap."""
-    mcfg = model_config(c)
+    mcfg = parse(c).model
     build, forward_fn, to_batch = build_fn(c, cell)
     t = c.train
     mesh = make_mesh(1, 1, 1, 1, devices=jax.devices()[:1])
-    ex = execution(c, mesh)
+    ex = parse(c).execution_on(mesh)
     tx = optim.optimizer(t)
     graphdef, state, _ = init_state(mcfg, tx, int(t.seed), mesh, build)
     train_step = jax.jit(step.make_train_step(graphdef, tx, optim.schedule(t), t, ex, forward_fn),
@@ -194,7 +194,7 @@ def run_study(base, seeds: int, steps: int, out, decoder_mask: str, log=print, r
     out = Path(out)
     for cell in cells:
         for lr in lr_grid or (None,):
-            check(cell_config(base, cell, 0, steps, decoder_mask, lr)[0])
+            parse(cell_config(base, cell, 0, steps, decoder_mask, lr)[0])
     out.mkdir(parents=True, exist_ok=True)
     refs = study_references(cell_config(base, "decoder_P", 0, steps, "causal")[0], out, log)
     chosen = {}

@@ -26,7 +26,7 @@ from experiments.mlm import runner as mlm
 from moe import ConfigError
 from plumbing.args import ArgParser
 from plumbing.errors import UserError, exit_with
-from train.config import check
+from train.preflight import parse
 
 STUDY_GPU = "experiments/masks_round2/config_gpu.py"
 MLM_GPU = "experiments/mlm/config_gpu.py"
@@ -55,20 +55,20 @@ def check_part(part: str, argv: list[str]) -> None:
     if part == "study":
         config, arms, seeds, steps, *_ = study.parse_flags(prog)
         for a in arms:
-            check(study.arm_config(config, a, 0, steps))
+            parse(study.arm_config(config, a, 0, steps))
     elif part == "encdec":
         config, args, steps = encdec.parse_flags(prog)
         for cell in args.cells:
-            check(encdec.cell_config(config, cell, 0, steps, args.decoder_mask)[0])
+            parse(encdec.cell_config(config, cell, 0, steps, args.decoder_mask)[0])
     elif part == "head_sweep":
         config, dims, seeds, steps, *_ = head_sweep.parse_flags(prog)
         for d in dims:
             for a in head_sweep.ARMS:
-                check(study.arm_config(head_sweep.head_config(config, d), a, 0, steps))
+                parse(study.arm_config(head_sweep.head_config(config, d), a, 0, steps))
     else:
         config, seeds, steps, _ = mlm.parse_flags(prog)
         for arm in mlm.ARMS:
-            check(mlm.arm_config(config, arm, 0, steps))
+            parse(mlm.arm_config(config, arm, 0, steps))
 
 
 def run_part(package: str, argv: list[str]) -> None:

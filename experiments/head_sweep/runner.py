@@ -11,7 +11,7 @@ For each d_head the attention width n_heads * head_dim and the query/kv group ra
 128: 2 heads of 64 ... 16 heads of 8), so every d_head has the same parameters and attention FLOPs. Each d_head is
 a two-arm study (causal, prefix) in OUT/d<d_head> by experiments.masks_round2's runner, with its own gate and
 report (runs finished there are reused: copy runs/study_masks/{causal,prefix} into OUT/d32 to reuse a mask
-round's). Then the trained logits' rank (analysis.rank_logits) of every run is measured and
+round's). Then the trained logits' rank (analysis.rank.logits) of every run is measured and
 OUT/head_sweep.{json,md,png} (experiments.head_sweep.report) give, per
 n_in / d_head (n_in: the input block, seq_len * prefix_frac), the paired prefix - causal loss difference (one family
 with the slope, docs/inference.md), the effective rank of each model's input block under its own mask,
@@ -23,7 +23,7 @@ import json
 import sys
 from pathlib import Path
 
-from analysis.rank_logits import measure_run
+from analysis.rank.logits import measure_run
 from experiments.common.cli import run_cli, seeds_and_steps, study_parser, use_compilation_cache
 from experiments.head_sweep.report import ARMS, sweep_rows, write_report
 from experiments.masks_round2.runner import DEFAULT_CONFIG, DEFAULT_PROBE_ROWS, probe_sizes, run_study
@@ -31,7 +31,7 @@ from plumbing.args import ArgParser
 from plumbing.errors import UserError
 from rundir import RunDir
 from rundir.checkpoints import steps_in
-from train.cli import config_from_argv
+from train.command_line import config_from_argv
 
 HEAD_DIMS = (64, 32, 16, 8)  # with the study's 128-token input block: n_in / d_head = 2, 4, 8, 16
 

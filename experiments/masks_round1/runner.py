@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from ml_collections import ConfigDict
 
-from analysis.rank import analyse, select_rows
+from analysis.rank.attention import analyse, select_rows
 from experiments.common.cli import Interrupted, run_cli, seeds_and_steps, study_parser, use_compilation_cache
 from experiments.common.runs import fingerprint, read_metrics
 from experiments.masks_round1.report import write_report
@@ -32,10 +32,10 @@ from plumbing.args import ArgParser
 from plumbing.errors import UserError
 from rundir import RunDir, open_run
 from rundir.checkpoints import steps_in
-from train.cli import config_from_argv
-from train.config import check, model_config
+from train.command_line import config_from_argv
 from train.inputs import eval_rows
 from train.loop import run as train_run
+from train.preflight import parse
 
 RANK_SEQUENCES = 8
 DEFAULT_CONFIG = "experiments/masks_round1/config.py"
@@ -77,7 +77,7 @@ def summarize_run(config, workdir, seconds: float) -> dict:
     train, evals = read_metrics(workdir)
     last = evals[max(evals)]
     rank = analyse(open_run(workdir).model, select_rows(eval_rows(config), RANK_SEQUENCES))
-    mcfg = model_config(config)
+    mcfg = parse(config).model
     return {
         "mask": config.model.mask, "rope": bool(config.model.rope), "seed": int(config.train.seed),
         "steps": int(config.train.steps), "fingerprint": fingerprint(config), "train_seconds": seconds,
@@ -135,7 +135,7 @@ def compare_masks(base, masks, seeds: int, steps: int, nope: bool, out, log=prin
     # seed-major: a study cut short still has every variant at each completed seed
     runs = [(m, r, s) for s in range(seeds) for m, r in variants(masks, nope)]
     for m, r, s in runs:  # validate every config before training anything
-        check(run_config(base, m, r, s, steps))
+        parse(run_config(base, m, r, s, steps))
     results, missing = [], []
     for i, (m, r, s) in enumerate(runs):
         workdir = out / variant_name(m, r) / f"seed{s}"
@@ -150,7 +150,7 @@ def compare_masks(base, masks, seeds: int, steps: int, nope: bool, out, log=prin
     if missing:
         log(f"reporting {len(results)} finished runs; not finished: {', '.join(missing)}")
 
-    cost = attention_cost(base, model_config(base))
+    cost = attention_cost(base, parse(base).model)
     return write_report(results, out / "report", cost, base, missing)
 
 

@@ -41,10 +41,10 @@ from plumbing.errors import UserError
 from rundir import RunDir, open_run
 from rundir.atomic import write_text
 from rundir.checkpoints import steps_in
-from train.cli import config_from_argv
-from train.config import check
+from train.command_line import config_from_argv
 from train.inputs import task_cache
 from train.loop import run as train_run
+from train.preflight import parse
 
 DEFAULT_CONFIG = "experiments/masks_round2/config.py"
 # arm: (model.mask, train.prefix_loss, model.rope, train.equal_targets); the NoPE arms (item 7) are opt-in and
@@ -177,7 +177,7 @@ def run_study(base, arms, seeds: int, steps: int, out, log=print, run_fn=None, r
     out = Path(out)
     for a in arms:
         for lr in lr_grid or (None,):
-            check(arm_config(base, a, 0, steps, lr))
+            parse(arm_config(base, a, 0, steps, lr))
     out.mkdir(parents=True, exist_ok=True)
     write_text(out / "study.json", json.dumps({"arms": list(arms), "seeds": seeds, "steps": steps,
                                                "lr_grid": list(lr_grid) if lr_grid else None,

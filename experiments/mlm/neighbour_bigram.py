@@ -21,7 +21,7 @@ from experiments.common.rows import all_rows
 from plumbing.args import ArgParser
 from plumbing.errors import UserError, exit_with
 from rundir.atomic import write_text
-from train.cli import config_from_argv
+from train.command_line import config_from_argv
 from train.inputs import mask_id, token_cache_for
 from train.ngram import LAMBDAS
 

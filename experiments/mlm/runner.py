@@ -35,7 +35,7 @@ from rundir import RunDir
 from rundir.atomic import write_text
 from rundir.checkpoints import steps_in
 from rundir.reading import open_run
-from train.cli import config_from_argv
+from train.command_line import config_from_argv
 from train.inputs import task_cache
 from train.loop import run as train_run
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis.routing_stats import plain_json
-from analysis.specialization import interval
+from analysis.routing.stats import plain_json
+from analysis.specialization.compare import interval
 from plumbing.args import ArgParser, run_cli
 from plumbing.errors import UserError
 

@@ -1,11 +1,11 @@
 """Does the reference run's routing matter, over seeds? Per run: the validation loss against the unigram and bigram
-references on its own targets, and the zeroing controls (analysis/ablation_controls.py); then the mean and the 95%
+references on its own targets, and the zeroing controls (analysis/ablate/controls.py); then the mean and the 95%
 t-interval over the seeds of each.
 
     python -m experiments.reference_routing.controls --workdir runs/reference --workdir runs/reference_s1 \
         --workdir runs/reference_s2 --step 1000 --out experiments/reference_routing/results/controls_step1000.json
 
-The runs must be seeds of one config (analysis.specialization.check_same_config). Cost: one validation pass per
+The runs must be seeds of one config (analysis.specialization.compare.check_same_config). Cost: one validation pass per
 control and run.
 """
 
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis import ablation_controls
-from analysis.routing_stats import plain_json
-from analysis.specialization import check_same_config, interval
+from analysis.ablate import controls as ablation_controls
+from analysis.routing.stats import plain_json
+from analysis.specialization.compare import check_same_config, interval
 from plumbing.args import ArgParser, run_cli
 from rundir import open_run
 from train.references import references

@@ -34,6 +34,14 @@ def layer_cache(cfg, batch: int, max_len: int, dtype: str = "float32") -> dict:
     return {"k": jnp.zeros(shape, dt), "v": jnp.zeros(shape, dt)}
 
 
+def check_decodable(model) -> None:
+    """Decoding appends one token at a time, each attending to what came before: a model whose mask lets every
+    position see later ones (bidirectional) has no left-to-right distribution to sample from. ValueError."""
+    if model.cfg.mask == "bidirectional":
+        raise ValueError("model.mask 'bidirectional' cannot generate left to right (every position attends to later "
+                         "ones); use a causal, prefix or mixed model")
+
+
 def _prefix_len(model, prompt_BxP):
     B, P = prompt_BxP.shape
     return jnp.full((B,), P, jnp.int32) if model.cfg.mask in ("prefix", "mixed") else None
@@ -83,6 +91,7 @@ def sample(logits_BxV, rng, temperature: float, top_p: float):
 def generate(model: Transformer, prompt_BxP, rng, *, max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, execution: Execution = DEFAULT_EXECUTION):
     """Prompt [B,P] (same length for every row) -> new tokens [B, max_new_tokens]."""
+    check_decodable(model)
     B, P = prompt_BxP.shape
     cache = init_cache(model.cfg, B, P + max_new_tokens, execution.dtype)
     logits_BxPxV, cache = prefill(model, prompt_BxP, cache, execution=execution)
@@ -100,3 +109,44 @@ def generate(model: Transformer, prompt_BxP, rng, *, max_new_tokens: int, temper
 
     out_BxN, _, _ = jax.lax.fori_loop(1, max_new_tokens, body, (out_BxN, cache, rng))
     return out_BxN
+
+
+@functools.partial(nnx.jit, static_argnames=("max_len", "temperature", "top_p", "execution"))
+def _start(model, prompt_BxP, rng, *, max_len: int, temperature, top_p, execution):
+    cache = init_cache(model.cfg, prompt_BxP.shape[0], max_len, execution.dtype)
+    logits_BxPxV, cache = prefill(model, prompt_BxP, cache, execution=execution)
+    rng, sub = jax.random.split(rng)
+    return sample(logits_BxPxV[:, -1], sub, temperature, top_p), cache, rng
+
+
+@functools.partial(nnx.jit, static_argnames=("n", "temperature", "top_p", "execution"))
+def _advance(model, last_B, index, cache, rng, prefix_len_B, *, n: int, temperature, top_p, execution):
+    """n more tokens after `last_B` (at slot index): (tokens [B, n], cache, rng), as `generate`'s loop makes them."""
+    out_BxN = jnp.zeros((last_B.shape[0], n), jnp.int32)
+
+    def body(i, carry):
+        out_BxN, last_B, cache, rng = carry
+        logits_BxV, cache = step(model, last_B[:, None], index + i, cache, prefix_len_B, execution)
+        rng, sub = jax.random.split(rng)
+        new_B = sample(logits_BxV, sub, temperature, top_p)
+        return out_BxN.at[:, i].set(new_B), new_B, cache, rng
+
+    out_BxN, _, cache, rng = jax.lax.fori_loop(0, n, body, (out_BxN, last_B, cache, rng))
+    return out_BxN, cache, rng
+
+
+def generate_chunks(model: Transformer, prompt_BxP, rng, *, max_new_tokens: int, chunk: int = 256,
+                    temperature: float = 0.0, top_p: float = 1.0, execution: Execution = DEFAULT_EXECUTION):
+    """`generate`'s tokens as they come: yields [B, n] arrays (the first token, then chunks of up to `chunk`), each
+    one compiled call, so a caller can stop between them (Ctrl-C) without waiting for the whole continuation."""
+    check_decodable(model)
+    B, P = prompt_BxP.shape
+    kw = dict(temperature=float(temperature), top_p=float(top_p), execution=execution)
+    last_B, cache, rng = _start(model, prompt_BxP, rng, max_len=P + max_new_tokens, **kw)
+    yield last_B[:, None]
+    prefix_len_B, done = _prefix_len(model, prompt_BxP), 1
+    while done < max_new_tokens:
+        n = min(chunk, max_new_tokens - done)
+        new_BxN, cache, rng = _advance(model, last_B, P + done - 1, cache, rng, prefix_len_B, n=n, **kw)
+        yield new_BxN
+        last_B, done = new_BxN[:, -1], done + n

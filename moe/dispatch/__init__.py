@@ -10,6 +10,7 @@
 
 from moe.dispatch import expert_parallel, experts, kernels
 from moe.dispatch.execution import Execution, check_tokens
+from plumbing.errors import ConfigError
 
 
 def routed_experts(ex: Execution, x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_down, group_size: int):
@@ -20,6 +21,9 @@ def routed_experts(ex: Execution, x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_dow
                                            capacity_factor=ex.capacity_factor, group_size=group_size)
     grouped = kernels.grouped_swiglu_for(ex.grouped_matmul, ex.platform or None)
     if ex.dispatch in ("expert_parallel", "expert_parallel_dropless"):
+        if w_gate.shape[0] % ex.expert_shards:
+            raise ConfigError(f"execution.dispatch: {ex.dispatch} splits model.n_routed_experts ({w_gate.shape[0]}) "
+                              f"over mesh.expert ({ex.expert_shards}); make it divisible")
         check_tokens(ex, x_TxD.shape[0])
         cf = ex.capacity_factor if ex.dispatch == "expert_parallel" else None
         y_TxD, keep_TxK = expert_parallel.dispatch(x_TxD, ids_TxK, gates_TxK, w_gate, w_up, w_down,

@@ -31,6 +31,7 @@ from moe.dispatch import platform
 from moe.dispatch.expert_parallel import token_shards
 from moe.sharding import RULES, logical_to_spec
 from plumbing.errors import ConfigError
+from plumbing.fields import check_fields, field, one_of, positive
 
 DISPATCH_MODES = ("dropless", "expert_parallel_dropless", "expert_parallel", "capacity", "reference")
 DROPPING_DISPATCH = ("expert_parallel", "capacity")
@@ -56,32 +57,37 @@ PERMUTE_GRADS = ("auto", "scatter", "gather")
 
 @dataclasses.dataclass(frozen=True)
 class Execution:
-    dispatch: str = "dropless"  # see the module docstring
-    capacity_factor: float = 1.25  # capacity / expert_parallel: slots per expert (1.0 = a perfectly even load)
-    # The grouped matmul of the dropless and expert-parallel modes (moe/dispatch/kernels/): ragged_dot, blocked, slab,
-    # tokamax (optional package), or auto (moe/dispatch/platform.py's choice for the platform).
-    grouped_matmul: str = "auto"
-    permute_grad: str = "auto"  # dropless / expert_parallel dispatch: PERMUTE_GRADS above
+    dispatch: str = field("dropless", one_of(*DISPATCH_MODES), doc="the routed-expert algorithm (module docstring)")
+    capacity_factor: float = field(1.25, positive, doc="capacity / expert_parallel: slots per expert (1.0 = a "
+                                                        "perfectly even load)")
+    grouped_matmul: str = field("auto", one_of(*GROUPED_MATMULS),
+                                doc="the grouped matmul of the dropless and expert-parallel modes (moe/dispatch/kernels/): "
+                                    "ragged_dot, blocked, slab, tokamax (optional package), or auto (platform.py's choice)")
+    permute_grad: str = field("auto", one_of(*PERMUTE_GRADS), doc="dropless / expert_parallel: how the backward "
+                                                                  "pass moves permuted rows (PERMUTE_GRADS)")
     # einsum: explicit einsums + fp32 softmax (the reference; used for attention maps and, with a KV cache, by GQA;
     # MLA decodes in its absorbed form unless einsum is asked for, which runs the naive reference).
     # blockwise: the same einsums a block of queries at a time, each block against only the keys a causal mask
     # can show it (~37% less work at 4 blocks; other masks run as einsum). xla / cudnn:
     # jax.nn.dot_product_attention(implementation=...); cudnn is fused flash attention on NVIDIA GPUs (bf16/fp16,
     # head_dim a multiple of 8 and <= 256).
-    attention_impl: str = "blockwise"
-    dtype: str = "float32"  # activations and matmuls; params stay fp32, router and softmax math run in fp32
-    remat: bool = False  # recompute each block in the backward pass (activation memory O(1) blocks, not O(depth))
-    remat_policy: str = "full"  # what a rematerialized block keeps (REMAT_POLICIES above)
-    # Consecutive blocks of one structure as one lax.scan (moe/model.py, `scan_blocks`): one compiled copy of the MoE block
-    # instead of one per layer (compile time), the same function up to rounding; the parameters stay one module
-    # per layer. The decoder-only Transformer's; the encoder-decoder study model (experiments/encdec/model.py)
-    # runs unrolled.
-    scan_layers: bool = False
-    # The loss's LM head + cross-entropy run over the sequence in this many chunks (the largest divisor of L
-    # not above it): [B, L/chunks, V] logits at a time. The train step computes each chunk's gradient in its
-    # forward pass (moe/lm_loss.py, weighted_cross_entropy); 8 runs the default train step fastest on CPU.
-    # With the batch sharded, each chunk all-reduces the head's gradient.
-    loss_chunks: int = 8
+    attention_impl: str = field("blockwise", one_of(*ATTENTION_IMPLS),
+                                doc="blockwise | einsum (the reference) | xla | cudnn (fused flash attention on "
+                                    "NVIDIA GPUs, bf16/fp16)")
+    dtype: str = field("float32", one_of(*DTYPES), doc="activations and matmuls; params stay fp32, router and softmax "
+                                                       "math run in fp32")
+    remat: bool = field(False, doc="recompute each block in the backward pass (activation memory O(1) blocks, not "
+                                   "O(depth))")
+    remat_policy: str = field("full", one_of(*REMAT_POLICIES), doc="what a rematerialized block keeps "
+                                                                   "(REMAT_POLICIES)")
+    # The parameters stay one module per layer; the encoder-decoder study model (experiments/encdec/model.py) runs
+    # unrolled.
+    scan_layers: bool = field(False, doc="consecutive blocks of one structure as one lax.scan (one compiled copy of "
+                                         "the MoE block; the same function up to rounding)")
+    # The train step computes each chunk's gradient in its forward pass (moe/lm_loss.py, weighted_cross_entropy);
+    # 8 runs the default train step fastest on CPU. With the batch sharded, each chunk all-reduces the head's gradient.
+    loss_chunks: int = field(8, positive, doc="the loss's LM head + cross-entropy run over the sequence in this many "
+                                              "chunks (the largest divisor of L not above it)")
     # Activations are constrained to this mesh by `rules` (logical axis -> mesh axis); None: no constraints.
     mesh: jax.sharding.Mesh | None = None
     rules: tuple = RULES
@@ -130,37 +136,13 @@ def execution_fields() -> dict:
 
 
 def validate(ex: Execution) -> None:
-    def fail(field, msg):
-        raise ConfigError(f"execution.{field}: {msg}")
-
-    if ex.dispatch not in DISPATCH_MODES:
-        fail("dispatch", f"unknown dispatch {ex.dispatch!r}; allowed: {', '.join(DISPATCH_MODES)}")
-    if isinstance(ex.capacity_factor, bool) or not isinstance(ex.capacity_factor, (int, float)) \
-            or not ex.capacity_factor > 0:
-        fail("capacity_factor", f"must be a number > 0 (1.25: 25% headroom over a perfectly even load), "
-                                f"got {ex.capacity_factor!r}")
-    if ex.grouped_matmul not in GROUPED_MATMULS:
-        fail("grouped_matmul", f"unknown grouped matmul {ex.grouped_matmul!r}; allowed: "
-                               f"{', '.join(GROUPED_MATMULS)}")
-    if ex.permute_grad not in PERMUTE_GRADS:
-        fail("permute_grad", f"unknown rule {ex.permute_grad!r}; allowed: {', '.join(PERMUTE_GRADS)}")
-    if ex.dtype not in DTYPES:
-        fail("dtype", f"unknown dtype {ex.dtype!r}; allowed: {', '.join(DTYPES)}")
-    if ex.attention_impl not in ATTENTION_IMPLS:
-        fail("attention_impl", f"unknown attention implementation {ex.attention_impl!r}; allowed: "
-                               f"{', '.join(ATTENTION_IMPLS)}")
+    check_fields(ex, "execution")
     if ex.attention_impl == "cudnn" and ex.dtype == "float32":
-        fail("attention_impl", "cudnn attention runs in bfloat16 or float16; set execution.dtype=bfloat16 or use "
-                               "attention_impl=xla")
-    if ex.remat_policy not in REMAT_POLICIES:
-        fail("remat_policy", f"unknown remat policy {ex.remat_policy!r}; allowed: {', '.join(REMAT_POLICIES)}")
-    if isinstance(ex.loss_chunks, bool) or not isinstance(ex.loss_chunks, int) or ex.loss_chunks < 1:
-        fail("loss_chunks", f"must be a whole number >= 1 (1: all logits at once), got {ex.loss_chunks!r}")
-    for field in ("remat", "scan_layers"):
-        if not isinstance(getattr(ex, field), bool):
-            fail(field, f"must be true or false, got {getattr(ex, field)!r}")
+        raise ConfigError("execution.attention_impl: cudnn attention runs in bfloat16 or float16; set "
+                          "execution.dtype=bfloat16 or use attention_impl=xla")
     if ex.dispatch in EXPERT_PARALLEL and ex.mesh is not None and "expert" not in ex.mesh.shape:
-        fail("dispatch", f"{ex.dispatch} needs a mesh with an 'expert' axis, got axes {tuple(ex.mesh.shape)}")
+        raise ConfigError(f"execution.dispatch: {ex.dispatch} needs a mesh with an 'expert' axis, got axes "
+                          f"{tuple(ex.mesh.shape)}")
 
 
 def check_model(ex: Execution, cfg) -> None:

@@ -1,16 +1,15 @@
-"""What every family shares: the one-line error, config.json fields, RoPE settings, reading safetensors.
+"""What every family shares: the one-line error, config.json fields and their JSON types, RoPE settings.
 
 Each family module (glm4_moe.py, qwen_moe.py, olmoe.py, mixtral.py, deepseek.py) turns its config.json into a
 ModelConfig that reproduces HF's forward exactly, refusing (HFImportError naming the field) whatever our model
-cannot reproduce. RoPE: default only (rope_settings), or default and YaRN for multi-head latent attention
-(yarn_rope_fields: the DeepSeek families ship YaRN configs).
+cannot reproduce. Before any family reads it, every field a family reads is checked for its JSON type
+(check_field_types: "false" is not a boolean, "4" not an integer). RoPE: default only (rope_settings), or default
+and YaRN for multi-head latent attention (yarn_rope_fields: the DeepSeek families ship YaRN configs).
 """
 
 import json
+import math
 import os
-
-import numpy as np
-from safetensors import safe_open
 
 from moe.hf.paths import OutsideDirectoryError, file_inside
 
@@ -32,6 +31,70 @@ def field(c: dict, *names, default=None):
     if default is None:
         raise KeyError(names[0])
     return default
+
+
+INT, NUMBER, BOOL, STRING, OBJECT = "an integer", "a number", "a boolean (true or false)", "a string", "an object"
+INTS, STRINGS = "a list of integers", "a list of strings"
+# Every config.json field a family module reads, with its JSON type (null: as if absent, except in REQUIRED).
+FIELD_TYPES = {
+    **dict.fromkeys(("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts", "num_local_experts",
+                     "n_routed_experts", "num_experts_per_tok", "n_shared_experts", "n_group", "topk_group",
+                     "first_k_dense_replace", "decoder_sparse_step", "shared_expert_intermediate_size", "q_lora_rank",
+                     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_nextn_predict_layers",
+                     "num_mtp_layers", "max_position_embeddings", "original_max_position_embeddings",
+                     "sliding_window", "moe_layer_freq", "index_topk", "index_n_heads", "index_head_dim"), INT),
+    **dict.fromkeys(("rms_norm_eps", "initializer_range", "routed_scaling_factor", "rope_theta",
+                     "partial_rotary_factor", "clip_qkv"), NUMBER),
+    **dict.fromkeys(("tie_word_embeddings", "norm_topk_prob", "rope_interleave", "attention_bias", "mlp_bias",
+                     "qkv_bias", "use_qk_norm", "use_sliding_window"), BOOL),
+    **dict.fromkeys(("model_type", "hidden_act", "scoring_func", "topk_method"), STRING),
+    **dict.fromkeys(("rope_scaling", "rope_parameters", "quantization_config", "text_config"), OBJECT),
+    "mlp_only_layers": INTS, "mlp_layer_types": STRINGS, "layer_types": STRINGS,
+}
+ROPE_FIELD_TYPES = {  # inside rope_scaling / rope_parameters
+    **dict.fromkeys(("rope_type", "type"), STRING), "original_max_position_embeddings": INT, "truncate": BOOL,
+    **dict.fromkeys(("rope_theta", "factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
+                     "partial_rotary_factor"), NUMBER),
+}
+# Read without a default wherever they are read: null is refused rather than taken for "absent".
+REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+            "num_experts_per_tok", "rms_norm_eps", "moe_intermediate_size", "kv_lora_rank", "qk_nope_head_dim",
+            "qk_rope_head_dim", "v_head_dim", "max_position_embeddings", "model_type")
+
+
+def check_field_types(c: dict, where: str) -> None:
+    """Every field a family reads (FIELD_TYPES, and ROPE_FIELD_TYPES inside the RoPE dict) has its JSON type, else
+    HFImportError naming the field, its value and the type expected: Python would read "false" as true and "4"
+    as a string. Called once for every family (moe.hf.load.model_config) before any family module reads c."""
+    for name, kind in FIELD_TYPES.items():
+        if name in c and not _is(c[name], kind, nullable=name not in REQUIRED):
+            raise HFImportError(f"{where}: field {name!r} is {_describe(c[name])}; expected {kind}")
+    for rope in ("rope_scaling", "rope_parameters"):
+        for name, kind in ROPE_FIELD_TYPES.items():
+            if isinstance(c.get(rope), dict) and name in c[rope] and not _is(c[rope][name], kind, nullable=True):
+                raise HFImportError(f"{where}: field '{rope}.{name}' is {_describe(c[rope][name])}; expected {kind}")
+
+
+def _is(value, kind: str, nullable: bool) -> bool:
+    if value is None:
+        return nullable
+    if kind in (INTS, STRINGS):
+        return isinstance(value, list) and all(_is(v, INT if kind == INTS else STRING, False) for v in value)
+    if isinstance(value, bool):
+        return kind == BOOL
+    return {INT: isinstance(value, int),
+            NUMBER: isinstance(value, (int, float)) and math.isfinite(value),
+            STRING: isinstance(value, str), OBJECT: isinstance(value, dict), BOOL: False}[kind]
+
+
+def _describe(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"the boolean {str(value).lower()}"
+    kind = {str: "a string", int: "an integer", float: "a number", list: "a list", dict: "an object"}
+    return f"{kind.get(type(value), type(value).__name__)} ({json.dumps(value)[:40]})"
 
 
 def n_experts(c: dict) -> int:
@@ -108,9 +171,25 @@ def yarn_rope_fields(c: dict, where: str) -> dict:
     if rp.get("truncate", True) is not True:
         refuse(where, "rope_parameters.truncate", rp["truncate"], "only YaRN's truncated correction range")
     # transformers: a top-level original_max_position_embeddings wins; without either, max_position_embeddings.
+    rope = "rope_scaling" if c.get("rope_scaling") else "rope_parameters"
+    source = next(name for name, v in (("original_max_position_embeddings", c.get("original_max_position_embeddings")),
+                                       (f"{rope}.original_max_position_embeddings",
+                                        rp.get("original_max_position_embeddings")),
+                                       ("max_position_embeddings", True)) if v)
     original = int(c.get("original_max_position_embeddings") or rp.get("original_max_position_embeddings")
                    or c["max_position_embeddings"])
-    factor = float(rp["factor"] if rp.get("factor") is not None else c["max_position_embeddings"] / original)
+    if original <= 0:
+        refuse(where, source, original, "YaRN needs the context length the model was trained on (> 0)")
+    if rp.get("factor") is not None:
+        factor = float(rp["factor"])
+        if factor < 1:
+            refuse(where, f"{rope}.factor", rp["factor"], "YaRN's factor must be >= 1 (1: no scaling)")
+    else:  # transformers: max_position_embeddings over the original length
+        factor = c["max_position_embeddings"] / original
+        if factor < 1:
+            refuse(where, "max_position_embeddings", c["max_position_embeddings"],
+                   f"without {rope}.factor YaRN scales by it over the original {original} positions, which must "
+                   "be >= 1")
     if factor == 1.0:
         return dict(rope_theta=theta)
     return dict(rope_theta=theta, rope_scaling_factor=factor, rope_original_max_position=original,
@@ -137,64 +216,3 @@ def stack_fields(c: dict, where: str) -> dict:
 def dense_layer_text(layers) -> str:
     """Qwen's mlp_only_layers list -> our `dense_layers` string."""
     return ",".join(str(int(i)) for i in sorted(set(layers or [])))
-
-
-FLOAT_DTYPES = ("F32", "F16", "BF16")  # safetensors' names of the dtypes fp32 holds exactly
-
-
-class SafetensorsFiles:
-    """The tensors of DIR's model.safetensors or of the shards in model.safetensors.index.json, read one at a time.
-
-    Opening reads only the headers: every file resolves inside DIR (moe.hf.paths) and every tensor is F32, F16 or
-    BF16 (else HFImportError naming it); `shapes` is name -> shape. `read(name)` returns one tensor as fp32 NumPy
-    (nothing is unpickled); it keeps one file mapped until the next file is needed or `release()`, so a caller that
-    releases between layers keeps at most a layer's pages of the checkpoint resident."""
-
-    def __init__(self, path_dir: str):
-        index = "model.safetensors.index.json"
-        if os.path.isfile(os.path.join(path_dir, index)):
-            weight_map = read_json(path_dir, index).get("weight_map")
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise HFImportError(f"{os.path.join(path_dir, index)}: no weight_map; re-download the checkpoint")
-            files = sorted({str(v) for v in weight_map.values()})
-        elif os.path.isfile(os.path.join(path_dir, "model.safetensors")):
-            files = ["model.safetensors"]
-        else:
-            raise HFImportError(f"{path_dir}: no model.safetensors or model.safetensors.index.json "
-                                "(.bin checkpoints are not read; convert them to safetensors)")
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        self._file: dict[str, str] = {}
-        self._open = None  # (path, safe_open handle) of the one file mapped now
-        for name in files:
-            path = inside(path_dir, name, f"{index} weight_map entry")
-            with safe_open(path, framework="flax") as f:
-                for k in f.keys():
-                    tensor = f.get_slice(k)
-                    if tensor.get_dtype() not in FLOAT_DTYPES:
-                        raise HFImportError(f"{os.path.join(path_dir, name)}: tensor {k!r} is {tensor.get_dtype()}; "
-                                            f"only {', '.join(FLOAT_DTYPES)} weights are read exactly (convert "
-                                            "quantized, integer or float64 weights to bf16/fp32 first)")
-                    self.shapes[k], self._file[k] = tuple(tensor.get_shape()), path
-
-    def read(self, name: str) -> np.ndarray:
-        path = self._file[name]
-        if self._open is None or self._open[0] != path:
-            self.release()
-            self._open = (path, safe_open(path, framework="flax"))
-        # framework="flax": NumPy has no bfloat16, jax arrays do; everything becomes fp32 host arrays here.
-        return np.asarray(self._open[1].get_tensor(name).astype("float32"))
-
-    def release(self) -> None:
-        """Unmap the file read last (its pages leave this process's resident memory)."""
-        if self._open is not None:
-            self._open[1].__exit__(None, None, None)
-            self._open = None
-
-
-def read_tensors(path_dir: str) -> dict[str, np.ndarray]:
-    """All tensors of DIR at once, as fp32 NumPy (SafetensorsFiles' checks); the loader streams them instead."""
-    files = SafetensorsFiles(path_dir)
-    try:
-        return {k: files.read(k) for k in files.shapes}
-    finally:
-        files.release()

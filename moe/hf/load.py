@@ -1,9 +1,11 @@
 """`load_hf_moe(DIR)`: a HuggingFace MoE directory -> (our moe.Transformer, tokenizers.Tokenizer or None).
 
 Dispatches on config.json `model_type` (FAMILIES: glm4_moe, qwen2_moe, qwen3_moe, olmoe, mixtral, and with
-multi-head latent attention deepseek_v2, deepseek_v3, glm4_moe_lite); each family module maps config.json to a
-ModelConfig that reproduces HF's forward exactly and says where its tensors live. Params are fp32 (the checkpoint's
-dtype is upcast).
+multi-head latent attention deepseek_v2, deepseek_v3, kimi_k2, glm4_moe_lite; kimi_k25's text model through its
+`text_config`); each family module maps config.json to a ModelConfig that reproduces HF's forward exactly and says
+where its tensors live. Every field a family reads is type-checked first (common.check_field_types), and a
+`quantization_config` must be DeepSeek's block FP8 (quant.quantization; its weights are dequantized on load).
+Params are fp32 (the checkpoint's dtype is upcast).
 """
 
 import dataclasses
@@ -13,12 +15,16 @@ import tokenizers
 
 from moe.config import ConfigError
 from moe.hf import deepseek, glm4_moe, mixtral, olmoe, qwen_moe
-from moe.hf.common import HFImportError, SafetensorsFiles, inside, read_config
+from moe.hf.common import HFImportError, check_field_types, inside, read_config
+from moe.hf.quant import quantization
 from moe.hf.safetensors_io import model_from_items
-from moe.hf.weights import mtp_depth, variables
+from moe.hf.tensors import SafetensorsFiles
+from moe.hf.weights import check_layers, mtp_depth, untie_as_transformers, variables
 from moe.model import Transformer
 
 FAMILIES = {t: m for m in (glm4_moe, qwen_moe, olmoe, mixtral, deepseek) for t in m.MODEL_TYPES}
+# Multimodal wrappers whose text model is one of FAMILIES: model_type -> (its config, its tensors' names).
+NESTED = {"kimi_k25": (deepseek.kimi_k25_text, deepseek.k25_tensor_name)}
 # Known MoE families we cannot reproduce exactly: model_type -> (field, why).
 REFUSED = {
     "deepseek_v32": ("index_topk", "DeepSeek-V3.2's sparse attention (a lightning indexer picks the keys) is not "
@@ -30,14 +36,33 @@ REFUSED = {
 }
 
 
+def text_model(c: dict, where: str = "config.json") -> tuple[dict, str, object]:
+    """(the config.json dict of the MoE text model, where to name its fields, rename of stored tensor names or
+    None): c itself, or a NESTED wrapper's text config; every field's JSON type checked (HFImportError)."""
+    check_field_types(c, where)
+    if c.get("model_type") not in NESTED:
+        return c, where, None
+    text, rename = NESTED[c["model_type"]]
+    c, where = text(c, where), f"{where} text_config"
+    check_field_types(c, where)
+    return c, where, rename
+
+
 def model_config(c: dict, where: str = "config.json"):
     """Our ModelConfig for a config.json dict (HFImportError naming the field if it cannot be exact)."""
+    c, where, _ = text_model(c, where)
+    return _family_config(c, where)
+
+
+def _family_config(c: dict, where: str):
     kind = c.get("model_type")
     if kind in REFUSED:
         field, why = REFUSED[kind]
         raise HFImportError(f"{where}: model_type {kind!r} ({field}={c.get(field)!r}) is not supported: {why}")
     if kind not in FAMILIES:
-        raise HFImportError(f"{where}: model_type {kind!r} is not supported; supported: {', '.join(FAMILIES)}")
+        raise HFImportError(f"{where}: model_type {kind!r} is not supported; supported: "
+                            f"{', '.join([*FAMILIES, *NESTED])}")
+    quantization(c, where)  # refused unless DeepSeek's block FP8
     try:
         return FAMILIES[kind].model_config(c, where)
     except KeyError as e:
@@ -48,18 +73,19 @@ def model_config(c: dict, where: str = "config.json"):
 
 def load_model(path_dir: str) -> Transformer:
     """The model, streamed: each variable is filled from the safetensors it needs, read when its layer is reached,
-    so host memory peaks near the fp32 model's bytes plus one layer's (benchmarks/hf_import_memory.py)."""
+    so host memory peaks near the fp32 model's bytes plus one layer's (benchmarks/hf_import_memory.py). The layer
+    count is compared with the stored tensor names before any shape is built."""
     c, where = read_config(path_dir)
-    cfg = model_config(c, where)
-    files = SafetensorsFiles(path_dir)
+    c, where, rename = text_model(c, where)
+    cfg = _family_config(c, where)
+    files = SafetensorsFiles(path_dir, quantization(c, where), rename)
     layout = FAMILIES[c["model_type"]].layout(c)
-    try:
-        # the MTP layers the weights hold (num_nextn_predict_layers says how many the model had; tiny checkpoints
-        # saved by transformers keep none)
-        cfg = dataclasses.replace(cfg, mtp_depth=mtp_depth(layout, files.shapes))
-        return model_from_items(cfg, variables(cfg, layout, files, path_dir), path_dir, "config.json")
-    finally:
-        files.release()
+    check_layers(cfg.n_layers, layout, files.shapes, where)
+    # the MTP layers the weights hold (num_nextn_predict_layers says how many the model had; tiny checkpoints
+    # saved by transformers keep none), and the head transformers would use
+    cfg = dataclasses.replace(cfg, mtp_depth=mtp_depth(layout, files.shapes))
+    cfg = untie_as_transformers(cfg, files, where)
+    return model_from_items(cfg, variables(cfg, layout, files, where), path_dir, "config.json")
 
 
 def load_tokenizer(path_dir: str):
@@ -75,6 +101,18 @@ def load_tokenizer(path_dir: str):
         raise HFImportError(f"{path}: unreadable tokenizer ({str(e)[:100]})") from e
 
 
+def check_vocabulary(tokenizer, vocab_size: int, path: str) -> None:
+    """Every id the tokenizer can produce, added tokens included, indexes the model's embedding (HFImportError)."""
+    ids = tokenizer.get_vocab(with_added_tokens=True)
+    if ids and max(ids.values()) >= vocab_size:
+        token, top = max(ids.items(), key=lambda kv: kv[1])
+        raise HFImportError(f"{path}: token {token!r} has id {top}, past the model's vocab_size {vocab_size} "
+                            "(config.json); use the tokenizer.json that belongs to these weights")
+
+
 def load_hf_moe(path_dir: str):
-    """(model, tokenizer or None) for a directory of any model_type in FAMILIES."""
-    return load_model(path_dir), load_tokenizer(path_dir)
+    """(model, tokenizer or None) for a directory of any model_type in FAMILIES (or NESTED)."""
+    model, tokenizer = load_model(path_dir), load_tokenizer(path_dir)
+    if tokenizer is not None:
+        check_vocabulary(tokenizer, model.cfg.vocab_size, os.path.join(path_dir, "tokenizer.json"))
+    return model, tokenizer

@@ -17,8 +17,9 @@ class OutsideDirectoryError(ValueError):
 
 def file_inside(directory, name: str, what: str) -> Path:
     """DIR/name resolved after symlinks, refused (OutsideDirectoryError naming `what`) when `name` is absolute,
-    climbs out with '..', or resolves anywhere but inside DIR (or the Hub cache's blob store of DIR's repo).
-    The file need not exist: callers check that after, with their own message."""
+    climbs out with '..', resolves anywhere but inside DIR (or the Hub cache's blob store of DIR's repo), or is a
+    special file (a FIFO, socket or device: reading one blocks or never ends). The file need not exist: callers
+    check that after, with their own message."""
     root = Path(directory).resolve()
     if not isinstance(name, str) or not name or os.path.isabs(name) or ".." in Path(name).parts:
         raise OutsideDirectoryError(f"{what} {name!r} is not a plain relative file name; a checkpoint's files "
@@ -27,7 +28,19 @@ def file_inside(directory, name: str, what: str) -> Path:
     if not any(target.is_relative_to(allowed) for allowed in _allowed_roots(root)):
         raise OutsideDirectoryError(f"{what} {name!r} resolves to {target}, outside the model directory {root}; "
                                     "a checkpoint's files must lie inside its directory (copy them in)")
+    _refuse_special(target, f"{what} {name!r}")
     return target
+
+
+def _refuse_special(target: Path, what: str) -> None:
+    """OutsideDirectoryError unless `target` is missing, a regular file or a directory."""
+    try:
+        mode = target.stat().st_mode
+    except OSError:
+        return  # missing (or dangling): the reader reports it with its own message
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise OutsideDirectoryError(f"{what} is not a regular file (a FIFO, socket or device); a checkpoint holds "
+                                    "regular files only")
 
 
 def _allowed_roots(root: Path) -> list[Path]:
@@ -54,15 +67,8 @@ def tree_inside(directory, name: str, what: str) -> Path:
             raise OutsideDirectoryError(f"{what} entry {path} resolves to {target}, outside the directory "
                                         f"{Path(directory).resolve()}; a checkpoint's files must lie inside its "
                                         "directory (copy them in)")
-        try:
-            mode = target.stat().st_mode
-        except OSError:
-            continue  # a dangling entry: the reader reports a missing file itself
-        if stat.S_ISDIR(mode):
-            if target not in seen:
-                seen.add(target)
-                pending.extend(path.iterdir())
-        elif not stat.S_ISREG(mode):
-            raise OutsideDirectoryError(f"{what} entry {path} is not a regular file (a FIFO, socket or device); "
-                                        "a checkpoint holds regular files only")
+        _refuse_special(target, f"{what} entry {path}")
+        if target.is_dir() and target not in seen:
+            seen.add(target)
+            pending.extend(path.iterdir())
     return top

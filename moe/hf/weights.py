@@ -8,7 +8,6 @@ writes) or fused (`experts.gate_up_proj` [E, 2F, D] + `experts.down_proj` [E, D,
 
 import dataclasses
 import hashlib
-import math
 import re
 
 import numpy as np
@@ -37,20 +36,61 @@ def mtp_depth(layout: Layout, names) -> int:
     return n
 
 
+LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def check_layers(n_layers: int, layout: Layout, names, where: str) -> None:
+    """The weights hold decoder layers 0 .. n_layers - 1 (config.json's num_hidden_layers), and after them only MTP
+    layers (an eh_proj each, when the family reads num_nextn_predict_layers): else HFImportError naming a tensor.
+    From the names alone, before any shape is built: a config claiming 2,000 layers over 3 is refused at once, and
+    one claiming fewer layers than stored never loads a truncated model."""
+    stored = {}
+    for k in names:
+        m = LAYER.match(k)
+        if m:
+            stored.setdefault(int(m.group(1)), k)
+    mtp = mtp_depth(layout, names)
+    holds = f"the weights hold model.layers.0-{max(stored)}" if stored else "the weights hold no model.layers"
+    n_mtp = sum(f"model.layers.{i}.eh_proj.weight" in names for i in stored)
+    holds += f", {n_mtp} of them MTP layers (eh_proj)" if n_mtp else ""
+    extra = sorted(i for i in stored if i >= n_layers + mtp)
+    if extra:
+        hint = "" if layout.mtp_from is not None or not n_mtp else " (MTP layers need num_nextn_predict_layers)"
+        raise HFImportError(f"{where}: unexpected tensor(s) {stored[extra[0]]!r} ...: num_hidden_layers is "
+                            f"{n_layers} but {holds}{hint}; the config and the weights disagree")
+    if sum(i < n_layers for i in stored) != n_layers:
+        first = next(i for i in range(n_layers) if i not in stored)
+        raise HFImportError(f"{where}: tensor(s) of model.layers.{first} missing: num_hidden_layers is {n_layers} "
+                            f"but {holds}; the config and the weights disagree")
+
+
+def untie_as_transformers(cfg: ModelConfig, src, where: str) -> ModelConfig:
+    """tie_word_embeddings true, and the checkpoint stores an lm_head.weight that differs from the embedding:
+    transformers 5.x then does not tie them (modeling_utils `tie_weights`: "both are present in the checkpoints
+    with different values, so we will NOT tie them") and uses the stored head; so do we (tie_embeddings False).
+    Identical copies stay tied."""
+    embed, head = "model.embed_tokens.weight", "lm_head.weight"
+    if not cfg.tie_embeddings or head not in src.shapes or embed not in src.shapes:
+        return cfg
+    if src.shapes[head] == src.shapes[embed] and _digest(src.read(head)) == _digest(src.read(embed)):
+        return cfg
+    return dataclasses.replace(cfg, tie_embeddings=False)
+
+
 def our_tensors(cfg: ModelConfig, layout: Layout, sd: dict[str, np.ndarray], where: str) -> dict[str, np.ndarray]:
     """All our variables at once from HF tensors already in memory (`sd` is not changed)."""
     return dict(variables(cfg, layout, InMemory(sd), where))
 
 
 class InMemory:
-    """HF tensors already in memory, read as moe.hf.common.SafetensorsFiles reads them from disk."""
+    """HF tensors already in memory, read as moe.hf.tensors.SafetensorsFiles reads them from disk."""
 
     def __init__(self, sd: dict[str, np.ndarray]):
         self._sd = dict(sd)
         self.shapes = {k: tuple(np.shape(v)) for k, v in sd.items()}
 
     def read(self, name: str) -> np.ndarray:
-        return self._sd.pop(name)
+        return self._sd[name]
 
     def release(self) -> None:
         pass
@@ -58,44 +98,34 @@ class InMemory:
 
 def variables(cfg: ModelConfig, layout: Layout, src, where: str):
     """(our variable name, contiguous fp32 array) for every variable of `cfg`, from the HF tensors of `src` (`shapes`:
-    name -> shape, `read(name)`, `release()`: moe.hf.common.SafetensorsFiles or InMemory), a group at a time (a
+    name -> shape, `read(name)`, `release()`: moe.hf.tensors.SafetensorsFiles or InMemory), a group at a time (a
     layer's norms and attention, each [E, ...] expert array, the rest of the layer): a group's tensors are read when
-    it is reached, `src` is released, and its variables are handed out one by one and dropped here. A projection's or
-    expert's shape is checked against the config from `shapes` before it is read; missing and left-over tensors are
-    refused (HFImportError naming them)."""
+    it is reached, `src` is released, and its variables are handed out one by one and dropped here. Every tensor's
+    full HF shape ([out, in] for a Linear weight) is checked against the config before it is read, and the layer
+    count first (check_layers); missing and left-over tensors are refused (HFImportError naming them)."""
+    check_layers(cfg.n_layers, layout, src.shapes, where)
     names = {k: v for k, v in src.shapes.items()
              if not k.endswith("rotary_emb.inv_freq") and not _dropped(layout, cfg.mtp_depth, k)}
 
-    def shape(name):
+    def take(name, *hf_shape):
+        """The HF tensor `name`, refused unless it is exactly `hf_shape`."""
         if name not in names:
             raise HFImportError(f"{where}: tensor {name!r} missing for the config in config.json")
-        return names[name]
-
-    def take(name):
-        shape(name)
+        if names[name] != hf_shape:
+            raise HFImportError(f"{where}: tensor {name!r} is {list(names[name])}, the config in config.json needs "
+                                f"{list(hf_shape)}; the config and the weights disagree")
         del names[name]
         return src.read(name)
 
-    def disagree(name, got, shape):
-        raise HFImportError(f"{where}: tensor {name!r} is {list(got)}, the config in config.json needs "
-                            f"{math.prod(shape)} numbers {list(shape)}; the config and the weights disagree")
+    def linear(name, n_out, n_in, *ours):
+        """HF's Linear weight [n_out, n_in] as our [in ..., out ...] layout `ours` (same numbers, transposed)."""
+        return take(name, n_out, n_in).T.reshape(ours)
 
-    def shaped(name, *shape_, transpose=True):
-        """HF's [out, in] tensor as our [in, ...] layout; a size the config does not predict names the tensor."""
-        got = shape(name)[::-1] if transpose else shape(name)
-        if math.prod(got) != math.prod(shape_):
-            disagree(name, got, shape_)
-        arr = take(name)
-        return (arr.T if transpose else arr).reshape(shape_)
-
-    def stacked(hf_names, *shape_):
+    def stacked(hf_names, n_in, n_out):
         """[E, in, out] from E HF [out, in] tensors, filled one expert at a time."""
-        out = np.empty((len(hf_names), *shape_), np.float32)
+        out = np.empty((len(hf_names), n_in, n_out), np.float32)
         for e, name in enumerate(hf_names):
-            got = shape(name)[::-1]
-            if got != shape_:
-                disagree(name, got, shape_)
-            out[e] = take(name).T
+            out[e] = take(name, n_out, n_in).T
         return out
 
     def emit(out):
@@ -104,54 +134,63 @@ def variables(cfg: ModelConfig, layout: Layout, src, where: str):
             k = next(iter(out))
             yield k, np.ascontiguousarray(out.pop(k), np.float32)
 
-    H, N, Dh, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model
-    out = {"embed": take("model.embed_tokens.weight"), "final_norm.scale": take("model.norm.weight")}
+    H, N, Dh, D, V = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model, cfg.vocab_size
+    embed, head = "model.embed_tokens.weight", "lm_head.weight"
+    if cfg.tie_embeddings and embed not in names and head in names:
+        embed = head  # transformers ties symmetrically: a tied checkpoint storing only the head loads it as both
+    out = {"embed": take(embed, V, D), "final_norm.scale": take("model.norm.weight", D)}
     if not cfg.tie_embeddings:
-        out["lm_head"] = take("lm_head.weight").T
-    else:
-        names.pop("lm_head.weight", None)  # some tied checkpoints store the (identical) head too; HF ignores it
+        out["lm_head"] = take(head, V, D).T
+    elif head in names and _digest(take(head, V, D)) != _digest(out["embed"]):
+        raise HFImportError(f"{where}: tie_word_embeddings is true but tensor {head!r} differs from {embed!r}; "
+                            "transformers then uses the stored head (moe.hf.load_model does too): set "
+                            "tie_word_embeddings to false")
 
     def layer(p, q, i):
         """Block i from HF layer prefix p into our prefix q (a main block, or an MTP module's)."""
-        out[q + "attn_norm.scale"] = take(p + "input_layernorm.weight")
-        out[q + "ffn_norm.scale"] = take(p + "post_attention_layernorm.weight")
+        out[q + "attn_norm.scale"] = take(p + "input_layernorm.weight", D)
+        out[q + "ffn_norm.scale"] = take(p + "post_attention_layernorm.weight", D)
         a = p + "self_attn."
         if cfg.attention == "mla":
-            out.update(_mla(cfg, a, q + "attn.", take, shaped))
+            out.update(_mla(cfg, a, q + "attn.", take, linear))
         else:
-            out[q + "attn.wq"] = shaped(a + "q_proj.weight", D, H, Dh)
-            out[q + "attn.wk"] = shaped(a + "k_proj.weight", D, N, Dh)
-            out[q + "attn.wv"] = shaped(a + "v_proj.weight", D, N, Dh)
-            out[q + "attn.wo"] = shaped(a + "o_proj.weight", H, Dh, D)
+            out[q + "attn.wq"] = linear(a + "q_proj.weight", H * Dh, D, D, H, Dh)
+            out[q + "attn.wk"] = linear(a + "k_proj.weight", N * Dh, D, D, N, Dh)
+            out[q + "attn.wv"] = linear(a + "v_proj.weight", N * Dh, D, D, N, Dh)
+            out[q + "attn.wo"] = linear(a + "o_proj.weight", D, H * Dh, H, Dh, D)
         if cfg.qkv_bias:
-            out[q + "attn.bq"] = shaped(a + "q_proj.bias", H, Dh, transpose=False)
-            out[q + "attn.bk"] = shaped(a + "k_proj.bias", N, Dh, transpose=False)
-            out[q + "attn.bv"] = shaped(a + "v_proj.bias", N, Dh, transpose=False)
+            out[q + "attn.bq"] = take(a + "q_proj.bias", H * Dh).reshape(H, Dh)
+            out[q + "attn.bk"] = take(a + "k_proj.bias", N * Dh).reshape(N, Dh)
+            out[q + "attn.bv"] = take(a + "v_proj.bias", N * Dh).reshape(N, Dh)
         if cfg.attn_out_bias:
-            out[q + "attn.bo"] = take(a + "o_proj.bias")
+            out[q + "attn.bo"] = take(a + "o_proj.bias", D)
         if cfg.qk_norm != "none":
-            out[q + "attn.q_norm.scale"] = take(a + "q_norm.weight")
-            out[q + "attn.k_norm.scale"] = take(a + "k_norm.weight")
+            whole = cfg.qk_norm == "full"  # OLMoE: one norm over all heads' q (k)
+            out[q + "attn.q_norm.scale"] = take(a + "q_norm.weight", H * Dh if whole else Dh)
+            out[q + "attn.k_norm.scale"] = take(a + "k_norm.weight", N * Dh if whole else Dh)
         if not cfg.is_moe_layer(i):
-            for w in ("gate", "up", "down"):
-                out[f"{q}ffn.w_{w}"] = take(f"{p}mlp.{w}_proj.weight").T
+            F = cfg.d_ff
+            for w, n_out, n_in in (("gate", F, D), ("up", F, D), ("down", D, F)):
+                out[f"{q}ffn.w_{w}"] = linear(f"{p}mlp.{w}_proj.weight", n_out, n_in, n_in, n_out)
             yield from emit(out)
             return
+        E = cfg.n_routed_experts
         m = p + next((name for name in layout.moe if p + name + ".gate.weight" in names), layout.moe[0]) + "."
-        out[q + "ffn.router"] = take(m + "gate.weight").T
-        bias = take(m + layout.routing_bias) if layout.routing_bias else np.zeros(cfg.n_routed_experts)
-        out[q + "ffn.bias"] = bias
+        out[q + "ffn.router"] = linear(m + "gate.weight", E, D, D, E)
+        out[q + "ffn.bias"] = take(m + layout.routing_bias, E) if layout.routing_bias else np.zeros(E)
         yield from emit(out)
-        for k, make in _experts(cfg, layout, m, q, names, shape, take, stacked, where).items():
+        for k, make in _experts(cfg, layout, m, q, names, take, stacked, where).items():
             out[k] = make()  # one [E, ...] array at a time: handed out before the next is read
             yield from emit(out)
         if layout.shared:
-            shared = {w: take(f"{m}{layout.shared}.{w}_proj.weight").T for w in ("gate", "up", "down")}
+            S = cfg.shared_width
+            shared = {w: linear(f"{m}{layout.shared}.{w}_proj.weight", n_out, n_in, n_in, n_out)
+                      for w, n_out, n_in in (("gate", S, D), ("up", S, D), ("down", D, S))}
             if cfg.n_shared_experts:  # else HF's zero-width shared MLP (GLM with n_shared_experts 0): dropped
                 out.update({f"{q}ffn.shared.w_{w}": v for w, v in shared.items()})
             del shared
         if cfg.shared_expert_gate:
-            out[q + "ffn.shared_gate"] = shaped(f"{m}{layout.shared_gate}.weight", D, transpose=False)
+            out[q + "ffn.shared_gate"] = take(f"{m}{layout.shared_gate}.weight", 1, D).reshape(D)
         yield from emit(out)
     digests = {"model.embed_tokens.weight": _digest(out["embed"]),  # what MTP layers' copies must equal
                "lm_head.weight": _digest(out["embed"] if cfg.tie_embeddings else out["lm_head"].T)} \
@@ -161,14 +200,14 @@ def variables(cfg: ModelConfig, layout: Layout, src, where: str):
         yield from layer(f"model.layers.{i}.", f"blocks.{i}.", i)
     for k in range(cfg.mtp_depth):  # DeepSeek-V3's MTP layer k: our mtp[k] (moe/mtp.py)
         p, q = f"model.layers.{cfg.n_layers + k}.", f"mtp.{k}."
-        out[q + "enorm.scale"] = take(p + "enorm.weight")
-        out[q + "hnorm.scale"] = take(p + "hnorm.weight")
-        out[q + "eh_proj"] = shaped(p + "eh_proj.weight", 2 * D, D)
-        out[q + "head_norm.scale"] = take(p + "shared_head.norm.weight")
+        out[q + "enorm.scale"] = take(p + "enorm.weight", D)
+        out[q + "hnorm.scale"] = take(p + "hnorm.weight", D)
+        out[q + "eh_proj"] = linear(p + "eh_proj.weight", D, 2 * D, 2 * D, D)
+        out[q + "head_norm.scale"] = take(p + "shared_head.norm.weight", D)
         # the module's copies of the embedding and head: ours shares the main model's, so they must be equal
         for name, main in ((p + "embed_tokens.weight", "model.embed_tokens.weight"),
                            (p + "shared_head.head.weight", "lm_head.weight")):
-            if name in names and _digest(take(name)) != digests[main]:
+            if name in names and _digest(take(name, V, D)) != digests[main]:
                 raise HFImportError(f"{where}: tensor {name!r} differs from {main!r}; our MTP modules share the "
                                     "main model's embedding and head (as DeepSeek-V3 trains them)")
         yield from emit(out)
@@ -178,21 +217,21 @@ def variables(cfg: ModelConfig, layout: Layout, src, where: str):
                             "config.json (a feature this importer does not know)")
 
 
-def _mla(cfg, a, q, take, shaped):
+def _mla(cfg, a, q, take, linear):
     """Multi-head latent attention (DeepseekV2/V3Attention): the mapping moe/mla.py's docstring lists. Per head
     the query is [nope | rope] and kv_b's output [k_nope | v], as transformers splits them."""
     D, H, Q, R = cfg.d_model, cfg.n_heads, cfg.q_lora_rank, cfg.kv_lora_rank
     Dn, Dr, Dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-    out = {q + "wkv_a": shaped(a + "kv_a_proj_with_mqa.weight", D, R + Dr),
-           q + "kv_norm.scale": take(a + "kv_a_layernorm.weight"),
-           q + "wkv_b": shaped(a + "kv_b_proj.weight", R, H, Dn + Dv),
-           q + "wo": shaped(a + "o_proj.weight", H, Dv, D)}
+    out = {q + "wkv_a": linear(a + "kv_a_proj_with_mqa.weight", R + Dr, D, D, R + Dr),
+           q + "kv_norm.scale": take(a + "kv_a_layernorm.weight", R),
+           q + "wkv_b": linear(a + "kv_b_proj.weight", H * (Dn + Dv), R, R, H, Dn + Dv),
+           q + "wo": linear(a + "o_proj.weight", D, H * Dv, H, Dv, D)}
     if Q:
-        out[q + "wq_a"] = shaped(a + "q_a_proj.weight", D, Q)
-        out[q + "q_norm.scale"] = take(a + "q_a_layernorm.weight")
-        out[q + "wq_b"] = shaped(a + "q_b_proj.weight", Q, H, Dn + Dr)
+        out[q + "wq_a"] = linear(a + "q_a_proj.weight", Q, D, D, Q)
+        out[q + "q_norm.scale"] = take(a + "q_a_layernorm.weight", Q)
+        out[q + "wq_b"] = linear(a + "q_b_proj.weight", H * (Dn + Dr), Q, Q, H, Dn + Dr)
     else:
-        out[q + "wq"] = shaped(a + "q_proj.weight", D, H, Dn + Dr)
+        out[q + "wq"] = linear(a + "q_proj.weight", H * (Dn + Dr), D, D, H, Dn + Dr)
     return out
 
 
@@ -210,7 +249,7 @@ def _digest(arr) -> bytes:
     return hashlib.blake2b(np.ascontiguousarray(arr, np.float32).tobytes(), digest_size=16).digest()
 
 
-def _experts(cfg, layout, m, q, names, shape, take, stacked, where):
+def _experts(cfg, layout, m, q, names, take, stacked, where):
     """Routed experts [E, D, F] / [E, F, D] from the per-expert or the fused layout: name -> a function reading it."""
     E, F, D = cfg.n_routed_experts, cfg.moe_d_ff, cfg.d_model
     gate, up, down = layout.experts
@@ -218,11 +257,7 @@ def _experts(cfg, layout, m, q, names, shape, take, stacked, where):
         return {f"{q}ffn.w_gate": lambda: stacked([f"{m}experts.{e}.{gate}.weight" for e in range(E)], D, F),
                 f"{q}ffn.w_up": lambda: stacked([f"{m}experts.{e}.{up}.weight" for e in range(E)], D, F),
                 f"{q}ffn.w_down": lambda: stacked([f"{m}experts.{e}.{down}.weight" for e in range(E)], F, D)}
-    gate_up, w_down = shape(m + "experts.gate_up_proj"), shape(m + "experts.down_proj")
-    if gate_up != (E, 2 * F, D) or w_down != (E, D, F):
-        raise HFImportError(f"{where}: fused experts {m}experts.* are {list(gate_up)} / {list(w_down)}, "
-                            f"expected [{E}, {2 * F}, {D}] / [{E}, {D}, {F}]")
-    gate_up = take(m + "experts.gate_up_proj")
+    gate_up = take(m + "experts.gate_up_proj", E, 2 * F, D)
     return {f"{q}ffn.w_gate": lambda: gate_up[:, :F].transpose(0, 2, 1),
             f"{q}ffn.w_up": lambda: gate_up[:, F:].transpose(0, 2, 1),
-            f"{q}ffn.w_down": lambda: take(m + "experts.down_proj").transpose(0, 2, 1)}
+            f"{q}ffn.w_down": lambda: take(m + "experts.down_proj", E, D, F).transpose(0, 2, 1)}

@@ -7,14 +7,14 @@ matter to this model at all?
 A per-expert ablation of 0.002 nats means little without them: when zeroing every routed expert of every layer
 costs 0.05 nats, the routed experts barely matter and no single expert can; when it costs 1 nat, a small single
 effect says the experts are redundant with each other. Controls (each zeroes down projections, so nothing is
-rerouted; analysis.ablation.edited):
+rerouted; analysis.ablate.ablation.edited):
   all routed experts       every routed expert of every MoE layer
   shared expert            the shared expert of every MoE layer (absent when the model has none)
   routed experts, layer L  every routed expert of one MoE layer, for each MoE layer
-Same loss, rows and standard errors as analysis.ablation.ablate.
+Same loss, rows and standard errors as analysis.ablate.ablation.ablate.
 """
 
-from analysis.ablation import Scorer, edited
+from analysis.ablate.ablation import Scorer, edited
 
 
 def control_edits(cfg) -> dict[str, list]:

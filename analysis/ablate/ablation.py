@@ -14,7 +14,7 @@ Two ways to remove an expert (`edited`), whose difference says what rerouting bu
            last and is chosen only if topk_group covers every group: both its experts are then removed.
   zero     the expert's down projection is set to 0: routing and every gate are unchanged, the expert's share of
            each token's output is lost and nothing takes its place.
-The controls beside them (analysis/ablation_controls.py) zero every routed expert, or the shared expert, at once.
+The controls beside them (controls.py) zero every routed expert, or the shared expert, at once.
 
 Loss: the trainer's own evaluation (train.inputs.eval_batches: eval.rows_per_domain rows of every domain of
 the validation split; train.step.make_eval_step: masked next-token cross-entropy summed per segment). The
@@ -26,6 +26,7 @@ Shape key: A ablations (layer, expert), D domains, C token classes, R rows, L Mo
 """
 
 import contextlib
+import dataclasses
 import re
 import time
 
@@ -33,8 +34,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from analysis import routing_run
-from analysis.routing_stats import RoutingAccumulator
+from analysis.routing import collect
+from analysis.routing.stats import RoutingAccumulator
 from moe import Execution
 from moe.model import split_model
 from train import inputs
@@ -67,8 +68,7 @@ def class_table(tokenizer, vocab_size):
 def eval_batches(config, rows_per_domain=None):
     """The trainer's validation batches (rows_per_domain overrides eval.rows_per_domain)."""
     if rows_per_domain is not None:
-        config = config.copy_and_resolve_references()
-        config.eval.rows_per_domain = rows_per_domain
+        config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, rows_per_domain=rows_per_domain))
     return inputs.eval_batches(config)
 
 
@@ -229,11 +229,11 @@ def _shares(model, config, batches, moe_ids, n_domains):
     """Top-k and first-choice routing shares of the scored tokens (loss_mask > 0), unmasked model."""
     cfg = model.cfg
     graphdef, state = nnx.split(model)
-    route = routing_run.make_route_fn(graphdef, config.data.task == "prefix")
+    route = collect.make_route_fn(graphdef, config.data.task == "prefix")
     acc = RoutingAccumulator(len(moe_ids), cfg.n_routed_experts, cfg.top_k, n_domains, cfg.vocab_size,
                              track_vocab=False)
     for b in batches:
-        layers = jax.device_get(route(state, *routing_run.route_args(b, len(b["tokens"]))))
+        layers = jax.device_get(route(state, *collect.route_args(b, len(b["tokens"]))))
         acc.update([{"expert_ids": i, "gates": g} for i, g in layers], b["tokens"], b["domains"],
                    b["loss_mask"] > 0, b["segment_ids"])
     r = acc.finalize()

@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm  # text bar: tqdm.auto warns in a notebook without ipywidgets
 
-from analysis.routing_stats import RoutingAccumulator, SaturationAccumulator
+from analysis.routing.stats import RoutingAccumulator, SaturationAccumulator
 from plumbing.errors import UserError
 from rundir import Run
 from train import inputs

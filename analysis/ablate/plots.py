@@ -1,11 +1,11 @@
-"""The figures of `python -m analysis.ablate` (arrays of analysis.ablation.ablate, as numpy or lists)."""
+"""The figures of `python -m analysis.ablate` (arrays of analysis.ablate.ablation.ablate, as numpy or lists)."""
 
 import numpy as np
 from matplotlib.colors import TwoSlopeNorm
 from scipy import stats
 
 from analysis.figures import grid, plt, save
-from analysis.routing_scales import CHANCE_CMAP, chance_norm, shared_colorbar
+from analysis.routing.scales import CHANCE_CMAP, chance_norm, shared_colorbar
 
 
 def _per_layer(result, layer):
@@ -31,7 +31,7 @@ def plot_importance_vs_share(result, path, zero=None, controls=None):
     """Per ablated layer: each expert's routing share (x) against the validation-loss change when it is
     removed (y, +- one standard error over rows), with the rank correlation in the title. `zero` (ablate's
     result with mode "zero", same ablations) adds the zeroed-output changes beside the rerouted ones; `controls`
-    (analysis.ablation_controls) puts the layer's all-routed-experts control in the title. Two panels per row
+    (analysis.ablate.controls) puts the layer's all-routed-experts control in the title. Two panels per row
     at most, so the text stays readable where a notebook or a README scales the image to its width."""
     layers = sorted({lay for lay, _ in result["ablations"]})
     fig, axes = grid(len(layers), 2, 4.8, 3.8)

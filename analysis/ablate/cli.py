@@ -6,13 +6,13 @@ and token class, beside the expert's routing share and the controls (every route
 
 --mode reroute masks the expert out of the selection (tokens go to their next choice), zero sets its output to 0
 with routing unchanged, both (the default) does each, so the difference says what rerouting recovers. The controls
-(analysis/ablation_controls.py) always run: every routed expert of every MoE layer zeroed, the shared expert
+(analysis/ablate/controls.py) always run: every routed expert of every MoE layer zeroed, the shared expert
 zeroed, and every routed expert of each MoE layer zeroed; they say whether the routed experts matter at all.
 The loss is the trainer's validation loss (eval.rows_per_domain rows per domain of the validation split; see
-analysis/ablation.py). Writes ablation.json, ablation_importance.png and ablation_domains.png into --out (default
-WORKDIR/analysis) and prints the controls, a line per ablation and the rank correlation of share and loss change
-per layer. Cost: one validation pass per (layer, expert, mode) and per control. Bad input: one line on stderr,
-exit 2.
+analysis/ablate/ablation.py). Writes ablation.json, ablation_importance.png and ablation_domains.png into
+--out (default WORKDIR/analysis) and prints the controls, a line per ablation and the rank correlation of share
+and loss change per layer. Cost: one validation pass per (layer, expert, mode) and per control. Bad input: one
+line on stderr, exit 2.
 """
 
 import json
@@ -20,8 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis import ablation, ablation_controls, ablation_plots
-from analysis.routing_stats import plain_json
+from analysis.ablate import ablation, plots
+from analysis.ablate import controls as ablation_controls
+from analysis.routing.stats import plain_json
 from plumbing.args import ArgParser, check_out_dir, run_cli
 from plumbing.errors import UserError
 from rundir import open_run
@@ -63,9 +64,9 @@ def correlations(result):
         li = list(result["layer_ids"]).index(layer)
         experts = [result["ablations"][a][1] for a in rows]
         share_DxA = np.asarray(result["share_LxDxE"])[li][:, experts]
-        out[layer] = {"experts": ablation_plots.spearman(np.asarray(result["share_LxE"])[li][experts],
-                                                          np.asarray(result["delta_A"])[rows]),
-                      "expert_domain_pairs": ablation_plots.spearman(
+        out[layer] = {"experts": plots.spearman(np.asarray(result["share_LxE"])[li][experts],
+                                                 np.asarray(result["delta_A"])[rows]),
+                      "expert_domain_pairs": plots.spearman(
                           share_DxA.T.ravel(), np.asarray(result["delta_AxD"])[rows].ravel())}
     return out
 
@@ -90,8 +91,8 @@ def run(args, log=print):
     doc = plain_json(dict(result, workdir=str(args.workdir), step=run_.step, mask_bias=ablation.MASK_BIAS,
                           spearman={f"layer {k}": v for k, v in corr.items()}, **extra))
     (out / "ablation.json").write_text(json.dumps(doc, indent=1))
-    ablation_plots.plot_importance_vs_share(result, out / "ablation_importance.png", zero=zero, controls=controls)
-    ablation_plots.plot_domains(result, out / "ablation_domains.png")
+    plots.plot_importance_vs_share(result, out / "ablation_importance.png", zero=zero, controls=controls)
+    plots.plot_domains(result, out / "ablation_domains.png")
     log(f"base validation loss {float(result['base_loss']):.4f} on {int(np.sum(result['n_DxC']))} tokens")
     if zero is not None and len(result["delta_A"]):
         gap = np.asarray(zero["delta_A"]) - np.asarray(result["delta_A"])
@@ -107,6 +108,3 @@ def run(args, log=print):
 def main(argv=None):
     run_cli(run, parse_args, argv)
 
-
-if __name__ == "__main__":
-    main()

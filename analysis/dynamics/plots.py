@@ -1,10 +1,10 @@
 """The figures of `python -m analysis.dynamics`: saturation, load and routing biases over the checkpoints.
-`traj` is analysis.dynamics.trajectory's dict; `series` {layer: (steps, values)} from metrics.jsonl."""
+`traj` is the dict of trajectory.trajectory; `series` {layer: (steps, values)} from metrics.jsonl."""
 
 import numpy as np
 
 from analysis.figures import grid, plt, save
-from analysis.routing_scales import line_colors
+from analysis.routing.scales import line_colors
 from train.loss_curves import smooth
 
 

@@ -18,6 +18,7 @@ import ml_collections
 
 from plumbing.errors import UserError
 from rundir.config_layout import MOVED_KEYS
+from rundir.run_config import RunConfig, field_docs
 
 _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
@@ -133,14 +134,17 @@ def config_from_argv(argv, default_config: str) -> tuple[ml_collections.ConfigDi
 
 
 def format_keys(config: ml_collections.ConfigDict) -> str:
-    """Every key = value of a config, grouped by section, for --help."""
+    """Every key = value of a config with what it means, grouped by section in the run config's order, for --help."""
+    docs, values = field_docs(), all_keys(config)
+    order = [f"{section}.{k}" for section, keys in RunConfig().to_dict().items() for k in keys]
     lines, section = [], None
-    for key, value in all_keys(config).items():
+    for key in sorted(values, key=lambda k: order.index(k) if k in order else len(order)):
         top = key.split(".", 1)[0]
         if top != section:
             lines.append(f"  [{top}]")
             section = top
-        lines.append(f"    {key} = {value!r}")
+        setting = f"    {key} = {values[key]!r}"
+        lines.append(f"{setting:<48} {docs[key]}" if docs.get(key) else setting)
     return "\n".join(lines)
 
 

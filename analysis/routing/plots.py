@@ -5,7 +5,7 @@ Layers are labelled "layer L" everywhere (`layer_labels`): L is `result["layer_i
 model-layer index of each MoE layer, which the CLI adds since leading dense layers shift it), else the
 MoE-layer index. Heatmaps of several panels share one colour scale and one colourbar, so panels compare; where
 a random router has a known value (uniform share K/E, co-activation (K-1)/(E-1)) the scale is the ratio to it
-(`analysis.routing_scales`): white at chance, red above, blue below.
+(`analysis.routing.scales`): white at chance, red above, blue below.
 """
 
 import math
@@ -14,7 +14,7 @@ import numpy as np
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
 from analysis.figures import grid, plt, save
-from analysis.routing_scales import CHANCE_CMAP, chance_norm, line_colors, shared_colorbar
+from analysis.routing.scales import CHANCE_CMAP, chance_norm, line_colors, shared_colorbar
 from train.loss_curves import smooth
 
 UNIFORM_STYLE = dict(color="crimson", linestyle="--", linewidth=1.2)

@@ -1,11 +1,10 @@
-"""Attention rank before and after the softmax (issue 14, item 5): the rank of attention LOGITS before the
-softmax and of the PROBABILITIES after it, with the causal and the prefix mask applied to the SAME logits,
-against two baselines that carry no learned bottleneck: uniform attention (zero logits: the mask's geometry
-alone) and random logits Q K^T / sqrt(d) of rank d_head. Su's argument is that a bidirectional softmax of
-rank-d logits stays low rank when n >> d while the causal (triangular) one is full rank; the sweep over
-n / d_head shows where that happens.
+"""Attention rank before and after the softmax: the rank of attention LOGITS before the softmax and of the
+PROBABILITIES after it, with the causal and the prefix mask applied to the SAME logits, against two baselines
+that carry no learned bottleneck: uniform attention (zero logits: the mask's geometry alone) and random logits
+Q K^T / sqrt(d) of rank d_head. Su's argument is that a bidirectional softmax of rank-d logits stays low rank
+when n >> d while the causal (triangular) one is full rank; the sweep over n / d_head shows where that happens.
 
-    python -m analysis.rank_logits --out DIR [--workdirs RUN1,RUN2 ...] [--n 128] [--heads 4]
+    python -m analysis.rank.logits --out DIR [--workdirs RUN1,RUN2 ...] [--n 128] [--heads 4]
 
 Writes DIR/rank_logits.json and DIR/rank_logits.png. With --workdirs, each run's real logits (every layer and
 head, on validation windows) are measured the same way and drawn at their n / d_head.
@@ -18,9 +17,9 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
-from analysis import rank_metrics as rm
 from analysis.figures import grid, save
-from analysis.rank import forward_paths
+from analysis.rank import metrics as rm
+from analysis.rank.attention import forward_paths
 from moe.attention import rope
 from plumbing.args import ArgParser
 from plumbing.errors import UserError, exit_with, os_error
@@ -97,7 +96,7 @@ def trained_logits(model, rows, max_rows: int = 4) -> tuple[list[np.ndarray], li
     Supports the plain attention options (no qkv bias, no qk norm)."""
     cfg = model.cfg
     if cfg.qkv_bias or cfg.qk_norm != "none":
-        raise UserError("rank_logits supports models without qkv_bias / qk_norm")
+        raise UserError("analysis.rank.logits supports models without qkv_bias / qk_norm")
     batch = {k: v[:max_rows] for k, v in rows.items()}
     _, hidden = forward_paths(model, batch)
     G = cfg.n_heads // cfg.n_kv_heads
@@ -167,7 +166,7 @@ def plot(result, path):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    p = ArgParser(prog="python -m analysis.rank_logits", description=__doc__.splitlines()[0])
+    p = ArgParser(prog="python -m analysis.rank.logits", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="output directory (created; files replaced)")
     p.add_argument("--workdirs", default="", help="comma-separated trained runs to measure too")
     p.add_argument("--n", type=int, default=128, help="sequence length of the random-logit sweep")

@@ -1,61 +1,35 @@
-"""Is the routing specialization more than chance? Each headline metric of one or several runs of one config
-(seeds), beside the same metric for the model at step 0 and for a random router with the same load.
+"""Each headline routing metric of one or several runs of one config (seeds) beside the same metric for the
+model at step 0 and for a random router with the same load (baselines.py), with its interval over the runs.
 
-    python -m analysis.specialization --workdir runs/default
-    python -m analysis.specialization --workdir runs/s0 --workdir runs/s1 --workdir runs/s2 --max_tokens 4096
-
-Several --workdir: runs of one config that differ only in train.seed (anything else is an error); each
-metric then gets its mean and range over the runs (and a 95% t-interval with 3 or more). Every run routes
-the same validation tokens (--max_tokens per domain) through its checkpoint (--step, default the latest),
-through its step-0 model (analysis.baselines.init_model), and --shuffles times through a random router
-with its load (analysis.baselines). Writes specialization.json and specialization.png into --out (default:
-the first WORKDIR/analysis) and prints a table. Bad input: one line on stderr, exit 2.
+    measured = [measure(run, split=None, max_tokens=4096, n_shuffles=20) for run in runs]
+    doc = document(runs, measured, None, 4096, 20)    # specialization.json
+    print(table(doc))
 """
-
-import json
-from pathlib import Path
 
 import numpy as np
 from scipy import stats
 
-from analysis import baselines, specialization_plots
-from analysis.routing_stats import favourite_agreement, plain_json
-from plumbing.args import ArgParser, check_out_dir, run_cli
+from analysis.routing.stats import favourite_agreement, plain_json
+from analysis.specialization import baselines
 from plumbing.errors import UserError
-from rundir import open_run
 from rundir.config_layout import ADDED_KEYS
-from train.cli import all_keys
 
 # Keys that may differ between runs of "one config": the seed, and where and how often the run wrote files.
 FREE_KEYS = ("train.seed", "checkpoint.", "log.")
 
 
-def parse_args(argv):
-    p = ArgParser(prog="python -m analysis.specialization", description=__doc__.split("\n")[0])
-    p.add_argument("--workdir", action="append", required=True,
-                   help="run directory; repeat it for several seeds of one config")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step of every run (default: each run's latest)")
-    p.add_argument("--out", default=None, help="output directory (default: the first WORKDIR/analysis)")
-    p.add_argument("--split", default=None, help="data split (default: the run's data.eval_split)")
-    p.add_argument("--max_tokens", type=int, default=4096, help="tokens per domain (4096)")
-    p.add_argument("--shuffles", type=int, default=20, help="random-router permutations per run (20)")
-    p.add_argument("--batch_size", type=int, default=None, help="rows per batch (default: eval.batch_size)")
-    args = p.parse_args(argv)
-    for name in ("max_tokens", "shuffles", "batch_size"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            raise UserError(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if len(set(args.workdir)) < len(args.workdir):
-        raise UserError("a --workdir is given twice; pass each run once")
-    return args
+def flat_keys(sections: dict) -> dict:
+    """{"train.steps": 400, ...} from a run config's sections."""
+    return {f"{name}.{k}": v for name, section in sections.items() for k, v in section.items()}
 
 
 def check_same_config(runs):
     """UserError naming the first key (other than FREE_KEYS) whose value differs between the runs. A key added to
     the config after a run was saved counts as its reproducing default (rundir.config_layout.ADDED_KEYS): a seed
     resumed by a later version is still a seed of the same config."""
-    first = all_keys(runs[0].config)
+    first = flat_keys(runs[0].config.to_dict())
     for run in runs[1:]:
-        other = all_keys(run.config)
+        other = flat_keys(run.config.to_dict())
         for key in sorted(set(first) | set(other)):
             a, b = first.get(key, ADDED_KEYS.get(key)), other.get(key, ADDED_KEYS.get(key))
             if key.startswith(FREE_KEYS) or a == b:
@@ -138,25 +112,3 @@ def document(runs, per_run, split, max_tokens, n_shuffles):
                    "n_tokens": per_run[0]["n_tokens"], "n_shuffles": n_shuffles, "layer_ids": ref.moe_layer_ids,
                    "top_k": ref.model.cfg.top_k, "n_experts": ref.model.cfg.n_routed_experts,
                    "metrics": aggregate(per_run), "favourite_vs_step0": aggregate_agreement(per_run)})
-
-
-def run(args, log=print):
-    check_out_dir(args.out, Path(args.workdir[0]) / "analysis", create=False)
-    runs = [open_run(w, args.step) for w in args.workdir]
-    check_same_config(runs)
-    per_run = [measure(r, args.split, args.max_tokens, args.shuffles, args.batch_size) for r in runs]
-    doc = document(runs, per_run, args.split, args.max_tokens, args.shuffles)
-    out = check_out_dir(args.out, Path(args.workdir[0]) / "analysis")
-    (out / "specialization.json").write_text(json.dumps(doc, indent=1))
-    specialization_plots.plot_specialization(doc, out / "specialization.png")
-    log(table(doc))
-    log(f"wrote specialization.json and specialization.png to {out}")
-    return doc, out
-
-
-def main(argv=None):
-    run_cli(run, parse_args, argv)
-
-
-if __name__ == "__main__":
-    main()

@@ -27,8 +27,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from analysis import routing_run
-from analysis.routing_stats import RoutingAccumulator
+from analysis.routing import collect
+from analysis.routing.stats import RoutingAccumulator
 from moe import Transformer
 
 # name -> what it measures (the plots' panel titles and the docs use these words).
@@ -62,14 +62,14 @@ def init_model(run) -> Transformer:
 
 
 def route_record(model, config, split=None, max_tokens=None, batch_size=None) -> RoutingRecord:
-    """Routes every domain of `split` (routing_run.batches: the same tokens for any model of this config)."""
+    """Routes every domain of `split` (collect.batches: the same tokens for any model of this config)."""
     batch_size = batch_size or config.eval.batch_size
-    it, names = routing_run.batches(config, split, max_tokens, batch_size)
+    it, names = collect.batches(config, split, max_tokens, batch_size)
     graphdef, state = nnx.split(model)
-    route = routing_run.make_route_fn(graphdef, config.data.task == "prefix")
+    route = collect.make_route_fn(graphdef, config.data.task == "prefix")
     kept = []
     for batch in it:
-        layers = jax.device_get(route(state, *routing_run.route_args(batch, batch_size)))
+        layers = jax.device_get(route(state, *collect.route_args(batch, batch_size)))
         kept.append({"tokens": batch["tokens"], "domains": batch["domains"], "valid": batch["valid"],
                      "segment_ids": batch["segment_ids"],
                      "ids": [np.asarray(ids, np.int16) for ids, _ in layers],

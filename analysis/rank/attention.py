@@ -1,6 +1,5 @@
-"""Attention rank and rank collapse of a trained run (issue 6, claim 2).
-
-    python -m analysis.rank --workdir runs/compare_masks/causal/seed0 [--out DIR] [--sequences 16] [--step N]
+"""Attention rank and rank collapse of a model on a batch of validation rows (`analyse`), with the measures
+of metrics.py.
 
 For each validation sequence (train.inputs.eval_rows, so prefix-task rows are one document each) and every
 layer and head, on the square block of REAL tokens (padding, segment id 0, is dropped):
@@ -12,26 +11,17 @@ Per layer, the rank-collapse measure ||X - 1 mean(X)^T|| / ||X|| (composite l1/l
 Frobenius too) of the block outputs, for four paths through the SAME weights:
   full       the trained model;                  no_mlp     x + attn(norm(x)) (MLPs removed)
   no_skip    ffn(norm(attn(norm(x)))) (no skips); pure_attn  attn(norm(x)) (skips and MLPs removed)
-Writes OUT/rank.json and OUT/rank_heads.png, OUT/rank_spectrum.png, OUT/rank_collapse.png (OUT = WORKDIR/rank).
 """
 
-import json
-import sys
 import warnings
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from analysis import rank_metrics as rm
-from analysis.rank_plots import plot_all
+from analysis.rank import metrics as rm
 from moe import Execution
-from plumbing.args import ArgParser, check_out_dir
-from plumbing.errors import UserError, exit_with, os_error
-from rundir import open_run
-from train.inputs import eval_rows
 
 PATHS = ("full", "no_mlp", "no_skip", "pure_attn")
 EXECUTION = Execution()  # fp32, dropless; Block.attend without causal=True runs the einsum attention
@@ -184,51 +174,3 @@ def select_rows(rows, sequences: int):
     n = len(rows["tokens"])
     idx = np.unique(np.linspace(0, n - 1, min(sequences, n)).round().astype(int))
     return {k: v[idx] for k, v in rows.items()}
-
-
-def run_rank(workdir, sequences: int = 16, step=None, out=None, plots: bool = True) -> dict:
-    run = open_run(workdir, step)
-    result = analyse(run.model, select_rows(eval_rows(run.config), sequences))
-    result.update(workdir=str(workdir), step=run.step)
-    if out is not None:
-        out = check_out_dir(out, out)
-        (out / "rank.json").write_text(json.dumps(result, indent=1))
-        if plots:
-            plot_all(result, out)
-    return result
-
-
-def main(argv=None):
-    ap = ArgParser(prog="python -m analysis.rank", description=__doc__.splitlines()[0])
-    ap.add_argument("--workdir", required=True, help="a trained run directory (with checkpoints/)")
-    ap.add_argument("--out", default=None, help="output directory (default WORKDIR/rank)")
-    ap.add_argument("--sequences", type=int, default=16, help="validation rows to analyse (default 16); packed "
-                                                             "rows count each document separately")
-    ap.add_argument("--step", type=int, default=None, help="checkpoint step (default the newest readable one)")
-    try:
-        args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-        if args.sequences <= 0:
-            raise UserError(f"--sequences must be a positive integer, got {args.sequences}")
-        out = check_out_dir(args.out, Path(args.workdir) / "rank", create=False)
-        r = run_rank(args.workdir, args.sequences, args.step, out)
-    except UserError as e:
-        exit_with(e)
-    except OSError as e:
-        exit_with(os_error(e))
-    print_summary(r, out)
-
-
-def print_summary(r, out=None, file=sys.stdout):
-    print(f"mask={r['mask']} rope={r['rope']} sequences={r['sequences']} documents={r.get('documents')}", file=file)
-    for blk, s in r["attention"].items():
-        for layer, (rk, er, ld) in enumerate(zip(s["rank_frac"], s["erank_frac"], s["logdet_per_token"])):
-            print(f"  {blk:6s} layer {layer}: rank/n {np.round(rk, 3).tolist()} erank/n {np.round(er, 3).tolist()} "
-                  f"logdet/n {np.round(ld, 2).tolist()}", file=file)
-    for p, c in r["collapse"].items():
-        print(f"  collapse {p:9s} (l1/linf): {np.round(c['l1linf'], 3).tolist()}", file=file)
-    if out is not None:
-        print(f"wrote {out}/rank.json and plots", file=file)
-
-
-if __name__ == "__main__":
-    main()

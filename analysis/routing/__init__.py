@@ -1,0 +1,10 @@
+"""Which experts each domain and token uses: `python -m analysis.routing` (cli.py).
+
+  collect.py      routes a split through a checkpoint in one jitted pass, keeping counts only (`analyse`)
+  stats.py        the accumulators and the metric functions over their counts (NumPy only)
+  outputs.py      routing.json, routing.npz, the PNGs and tokens.html of an analysis, and its summary
+  plots.py        one function per PNG; scales.py their colour scales relative to chance
+  tokens_html.py  tokens.html: sample texts coloured by first-choice expert
+
+Importing the package imports none of these: stats.py and collect.py load without matplotlib.
+"""

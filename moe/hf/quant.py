@@ -1,0 +1,128 @@
+"""Quantized HF weights, dequantized to fp32 on import: DeepSeek's block FP8 (read by the loader) and gpt-oss's
+MXFP4 (the function, ready for that family).
+
+Block FP8 (DeepSeek-V3/R1/V3.1/V3.2, Kimi-K2, Qwen3 FP8 releases): config.json `quantization_config`
+{"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [bm, bn], ...}; each quantized Linear `X.weight` is
+F8_E4M3 [out, in] beside `X.weight_scale_inv` F32 [ceil(out / bm), ceil(in / bn)], and DeepSeek's rule
+(inference/kernel.py `weight_dequant`) is
+
+    w[i, j] = float32(q[i, j]) * scale_inv[i // bm, j // bn]
+
+with partial tiles at the bottom and right edges (DeepSeek-V3's 576-row kv_a_proj_with_mqa). transformers 5.25's
+CPU dequantization splits the rows evenly over the scale grid instead (block = rows // grid rows), which differs
+exactly on partial tiles; it is not followed. `scale_fmt: "ue8m0"` (V3.1, V3.2) scales are F32 powers of two on
+disk (V3.1's o_proj scales are not): the same multiply, never cast. Whether a tensor is quantized is read from its
+dtype in the safetensors header, never from its name (moe/hf/tensors.py).
+
+MXFP4 (gpt-oss experts, OCP microscaling): `X_blocks` uint8 [..., G, 16] holds 32 E2M1 codes per block along the
+input axis (low nibble = even element), `X_scales` uint8 [..., G] an E8M0 exponent per block (2^(byte - 127)).
+"""
+
+import dataclasses
+import math
+
+import ml_dtypes
+import numpy as np
+
+from moe.hf.common import HFImportError, refuse
+
+FP8_KEYS = {"quant_method", "fmt", "weight_block_size", "activation_scheme", "scale_fmt", "modules_to_not_convert",
+            "dequantize"}
+SCALE_SUFFIX = "_scale_inv"  # DeepSeek's converter finds `f"{weight_name}_scale_inv"`
+E4M3 = ml_dtypes.float8_e4m3fn
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Blocks:
+    """Block FP8 weights: one float32 multiplier per [rows, cols] tile of each F8_E4M3 weight."""
+    rows: int
+    cols: int
+
+
+def quantization(c: dict, where: str) -> Fp8Blocks | None:
+    """config.json's `quantization_config`: None without one, Fp8Blocks for DeepSeek's block FP8 (any block size),
+    anything else refused naming the field (HFImportError)."""
+    q = c.get("quantization_config")
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        refuse(where, "quantization_config", q, "expected an object")
+    method = q.get("quant_method")
+    if method != "fp8":
+        refuse(where, "quantization_config.quant_method", method,
+               "only DeepSeek's block FP8 ('fp8', fmt 'e4m3') is dequantized here; convert other quantized weights "
+               "to bf16 first")
+    for key in sorted(set(q) - FP8_KEYS):
+        refuse(where, f"quantization_config.{key}", q[key], "an FP8 setting this importer does not know")
+    if q.get("fmt", "e4m3") != "e4m3":
+        refuse(where, "quantization_config.fmt", q["fmt"], "only e4m3 (float8_e4m3fn) weights")
+    if q.get("activation_scheme", "dynamic") != "dynamic":
+        refuse(where, "quantization_config.activation_scheme", q["activation_scheme"],
+               "static activation scales are not applied; only 'dynamic' (weights are dequantized to fp32)")
+    if q.get("scale_fmt") not in (None, "float", "ue8m0"):
+        refuse(where, "quantization_config.scale_fmt", q["scale_fmt"], "only F32 scales ('float' or 'ue8m0')")
+    block = q.get("weight_block_size")
+    if (not isinstance(block, list) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        refuse(where, "quantization_config.weight_block_size", block,
+               "expected two positive integers [rows, cols] (per-tensor FP8 is not read)")
+    if q.get("modules_to_not_convert") is not None and not isinstance(q["modules_to_not_convert"], list):
+        refuse(where, "quantization_config.modules_to_not_convert", q["modules_to_not_convert"], "expected a list")
+    return Fp8Blocks(*block)
+
+
+def scale_grid(shape, blocks: Fp8Blocks) -> tuple[int, ...]:
+    """The scale_inv shape DeepSeek's rule needs for a weight of `shape` ([..., out, in])."""
+    *lead, rows, cols = shape
+    return (*lead, math.ceil(rows / blocks.rows), math.ceil(cols / blocks.cols))
+
+
+def dequantize_fp8(q: np.ndarray, scale_inv: np.ndarray, blocks: Fp8Blocks, name: str = "tensor") -> np.ndarray:
+    """fp32 `q * scale_inv` per [blocks.rows, blocks.cols] tile, partial tiles at the edges (DeepSeek's rule);
+    q is float8_e4m3fn [..., out, in], scale_inv float32 [..., ceil(out / rows), ceil(in / cols)]. The product is
+    formed in fp32, tile row by tile row, so only the fp32 result (and one [in] row of scales) is allocated. A NaN
+    weight code or a scale that is not a finite positive number is refused naming the tensor."""
+    if q.ndim < 2 or tuple(scale_inv.shape) != scale_grid(q.shape, blocks):
+        raise HFImportError(f"tensor {name!r}: scale {list(scale_inv.shape)} does not fit weight {list(q.shape)} in "
+                            f"blocks of [{blocks.rows}, {blocks.cols}] (needs {list(scale_grid(q.shape, blocks))})")
+    if np.any((q.view(np.uint8) & 0x7F) == 0x7F):
+        raise HFImportError(f"tensor {name!r} holds NaN (float8_e4m3fn code 0x7F/0xFF); re-download the checkpoint")
+    if not np.all(np.isfinite(scale_inv) & (scale_inv > 0)):
+        raise HFImportError(f"tensor {name + SCALE_SUFFIX!r} holds a scale that is not a finite positive number")
+    rows, cols = q.shape[-2:]
+    out = q.astype(np.float32)
+    w = out.reshape(-1, rows, cols)
+    s = np.asarray(scale_inv, np.float32).reshape(-1, *scale_inv.shape[-2:])
+    for m in range(w.shape[0]):
+        for t in range(s.shape[1]):  # one tile row: its scales repeated over the columns of each tile
+            w[m, t * blocks.rows:(t + 1) * blocks.rows] *= np.repeat(s[m, t], blocks.cols)[:cols]
+    return out
+
+
+# E2M1 code -> value (bit 3 sign, bits 2-1 exponent with bias 1, bit 0 mantissa); the OCP MX spec's table.
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                      np.float32)
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, name: str = "tensor") -> np.ndarray:
+    """gpt-oss's MXFP4 `X_blocks` uint8 [..., G, 16] and `X_scales` uint8 [..., G] -> fp32 [..., G * 32] in the
+    stored orientation ([E, out, in] for experts; transformers then transposes to [E, in, out]). Element 2j of a
+    block is byte j's low nibble, element 2j + 1 its high nibble; the block's value is FP4_VALUES[code] x
+    2^(scale - 127), exact in fp32. A NaN scale (byte 255) or a product past fp32's range is refused naming the
+    tensor."""
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8:
+        raise HFImportError(f"tensor {name!r}: MXFP4 blocks and scales are uint8, got {blocks.dtype} and "
+                            f"{scales.dtype}")
+    if blocks.ndim < 2 or blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
+        raise HFImportError(f"tensor {name!r}: MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)} "
+                            "do not fit ([..., G, 16] and [..., G])")
+    if np.any(scales == 255):
+        raise HFImportError(f"tensor {name!r}: an MXFP4 scale is NaN (E8M0 byte 255); re-download the checkpoint")
+    out = np.empty((*blocks.shape[:-1], 32), np.float32)
+    out[..., 0::2] = FP4_VALUES[blocks & 0x0F]
+    out[..., 1::2] = FP4_VALUES[blocks >> 4]
+    with np.errstate(over="ignore"):  # refused just below, by name
+        out = np.ldexp(out, scales.astype(np.int32)[..., None] - 127)
+    if not np.all(np.isfinite(out)):
+        raise HFImportError(f"tensor {name!r}: MXFP4 values overflow fp32 (scale bytes up to {int(scales.max())})")
+    return out.reshape(*blocks.shape[:-2], -1)

@@ -1,0 +1,149 @@
+"""Reading a HuggingFace directory's safetensors, one tensor at a time, as fp32 NumPy.
+
+Opening reads only the headers (safetensors validates each: offsets inside the file, sizes matching shapes); every
+file resolves inside the directory (moe.hf.paths) and is a regular file. A tensor is then read from its own byte
+range (the offsets in its file's header) into a fresh array: nothing is unpickled, no shard is mapped whole, and a
+caller streaming layer by layer keeps no more than the tensors it holds. F32, F16 and BF16 are held exactly by
+fp32; F8_E4M3 weights are dequantized with their `_scale_inv` block scales (moe/hf/quant.py) when config.json
+declares DeepSeek's block FP8. Any other dtype is refused naming the tensor: nothing is cast silently.
+"""
+
+import json
+import math
+import os
+import struct
+
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+
+from moe.hf.common import HFImportError, inside, read_json
+from moe.hf.quant import SCALE_SUFFIX, Fp8Blocks, dequantize_fp8, scale_grid
+
+FLOAT_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype(ml_dtypes.bfloat16)}
+FP8 = "F8_E4M3"
+STORED = {**FLOAT_DTYPES, FP8: np.dtype(ml_dtypes.float8_e4m3fn)}
+INDEX = "model.safetensors.index.json"
+
+
+class SafetensorsFiles:
+    """The tensors of DIR's model.safetensors or of the shards in model.safetensors.index.json.
+
+    `shapes`: name -> shape of every tensor the model may use (a quantized weight's `_scale_inv` is folded into the
+    weight, not listed). `read(name)` returns one tensor as fp32 NumPy. `quant` (moe.hf.quant.quantization of
+    config.json) allows F8_E4M3 weights; `rename(stored name)` gives the name a family reads (None: not part of
+    the model, skipped; e.g. Kimi-K2.5's vision tower)."""
+
+    def __init__(self, path_dir: str, quant: Fp8Blocks | None = None, rename=None):
+        self.quant = quant
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self._at: dict[str, tuple] = {}  # name -> (path, dtype, shape, offset, nbytes)
+        for name in _files(path_dir):
+            path = inside(path_dir, name, f"{INDEX} weight_map entry")
+            if not os.path.isfile(path):
+                raise HFImportError(f"{os.path.join(path_dir, name)}: missing (named by {INDEX}); re-download "
+                                    "the checkpoint")
+            for k, entry in _header(path, os.path.join(path_dir, name)).items():
+                k = rename(k) if rename else k
+                if k is None:
+                    continue
+                if k in self._at:
+                    raise HFImportError(f"{path_dir}: tensor {k!r} is stored twice ({self._at[k][0]} and {path})")
+                self._at[k] = entry
+        scales = set()
+        for k, (path, dtype, shape, _, _) in self._at.items():
+            if dtype == FP8:
+                scales.add(self._check_fp8(k, shape, path))
+            elif dtype not in FLOAT_DTYPES:
+                raise HFImportError(f"{path}: tensor {k!r} is {dtype}; only {', '.join(FLOAT_DTYPES)} weights (and "
+                                    f"{FP8} with config.json's block FP8 quantization_config) are read exactly "
+                                    "(convert quantized, integer or float64 weights to bf16/fp32 first)")
+        self.shapes = {k: at[2] for k, at in self._at.items() if k not in scales}
+
+    def _check_fp8(self, k: str, shape, path: str) -> str:
+        """The `_scale_inv` of the F8_E4M3 weight k, checked (HFImportError naming the tensor otherwise)."""
+        scale = k + SCALE_SUFFIX
+        if self.quant is None:
+            raise HFImportError(f"{path}: tensor {k!r} is {FP8} but config.json has no quantization_config (the "
+                                "block size of its scales is unknown); add the checkpoint's quantization_config")
+        if scale not in self._at:
+            raise HFImportError(f"{path}: tensor {k!r} is {FP8} without its scales {scale!r}; re-download the "
+                                "checkpoint")
+        _, dtype, got, _, _ = self._at[scale]
+        want = scale_grid(shape, self.quant) if len(shape) >= 2 else None
+        if dtype != "F32" or tuple(got) != want:
+            raise HFImportError(f"{path}: tensor {scale!r} is {dtype}{list(got)}; {FP8} {k!r} {list(shape)} in "
+                                f"blocks of {[self.quant.rows, self.quant.cols]} (quantization_config."
+                                f"weight_block_size) needs F32{list(want or [])}")
+        return scale
+
+    def read(self, name: str) -> np.ndarray:
+        arr = self._stored(name)
+        if arr.dtype == STORED[FP8]:
+            return dequantize_fp8(arr, self._stored(name + SCALE_SUFFIX), self.quant, name)
+        return arr if arr.dtype == np.float32 else arr.astype(np.float32)
+
+    def _stored(self, name: str) -> np.ndarray:
+        path, dtype, shape, offset, nbytes = self._at[name]
+        return _read(path, name, STORED[dtype], shape, offset, nbytes)
+
+    def release(self) -> None:
+        """Nothing to release: each read opens, reads its byte range and closes (kept for the streaming callers)."""
+
+
+def read_tensors(path_dir: str, quant: Fp8Blocks | None = None, rename=None) -> dict[str, np.ndarray]:
+    """All tensors of DIR at once, as fp32 NumPy (SafetensorsFiles' checks); the loader streams them instead."""
+    files = SafetensorsFiles(path_dir, quant, rename)
+    return {k: files.read(k) for k in files.shapes}
+
+
+def _files(path_dir: str) -> list[str]:
+    if os.path.isfile(os.path.join(path_dir, INDEX)):
+        weight_map = read_json(path_dir, INDEX).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise HFImportError(f"{os.path.join(path_dir, INDEX)}: no weight_map; re-download the checkpoint")
+        return sorted({str(v) for v in weight_map.values()})
+    if os.path.isfile(os.path.join(path_dir, "model.safetensors")):
+        return ["model.safetensors"]
+    raise HFImportError(f"{path_dir}: no model.safetensors or {INDEX} (.bin checkpoints are not read; convert them "
+                        "to safetensors)")
+
+
+def _header(path: str, shown: str) -> dict[str, tuple]:
+    """name -> (path, dtype, shape, absolute offset, nbytes) from the file's header, after safetensors has
+    validated it (every offset inside the file, the data contiguous)."""
+    try:
+        with safe_open(path, framework="flax"):
+            pass
+    except Exception as e:  # safetensors raises its own error type on a damaged header
+        raise HFImportError(f"{shown}: not a valid safetensors file ({str(e)[:100]}); re-download it") from None
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+    out = {}
+    for k, info in header.items():
+        if k == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        shape = tuple(int(d) for d in info["shape"])
+        item = STORED[info["dtype"]].itemsize if info["dtype"] in STORED else None
+        if item is not None and end - begin != math.prod(shape) * item:
+            raise HFImportError(f"{shown}: tensor {k!r} holds {end - begin} bytes, its shape {list(shape)} needs "
+                                f"{math.prod(shape) * item}; re-download the checkpoint")
+        out[k] = (path, info["dtype"], shape, 8 + n + begin, end - begin)
+    return out
+
+
+def _read(path: str, name: str, dtype: np.dtype, shape, offset: int, nbytes: int) -> np.ndarray:
+    """The tensor's bytes at `offset`, read straight into a new array (no mapping of the rest of the file)."""
+    out = np.empty(shape, dtype)
+    view = memoryview(out.reshape(-1).view(np.uint8))
+    with open(path, "rb", buffering=0) as f:
+        f.seek(offset)
+        got = 0
+        while got < nbytes:
+            n = f.readinto(view[got:])
+            if not n:
+                raise HFImportError(f"{path}: ends inside tensor {name!r}; re-download the checkpoint")
+            got += n
+    return out
