@@ -3,7 +3,7 @@
     python -m analysis.loss_curves --workdir runs/default        # writes runs/default/loss_curves.png
     python -m analysis.loss_curves --workdir runs/default --out /tmp/loss.png
 
-The figure is train/loss_curves.py's, the one the trainer redraws at every evaluation, with the unigram and
+The figure is train/loss_plot.py's, the one the trainer redraws at every evaluation, with the unigram and
 bigram references of the run's validation targets (train/references.py) when the run's data can be read; the last
 validation loss is printed against them.
 """
@@ -18,7 +18,7 @@ from plumbing.errors import UserError, exit_with, os_error
 from rundir import RunDir
 from rundir.config_layout import migrate
 from rundir.metrics import read_rows
-from train.loss_curves import plot_loss_curves, run_title, series
+from train.loss_plot import plot_loss_curves, run_title, series
 from train.references import gap_line, references
 
 

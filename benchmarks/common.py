@@ -29,7 +29,7 @@ PRESETS = {
     "tiny": dict(model=dict(d_model=32, n_layers=2, n_heads=2, n_kv_heads=2, head_dim=16, d_ff=64, first_k_dense=1,
                             vocab_size=256, n_routed_experts=8, n_shared_experts=1, top_k=2, moe_d_ff=16),
                  execution=dict(dtype="float32"), batch=1, seq_len=32, steps=1),
-    # benchmarks/maxtext_side_by_side.py: the DeepSeek-style shape trained in both projects (issue 13's CPU shape;
+    # benchmarks/maxtext_side_by_side.py: the DeepSeek-style shape trained in both projects (the CPU shape of the speed goals;
     # the GPU one is configs/gpu_1b.py's widths).
     # Both sides run MaxText's deepseek3-tiny attention at these widths: MLA with a query latent of 32 and a kv
     # latent of 16, 48 + 16 (roped) query/key dims and 64-wide values per head (MAXTEXT_MLA).

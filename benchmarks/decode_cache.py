@@ -1,4 +1,4 @@
-"""Decoding speed and KV-cache memory at long context: GQA against MLA, absorbed and naive (issue 47).
+"""Decoding speed and KV-cache memory at long context: GQA against MLA, absorbed and naive.
 
     python -m benchmarks.decode_cache [--contexts 1024,4096,16384] [--new_tokens 32] [--batch 1] [--steps 3]
         [--preset cpu|gpu|tiny]

@@ -15,7 +15,7 @@ matmul, with dropless's dispatch alone and its backward by scatter-adds or by ga
 the layer at 64 experts under skewed routings, where slab runs its 3x slab or its padded-block fallback (against
 slabs of up to 2x, and tokamax; `fallback`); the train step of configs/gpu_1b.py (MFU against the measured
 peak, tokens/s, peak memory) at 8 and 64 experts per grouped matmul and `--remat` setting, and the 64/8 step-time
-ratio. Goals (issue 13): MFU >= 40%, layer <= 1.3x dense, 64/8 <= 1.15x.
+ratio. Goals: MFU >= 40%, layer <= 1.3x dense, 64/8 <= 1.15x.
 Every section runs even if an earlier one fails (its error goes into the report), in the order tests, accuracy,
 train step (first grouped matmul), layer, fallback, a profile of the first train step (its 25 largest XLA ops,
 benchmarks.profile_step), train step (the others), and the report is rewritten after each: a run cut off by the
@@ -35,12 +35,12 @@ import traceback
 
 import jax
 
-from benchmarks import decode_cache, kernel_accuracy, moe_layer, profile_step, train_step
+from benchmarks import decode_cache, kernel_accuracy, moe_layer, profile_step, speculative_cost, train_step
 from benchmarks.common import add_remat_flag, add_scan_layers_flag, describe, remat_settings, table
 from moe.dispatch.kernels import tokamax_swiglu
 from train.flops import measure_peak_flops
 
-SECTIONS = ("tests", "accuracy", "train", "layer", "fallback", "profile", "decode")
+SECTIONS = ("tests", "accuracy", "train", "layer", "fallback", "profile", "decode", "speculative")
 GPU_TESTS = ["tests/test_attention_impl.py::test_cudnn_equals_einsum_on_gpu", "tests/test_grouped_kernels.py"]
 
 
@@ -213,6 +213,11 @@ def main(argv=None) -> str:
                                                          4 if a.tiny else 32, 1, 1 if a.tiny else 3,
                                                          "float32" if a.tiny else "bfloat16",
                                                          on_row=decode_cache.print_row)))),
+             ("speculative", ("Speculative decoding with the MTP draft: a step's cost in plain greedy steps, and the "
+                              "acceptance rate above which it pays",
+                              lambda: table(speculative_cost.rows(preset, 8 if a.tiny else 1024,
+                                                                  8 if a.tiny else 128, 1 if a.tiny else 3,
+                                                                  "float32" if a.tiny else "bfloat16")))),
              *[("train", train(g)) for g in grouped[1:]]]
     steps = [step for section, step in steps if section in wanted]
     print(f"## {sections[0][0]}\n\n{sections[0][1]}\n", flush=True)

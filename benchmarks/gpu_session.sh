@@ -11,7 +11,7 @@
 # Steps: (1) the train step of configs/gpu_1b.py at 8 and 64 experts, remat save_moe (MFU, the 8 -> 64 ratio,
 # planned and peak memory; ~150 s); (2) the MoE layer against dense and the step's profile (~65 s); (3) slab's
 # fallback under skewed routings (~30 s); (4) the GPU-only tests (~200 s); (5) GQA vs MLA decoding, row by row, in
-# what is left. Timings from GPU run 7, whose remat-off rows (no faster than save_moe, 62 GiB at 64 experts) are
+# what is left; (6) speculative decoding's step cost and break-even acceptance. Timings from GPU run 7, whose remat-off rows (no faster than save_moe, 62 GiB at 64 experts) are
 # no longer rerun. A step the budget cannot hold is skipped. Reports and the
 # console go to $OUT (the device tool's folder), else to ./gpu_session_out. BUDGET_S (default 540) is the whole
 # call's limit; `TINY=1` runs the same steps at toy shapes on any backend (a check of the script, not of speed).
@@ -54,4 +54,6 @@ step fallback 90 --sections fallback --no_target_config
 step tests 220 --sections tests --no_target_config
 # GQA vs MLA decoding at 1k / 4k / 16k context (issue 47): last, each row printed as it lands
 step decode 120 --sections decode --no_target_config
+# speculative decoding's break-even acceptance where a 2-token main call costs about a 1-token one
+step speculative 90 --sections speculative --no_target_config
 echo "== done in ${SECONDS}s; reports in $out" | tee -a "$out/console.txt"

@@ -3,12 +3,16 @@
     python -m benchmarks.hf_import_memory [--gb 1.0] [--dtype float32] [--shard_mb 100]
     # against the loader of another tree (e.g. `git archive HEAD | tar -x -C /tmp/moe_head`), same checkpoint:
     python -m benchmarks.hf_import_memory --src /tmp/moe_head,.
+    # DeepSeek's block FP8 (e4m3 Linear weights + F32 scale_inv per 128 x 128 tile, BF16 elsewhere):
+    python -m benchmarks.hf_import_memory --dtype float8
 
 Writes a random glm4_moe checkpoint (moe.hf.write_hf_checkpoint of a freshly initialized moe.Transformer: d_model
 1024, 16 routed experts of width 384 top-2 + 1 shared, one dense first layer, vocabulary 8192, as many layers as
-reach --gb GB of fp32 parameters) as sharded safetensors in --dtype, then loads it once per --src tree, each in a
-fresh subprocess: the growth of its resident memory (VmHWM, the high-water mark, minus VmRSS after importing jax
-and moe.hf and starting the CPU backend) over the model's fp32 bytes is the ratio (1.0: nothing but the model).
+reach --gb GB of fp32 parameters) as sharded safetensors in --dtype (float8: written in fp32, then every Linear
+weight of every shard quantized as DeepSeek-V3 ships them, with its quantization_config), then loads it once per
+--src tree, each in a fresh subprocess: the growth of its resident memory (VmHWM, the high-water mark, minus VmRSS
+after importing jax and moe.hf and starting the CPU backend) over the model's fp32 bytes is the ratio (1.0:
+nothing but the model).
 """
 
 import argparse
@@ -18,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from benchmarks.common import host_cpu, table
 
@@ -65,7 +70,61 @@ def write_checkpoint(out: str, gb: float, dtype: str, shard_mb: int) -> None:
 
     model = Transformer(model_config(gb), nnx.Rngs(0))
     jax.block_until_ready(nnx.state(model))
-    write_hf_checkpoint(model, out, str(DEFAULT_TOKENIZER), dtype, max_shard_bytes=shard_mb * 2**20)
+    stored = "float32" if dtype == "float8" else dtype
+    write_hf_checkpoint(model, out, str(DEFAULT_TOKENIZER), stored, max_shard_bytes=shard_mb * 2**20)
+    del model
+    if dtype == "float8":
+        to_block_fp8(out)
+
+
+FP8_BLOCK = 128
+
+
+def to_block_fp8(out: str) -> None:
+    """Rewrite each shard of the HF directory `out` as DeepSeek-V3 ships FP8: every 2-D `*_proj.weight` as
+    float8_e4m3fn with its `_scale_inv` (F32, amax / 448 per 128 x 128 tile), the rest BF16 (the router and its
+    bias F32); the index and config.json (quantization_config) follow."""
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+
+    index_path = Path(out) / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text()) if index_path.is_file() else None
+    shards = sorted(set(index["weight_map"].values())) if index else ["model.safetensors"]
+    for shard in shards:
+        tensors = load_file(os.path.join(out, shard))
+        for name in list(tensors):
+            w = tensors.pop(name)
+            if name.endswith("_proj.weight") and w.ndim == 2:
+                tensors[name], tensors[name + "_scale_inv"] = quantize_blocks(w, FP8_BLOCK)
+                if index:
+                    index["weight_map"][name + "_scale_inv"] = shard
+            else:
+                tensors[name] = w if ".mlp.gate." in name else w.astype(ml_dtypes.bfloat16)
+        save_file(tensors, os.path.join(out, shard), metadata={"format": "pt"})
+        del tensors
+    if index:
+        index_path.write_text(json.dumps(index))
+    config_path = Path(out) / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                     "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+    config_path.write_text(json.dumps(config))
+
+
+def quantize_blocks(w, block: int):
+    """DeepSeek's weight_quant: per tile s = amax / 448, q = e4m3(w / s) (clipped: ml_dtypes makes overflow NaN)."""
+    import ml_dtypes
+    import numpy as np
+
+    rows, cols = w.shape
+    r, c = -(-rows // block), -(-cols // block)
+    tiles = np.zeros((r * block, c * block), np.float32)
+    tiles[:rows, :cols] = w
+    tiles = tiles.reshape(r, block, c, block)
+    s = np.abs(tiles).max(axis=(1, 3)) / 448
+    s[s == 0] = 1.0
+    q = np.clip(tiles / s[:, None, :, None], -448, 448).reshape(r * block, c * block)[:rows, :cols]
+    return q.astype(ml_dtypes.float8_e4m3fn), s.astype(np.float32)
 
 
 def measure(src: str, checkpoint: str) -> dict:
@@ -86,7 +145,8 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="python -m benchmarks.hf_import_memory", description=__doc__.splitlines()[0])
     p.add_argument("--gb", type=float, default=1.0, help="the model's fp32 parameter bytes, in GB (1e9)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the checkpoint's dtype")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float8"],
+                   help="the checkpoint's dtype (float8: DeepSeek's block FP8 for the Linear weights)")
     p.add_argument("--shard_mb", type=int, default=100, help="largest safetensors shard, MiB")
     p.add_argument("--src", default=".", help="comma-separated source trees whose moe.hf loads the checkpoint")
     p.add_argument("--json", default="", help="also write the rows here")

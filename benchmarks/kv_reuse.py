@@ -1,4 +1,4 @@
-"""KV-cache reuse over a multi-turn dialogue (issue 14, item 9): what a causal decoder saves.
+"""KV-cache reuse over a multi-turn dialogue: what a causal decoder saves.
 
     python -m benchmarks.kv_reuse [--preset cpu] [--turns 4] [--user_tokens 48] [--reply_tokens 16] [--steps 3]
 

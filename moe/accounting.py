@@ -1,4 +1,12 @@
-"""Parameter, FLOP and KV-cache accounting (for reports, MFU and memory checks)."""
+"""Parameter, FLOP and KV-cache accounting (for reports, MFU and memory checks).
+
+Active parameters count what one token goes through. With zero experts (model.n_zero_experts = Z) how many real
+experts a token runs varies by token; the active counts are the EXPECTATION under uniform routing over the E + Z
+candidates (each of a layer's K choices is a real expert with probability E / (E + Z): the load that aux-loss-free
+balancing of every candidate drives to), rounded to an integer. A zero expert costs nothing (no FLOPs). Per-layer
+top-k (model.layer_top_k) counts each layer's own K; the router (its logit bias too) is active for every token,
+hash-routed layers included (their gates read it).
+"""
 
 import jax.numpy as jnp
 
@@ -28,10 +36,13 @@ def _ffn_params(cfg: ModelConfig, layer: int) -> tuple[int, int, int]:
     D = cfg.d_model
     if not cfg.is_moe_layer(layer):
         return (3 * D * cfg.d_ff,) * 3
-    expert, router = 3 * D * cfg.moe_d_ff, D * cfg.n_routed_experts
+    expert, router = 3 * D * cfg.moe_d_ff, D * cfg.n_candidates
     shared = 3 * D * cfg.shared_width + cfg.shared_expert_gate * D
-    active = router + shared + cfg.top_k * expert
-    return router + shared + cfg.n_routed_experts * expert, active, active - cfg.shared_expert_gate * D
+    logit_bias = cfg.router_logit_bias * cfg.n_candidates
+    routed = round(cfg.moe_top_k(layer) * expert * cfg.n_routed_experts / cfg.n_candidates)  # = K x expert, Z = 0
+    active = router + shared + routed
+    total = router + shared + cfg.n_routed_experts * expert
+    return total + logit_bias, active + logit_bias, active - cfg.shared_expert_gate * D
 
 
 def _blocks(cfg: ModelConfig) -> range:

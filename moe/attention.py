@@ -44,6 +44,9 @@ class BlockInputs:
     # keys without reading the mask. False is right for any mask.
     causal: bool = struct.field(pytree_node=False, default=False)
     cache_index: jax.Array | int | None = None  # with a KV cache: this call's tokens occupy slots [i, i + L)
+    # The tokens' ids [B, L]: what a hash-routed MoE layer routes by (DeepSeek-V4). An MTP module's blocks get the
+    # main call's (t_i at position i). None: no layer may route by hash.
+    token_ids_BxL: jax.Array | None = None
 
 
 # Masks.

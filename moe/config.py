@@ -87,8 +87,18 @@ class ModelConfig:
                                            "scaling factor)")
     shared_d_ff: int = field(0, non_negative, doc="width of the shared-expert SwiGLU (0: moe_d_ff x "
                                                   "n_shared_experts)")
-    shared_expert_gate: bool = field(False, doc="Qwen2-MoE: the shared output scaled by sigmoid(u . w_gate), "
-                                                "per token")
+    shared_expert_gate: bool = field(False, doc="Qwen2-MoE / Qwen3-Next: the shared output scaled by "
+                                                "sigmoid(u . w_gate), per token")
+    # Router options of other families (moe/router.py, docs/routers.md); each default is DeepSeek-V3's behaviour.
+    n_zero_experts: int = field(0, non_negative, doc="LongCat-Flash zero-computation experts: router candidates after "
+                                                     "the routed ones whose output is their input x the gate (no "
+                                                     "compute)")
+    router_logit_bias: bool = field(False, doc="a trainable bias on the router logits (gpt-oss's router Linear bias): "
+                                               "it enters scores and gates, unlike the selection-only routing bias")
+    n_hash_layers: int = field(0, non_negative, doc="the leading MoE layers that route by token id (DeepSeek-V4's "
+                                                    "hash layers: router 'hash', whatever model.router is)")
+    layer_top_k: str = field("", doc="comma-separated top-k of each MoE layer of the main model, in order "
+                                     "(Hunyuan's moe_topk list); '' = top_k in every layer")
     mtp_depth: int = field(0, non_negative, doc="multi-token prediction modules (DeepSeek-V3, moe/mtp.py): module k "
                                                 "predicts the token k + 1 ahead; training only")
     init_std: float = field(0.02, positive, doc="std of the initial weights")
@@ -130,6 +140,32 @@ class ModelConfig:
     def is_moe_layer(self, i: int) -> bool:
         return (i >= self.first_k_dense and (i + 1) % self.moe_layer_step == 0
                 and i not in self.dense_layer_ids)
+
+    @property
+    def n_candidates(self) -> int:
+        """Router outputs per MoE layer: the routed experts, then the zero experts."""
+        return self.n_routed_experts + self.n_zero_experts
+
+    @property
+    def hash_layer_ids(self) -> tuple[int, ...]:
+        """The MoE layers that route by token id: the first n_hash_layers of the main model (an MTP block does not,
+        as in DeepSeek-V4, whose hash layers are the layer ids below num_hash_layers), or with router 'hash' every
+        MoE layer, the MTP blocks' included (these route by the token at their position in the main sequence, t_i,
+        which BlockInputs carries; not by t_{i+k}, the token their embedding reads)."""
+        if self.router == "hash":
+            return self.train_load_layer_ids
+        return self.moe_layer_ids[:self.n_hash_layers]
+
+    def layer_router(self, layer: int | None = None) -> str:
+        """The ROUTERS entry of MoE layer `layer` (None: the model's router)."""
+        return "hash" if layer is not None and layer in self.hash_layer_ids else self.router
+
+    def moe_top_k(self, layer: int | None = None) -> int:
+        """K of MoE layer `layer`: its layer_top_k entry; top_k for an MTP block or layer None."""
+        ks = _layer_ids(self.layer_top_k)
+        if ks and layer in self.moe_layer_ids:
+            return ks[self.moe_layer_ids.index(layer)]
+        return self.top_k
 
     @property
     def shared_width(self) -> int:
@@ -208,16 +244,34 @@ def validate(c: ModelConfig) -> None:
                           f"it predicts), got mask {c.mask!r}; set model.mtp_depth=0 or model.mask='causal'")
     if c.mask == "mixed" and c.n_heads % 2:
         fail("n_heads", f"mask 'mixed' splits heads in two halves, so n_heads must be even, got {c.n_heads}")
-    if c.top_k > c.n_routed_experts:
-        fail("top_k", f"must be <= n_routed_experts ({c.n_routed_experts}), got {c.top_k}")
-    if c.n_routed_experts % c.n_group:
-        fail("n_group", f"n_routed_experts ({c.n_routed_experts}) must be divisible by n_group ({c.n_group})")
-    if c.n_group > 1 and c.n_routed_experts // c.n_group < 2 and c.router_group_score == "top2_sum":
+    _validate_routing(c, fail)
+
+
+def _validate_routing(c: ModelConfig, fail) -> None:
+    E, what = c.n_candidates, "n_routed_experts" + (" + n_zero_experts" if c.n_zero_experts else "")
+    if c.top_k > E:
+        fail("top_k", f"must be <= {what} ({E}), got {c.top_k}")
+    if E % c.n_group:
+        fail("n_group", f"{what} ({E}) must be divisible by n_group ({c.n_group})")
+    if c.n_group > 1 and E // c.n_group < 2 and c.router_group_score == "top2_sum":
         fail("n_group", "each group needs >= 2 experts (a group's score is the sum of its two best)")
     if c.topk_group > c.n_group:
         fail("topk_group", f"must be <= n_group ({c.n_group}), got {c.topk_group}")
-    if c.n_group > 1 and c.topk_group * (c.n_routed_experts // c.n_group) < c.top_k:
-        fail("topk_group", f"the {c.topk_group} eligible groups hold fewer than top_k ({c.top_k}) experts")
+    try:
+        ks = _layer_ids(c.layer_top_k)
+    except ValueError:
+        fail("layer_top_k", f"must be comma-separated integers like '2,4', got {c.layer_top_k!r}")
+    if ks and len(ks) != c.n_moe_layers:
+        fail("layer_top_k", f"needs one K per MoE layer ({c.n_moe_layers}: layers {list(c.moe_layer_ids)}), got "
+                            f"{c.layer_top_k!r}")
+    if any(not 1 <= k <= E for k in ks):
+        fail("layer_top_k", f"each K must lie in [1, {what}] = [1, {E}], got {c.layer_top_k!r}")
+    if c.n_hash_layers > c.n_moe_layers:
+        fail("n_hash_layers", f"must be <= the MoE layers of the main model ({c.n_moe_layers}), got "
+                              f"{c.n_hash_layers}")
+    learned = [c.moe_top_k(i) for i in c.moe_layer_ids + c.mtp_moe_layer_ids if c.layer_router(i) != "hash"]
+    if c.n_group > 1 and learned and c.topk_group * (E // c.n_group) < max(learned):
+        fail("topk_group", f"the {c.topk_group} eligible groups hold fewer than top_k ({max(learned)}) experts")
 
 
 def _validate_mla(c: ModelConfig, fail) -> None:

@@ -4,7 +4,7 @@ Key: B batch, L length, S key slots, D model, V vocab, E routed experts, K top-k
 The first `first_k_dense` blocks use a dense SwiGLU, the rest the DeepSeek-V3 MoE (cfg.is_moe_layer: other
 families may interleave dense layers, see moe_layer_step / dense_layers).
 
-A block takes the residual stream and the call's `BlockInputs` (positions, mask, valid tokens) and returns a
+A block takes the residual stream and the call's `BlockInputs` (positions, mask, valid tokens, token ids) and returns a
 `BlockOutput`; the model's `forward` (training, evaluation, decoding with a KV cache) keeps of it the statistics the
 loss needs (`Aux`). What analysis looks at (every layer's routing, attention maps, the residual stream after every
 block) is the `inspect` path over the same blocks.
@@ -34,7 +34,7 @@ from moe.lm_loss import cross_entropy, logits, weighted_cross_entropy
 from moe.mla import MLA
 from moe.mtp import MTPModule, MTPOutput, mtp_forward
 from moe.nn import RMSNorm, param
-from moe.router import Routing
+from moe.router import BalanceRows, Routing
 
 DEFAULT_EXECUTION = Execution()
 
@@ -52,13 +52,13 @@ class Block(nnx.Module):
         self.attn = MLA(cfg, rngs) if cfg.attention == "mla" else Attention(cfg, rngs)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.is_moe = cfg.is_moe_layer(layer)
-        self.ffn = MoE(cfg, rngs) if self.is_moe else MLP(cfg.d_model, cfg.d_ff, cfg, rngs)
+        self.ffn = MoE(cfg, rngs, layer) if self.is_moe else MLP(cfg.d_model, cfg.d_ff, cfg, rngs)
 
     def __call__(self, x_BxLxD, inputs: BlockInputs, ex: Execution, *, cache=None,
                  attention_probs: bool = False) -> BlockOutput:
         h_BxLxD, cache, probs = self.attend(x_BxLxD, inputs, ex, cache=cache, attention_probs=attention_probs)
         x_BxLxD = x_BxLxD + h_BxLxD
-        h_BxLxD, routing = self.feed_forward(x_BxLxD, inputs.valid_BxL, ex)
+        h_BxLxD, routing = self.feed_forward(x_BxLxD, inputs.valid_BxL, ex, inputs.token_ids_BxL)
         x_BxLxD = ex.constrain(x_BxLxD + h_BxLxD, ("batch", "length", "act_embed"))
         return BlockOutput(x_BxLxD, routing, cache, probs)
 
@@ -66,10 +66,11 @@ class Block(nnx.Module):
         """The attention branch attn(norm(x)), before the residual add: (h, cache or None, probs or None)."""
         return self.attn(self.attn_norm(x_BxLxD), inputs, ex, cache=cache, return_probs=attention_probs)
 
-    def feed_forward(self, x_BxLxD, valid_BxL, ex: Execution):
-        """The FFN branch ffn(norm(x)), before the residual add: (h, Routing or None for a dense layer)."""
+    def feed_forward(self, x_BxLxD, valid_BxL, ex: Execution, token_ids_BxL=None):
+        """The FFN branch ffn(norm(x)), before the residual add: (h, Routing or None for a dense layer). A
+        hash-routed MoE layer needs the tokens' ids."""
         if self.is_moe:
-            return self.ffn(self.ffn_norm(x_BxLxD), valid_BxL, ex)
+            return self.ffn(self.ffn_norm(x_BxLxD), valid_BxL, ex, token_ids_BxL)
         return self.ffn(self.ffn_norm(x_BxLxD), ex), None
 
 
@@ -79,8 +80,10 @@ class Aux:
     reads a field that is set, as the dict this replaced did)."""
 
     balance_loss: jax.Array  # () sum over MoE layers of the sequence-wise balance loss, unweighted
-    expert_load: jax.Array  # [M, E] valid tokens per routed expert, every top-k choice counted
+    expert_load: jax.Array  # [M, E] valid tokens per router candidate (routed, then zero experts), every top-k choice
     dropped_frac: jax.Array  # [M] fraction of valid token copies dropped by a capacity bound (0 for dropless)
+    z_loss: jax.Array | None = None  # () sum over MoE layers of the router z-loss, unweighted
+    balance_rows: BalanceRows | None = None  # [M, B, ...] per layer and row: a balance loss of any scope
     objective: jax.Array | None = None  # token_losses with loss weights: sum(weights * ce), differentiable
     mtp: MTPOutput | None = None  # token_losses(mtp=True): the multi-token prediction modules' losses
     cache: list | None = None  # a call with a KV cache: the updated cache (moe/decoding/)
@@ -102,7 +105,9 @@ def routing_stats(routing: list[Routing], n_experts: int) -> dict:
     """The Aux fields the loss and the training loop read, from the MoE layers' routing in layer order."""
     return dict(balance_loss=sum((r.balance_loss for r in routing), jnp.float32(0)),
                 expert_load=jnp.stack([r.load for r in routing]) if routing else jnp.zeros((0, n_experts)),
-                dropped_frac=jnp.stack([r.dropped_frac for r in routing]) if routing else jnp.zeros((0,)))
+                dropped_frac=jnp.stack([r.dropped_frac for r in routing]) if routing else jnp.zeros((0,)),
+                z_loss=sum((r.z_loss for r in routing), jnp.float32(0)),
+                balance_rows=jax.tree.map(lambda *a: jnp.stack(a), *[r.rows for r in routing]) if routing else None)
 
 
 class Transformer(nnx.Module):
@@ -143,7 +148,7 @@ class Transformer(nnx.Module):
         x0_BxLxD = self.embed_tokens(tokens_BxL, ex)
         x_BxLxD, outs = self.run_blocks(x0_BxLxD, inputs, ex, attention_probs=attention, keep_hidden=hidden)
         routing = [o.routing for o in outs if o.routing is not None]
-        aux = Aux(**routing_stats(routing, self.cfg.n_routed_experts), routing=routing,
+        aux = Aux(**routing_stats(routing, self.cfg.n_candidates), routing=routing,
                   attention=[o.probs for o in outs] if attention else None,
                   hidden=[x0_BxLxD] + [o.x for o in outs] if hidden else None)
         return self.unembed(x_BxLxD, execution), aux
@@ -170,7 +175,7 @@ class Transformer(nnx.Module):
                 outs.append(block(x_BxLxD, inputs, ex, cache=layer_cache))
                 x_BxLxD = outs[-1].x
         routing = [o.routing for o in outs if o.routing is not None]
-        return x_BxLxD, Aux(**routing_stats(routing, self.cfg.n_routed_experts),
+        return x_BxLxD, Aux(**routing_stats(routing, self.cfg.n_candidates),
                             cache=None if cache is None else [o.cache for o in outs])
 
     def run_blocks(self, x_BxLxD, inputs: BlockInputs, ex: Execution, *, attention_probs: bool = False,
@@ -218,10 +223,13 @@ class Transformer(nnx.Module):
             aux = aux.replace(objective=objective)
         if mtp and self.cfg.mtp_depth:
             out = self._mtp(h_BxLxD, tokens_BxL, targets_BxL, loss_weights_BxL, execution, **inputs)
-            stats = routing_stats(out.routing, self.cfg.n_routed_experts)
+            stats = routing_stats(out.routing, self.cfg.n_candidates)
+            rows = [r for r in (aux.balance_rows, stats["balance_rows"]) if r is not None]
             aux = aux.replace(mtp=out, balance_loss=aux.balance_loss + stats["balance_loss"],
                               expert_load=jnp.concatenate([aux.expert_load, stats["expert_load"]]),
-                              dropped_frac=jnp.concatenate([aux.dropped_frac, stats["dropped_frac"]]))
+                              dropped_frac=jnp.concatenate([aux.dropped_frac, stats["dropped_frac"]]),
+                              z_loss=aux.z_loss + stats["z_loss"],
+                              balance_rows=jax.tree.map(lambda *a: jnp.concatenate(a), *rows) if rows else None)
         return ce_BxL, aux
 
     def _mtp(self, h_BxLxD, tokens_BxL, targets_BxL, loss_weights_BxL, execution, *, positions_BxL=None,
@@ -244,7 +252,8 @@ class Transformer(nnx.Module):
 
     def block_inputs(self, tokens_BxL, *, positions_BxL=None, segment_ids_BxL=None, prefix_len_B=None,
                      cache=None, cache_index=None) -> BlockInputs:
-        """What every block of a call shares: positions [B,L], the attention mask [B,1|H,L,S], valid tokens."""
+        """What every block of a call shares: positions [B,L], the attention mask [B,1|H,L,S], valid tokens, the
+        tokens' ids (hash routing)."""
         cfg = self.cfg
         B, L = tokens_BxL.shape
         offset = 0 if cache is None else cache_index
@@ -257,7 +266,7 @@ class Transformer(nnx.Module):
                                   prefix_len_B=prefix_len_B, q_seg_BxQ=segment_ids_BxL,
                                   k_seg_BxK=segment_ids_BxL)
             # a causal mask hides every later key: kernels may skip them
-            return BlockInputs(positions_BxL, mask, valid_BxL, causal=cfg.mask == "causal")
+            return BlockInputs(positions_BxL, mask, valid_BxL, causal=cfg.mask == "causal", token_ids_BxL=tokens_BxL)
         if segment_ids_BxL is not None:
             # The cache does not record the segment of the slots written earlier, so it cannot mask across
             # segments: decode one sequence per row.
@@ -266,7 +275,8 @@ class Transformer(nnx.Module):
         k_idx_BxS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
         mask = attention_mask(cfg.mask, q_idx_BxL, k_idx_BxS, n_heads=cfg.n_heads, prefix_len_B=prefix_len_B,
                               k_valid_BxK=k_idx_BxS < offset + L)
-        return BlockInputs(positions_BxL, mask, valid_BxL, causal=cfg.mask == "causal", cache_index=cache_index)
+        return BlockInputs(positions_BxL, mask, valid_BxL, causal=cfg.mask == "causal", cache_index=cache_index,
+                           token_ids_BxL=tokens_BxL)
 
     def embed_tokens(self, tokens_BxL, ex: Execution = DEFAULT_EXECUTION):
         x_BxLxD = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(jnp.dtype(ex.dtype))

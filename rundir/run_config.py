@@ -28,6 +28,7 @@ from plumbing.fields import (
 )
 
 TASKS = ("lm", "prefix", "mlm")
+BALANCE_SCOPES = ("sequence", "micro_batch", "global_batch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +56,14 @@ class TrainConfig:
     # the equal-targets control: loss on every token's positions but no more targets per step than output-only
     equal_targets: bool = field(False, doc="with prefix_loss: keep a random subset of a row's targets, as many as "
                                            "its output part has")
-    balance_loss_weight: float = field(1e-4, non_negative, doc="alpha of the sequence-wise balance loss (0: off)")
+    balance_loss_weight: float = field(1e-4, non_negative, doc="alpha of the balance loss (0: off)")
+    # train/step.py says what each scope covers with gradient accumulation.
+    balance_loss_scope: str = field("sequence", one_of(*BALANCE_SCOPES),
+                                    doc="the tokens f_i and P_i of the balance loss count: sequence (DeepSeek-V3) | "
+                                        "micro_batch (each data-parallel shard's rows) | global_batch (every row on "
+                                        "every device; Qwen)")
+    router_z_loss_weight: float = field(0.0, non_negative, doc="weight of the router z-loss, mean logsumexp(logits)^2 "
+                                                               "(ST-MoE; 0: off)")
     # lambda / D * the D depths' losses; validation reports the main loss alone
     mtp_weight: float = field(0.3, non_negative, doc="lambda of the multi-token prediction loss (DeepSeek-V3: 0.3)")
     mtp_weight_late: float = field(0.1, non_negative, doc="lambda after mtp_weight_switch (DeepSeek-V3: 0.1)")

@@ -167,7 +167,7 @@ CASES = [
     ("export_inside_run", export.main, "inside the training run",
      _export(lambda ctx: ctx.copy_run() / "checkpoints" / "30", extra=[])),
     ("export_out_empty", export.main, "--out is empty", _export(lambda ctx: "", extra=[])),
-    ("export_format", export.main, "--format 'onnx'", _export(lambda ctx: ctx.tmp / "o", extra=["--format", "onnx"])),
+    ("export_format", export.main, "--format: invalid choice: 'onnx'", _export(lambda ctx: ctx.tmp / "o", extra=["--format", "onnx"])),
     ("export_no_checkpoints", export.main, "no checkpoints",
      _export(lambda ctx: ctx.tmp / "o", workdir=no_checkpoints, extra=[])),
     # python -m train.generate

@@ -45,3 +45,20 @@ def test_overrides_are_parsed_by_type():
     for key, text in [("train.steps", "12.5"), ("model.rope", "2"), ("model.n_shared_experts", "True")]:
         with pytest.raises(UserError, match=key):
             apply_override(c, key, text)
+
+
+# What no command may load before it has read its flags: each costs seconds of start-up (tensorboardX imports torch
+# when torch is installed), and --help or a mistyped flag must answer at once (benchmarks/cli_start.py times it).
+HEAVY = ("torch", "tensorboardX", "orbax.checkpoint", "tensorflow_datasets", "grain", "matplotlib")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--config.train.stepz=3"]])
+def test_train_answers_help_and_bad_flags_without_the_training_stack(argv):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "train", *argv], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == (0 if argv == ["--help"] else 2), out.stderr[-500:]
+    loaded = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    assert not loaded & set(HEAVY), sorted(loaded & set(HEAVY))

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moe import Execution, ModelConfig, router, sharding
-from moe.dispatch import expert_parallel, experts
+from moe.dispatch import expert_parallel, experts, routed_experts
 from moe.dispatch.kernels import slab
 from moe.ffn import MoE
 from tests.conftest import tiny_config
@@ -196,3 +196,123 @@ def test_train_step_logs_dropped_fraction(tmp_path):
                          "execution.dispatch": "capacity", "execution.capacity_factor": 0.5})
     last = run(cfg, tmp_path, log=lambda *a: None)
     assert 0 < last["moe/layer_1/dropped_frac"] < 1
+
+
+# Input gating (Llama 4) and zero experts (LongCat-Flash) in every path: the reference loop defines both.
+
+Z = 4  # zero experts: router candidates E .. E+Z-1
+
+
+def _np_swiglu(x, wg, wu, wd):
+    a, b = x @ wg, x @ wu
+    return (a / (1 + np.exp(-a)) * b) @ wd
+
+
+def test_reference_gate_placements_and_zero_experts_match_numpy():
+    """y = sum over chosen routed experts of g SwiGLU_e(x) (or SwiGLU_e(g x)), plus g x per chosen zero expert."""
+    x, _, ws = _inputs()
+    rng = np.random.default_rng(0)
+    ids = np.stack([rng.permutation(E + Z)[:K] for _ in range(T)])
+    gates = rng.random((T, K)).astype(np.float32)
+    wn = [np.asarray(w, np.float64) for w in ws]
+    xn = np.asarray(x, np.float64)
+    for gate_input in (False, True):
+        want = np.zeros((T, D))
+        for t in range(T):
+            for k in range(K):
+                e, g = ids[t, k], gates[t, k]
+                if e >= E:
+                    want[t] += g * xn[t]
+                elif gate_input:
+                    want[t] += _np_swiglu(g * xn[t], wn[0][e], wn[1][e], wn[2][e])
+                else:
+                    want[t] += g * _np_swiglu(xn[t], wn[0][e], wn[1][e], wn[2][e])
+        got, keep = routed_experts(Execution(dispatch="reference"), x, jnp.asarray(ids), jnp.asarray(gates), *ws,
+                                   group_size=T, gate_input=gate_input, zero_experts=True)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        assert keep is None
+
+
+def _loss_options(fn, gate_input, x, w_router, ws):
+    # Softmax over E + Z candidates, unnormalized gates (LongCat): some copies go to zero experts.
+    _, ids, gates = router.route(x, w_router, jnp.zeros(E + Z), top_k=K, router="softmax", normalize=False)
+    y = fn(x, ids, gates, *ws, gate_input=gate_input)
+    return jnp.sum(jnp.sin(y) * jnp.arange(y.size).reshape(y.shape) / y.size)
+
+
+def test_input_gating_and_zero_experts_in_every_path():
+    """dropless, capacity (no drop), expert-parallel (dropless and with capacity) on a mesh == the reference loop,
+    values and gradients, for both gate placements; zero-expert copies are skipped by every path."""
+    mesh = sharding.make_mesh(2, 1, 4, 1)
+    x, _, ws = _inputs(seed=3)
+    w_router = jax.random.normal(jax.random.key(9), (D, E + Z)) * 2.0
+    _, ids, _ = router.route(x, w_router, jnp.zeros(E + Z), top_k=K, router="softmax")
+    assert 0 < int((ids >= E).sum()) < ids.size
+    fns = {"reference": experts.reference, **{k: PATHS[k] for k in ("dropless", "dropless_ragged_dot", "capacity",
+                                                                      "capacity_grouped")},
+           "expert_parallel_dropless": lambda *a, **kw: expert_parallel.dispatch(*a, mesh=mesh, **kw)[0],
+           "expert_parallel": lambda *a, **kw: expert_parallel.dispatch(*a, mesh=mesh, capacity_factor=E, **kw)[0]}
+    got = jax.jit(lambda *a: {(name, gi): jax.value_and_grad(functools.partial(_loss_options, fn, gi),
+                                                             argnums=(0, 1, 2))(*a)
+                              for name, fn in fns.items() for gi in (False, True)})(x, w_router, ws)
+    for gi in (False, True):
+        for name in fns:
+            _assert_close(got[name, gi], got["reference", gi])
+    assert not np.allclose(got["reference", False][0], got["reference", True][0])  # two different functions
+
+
+def test_expert_parallel_never_sends_zero_experts():
+    """Every token: one routed expert, one zero expert. The send capacity fits exactly the routed copies per
+    destination, so any zero-expert copy sent would overflow it: nothing is dropped, and the output is the
+    reference's."""
+    mesh = sharding.make_mesh(1, 1, 4, 1)
+    x, _, ws = _inputs(seed=4)
+    t = np.arange(T)
+    ids = jnp.asarray(np.stack([t % E, E + t % Z], -1))
+    gates = jnp.full((T, K), 0.5)
+    # 16 tokens per shard, 32 copies, 4 routed copies to each of the 4 destinations: C = ceil(0.5 * 32 / 4) = 4.
+    assert expert_parallel.send_capacity(T // 4 * K, 4, 0.5) == 4
+    y, keep = jax.jit(lambda *a: expert_parallel.dispatch(*a, mesh=mesh, capacity_factor=0.5))(x, ids, gates, *ws)
+    assert bool(keep.all())
+    np.testing.assert_allclose(y, experts.reference(x, ids, gates, *ws), rtol=1e-5, atol=1e-6)
+
+
+def test_moe_layer_options_under_every_dispatch():
+    """The MoE layer with Llama 4's input gate, zero experts, gpt-oss's logit bias and Qwen3-Next's sigmoid-gated
+    shared expert: every dispatch (expert parallelism over a mesh included) gives the reference's output and
+    gradients, and the shared term is sigmoid(u . w) x SwiGLU(u)."""
+    cfg = ModelConfig(d_model=D, n_routed_experts=E, n_zero_experts=Z, top_k=K, moe_d_ff=F, n_shared_experts=1,
+                      shared_expert_gate=True, router="sigmoid_input", router_logit_bias=True)
+    with nnx.use_eager_sharding(False):
+        layer = MoE(cfg, nnx.Rngs(0))
+    layer.logit_bias.set_value(jnp.linspace(-1.0, 1.0, E + Z))
+    graphdef, state = nnx.split(layer)
+    mesh = sharding.make_mesh(2, 1, 4, 1)
+    u = jax.random.normal(jax.random.key(3), (8, 8, D))
+    valid = jnp.ones((8, 8), bool)
+    exs = {"reference": Execution(dispatch="reference"), "dropless": Execution(mesh=mesh),
+           "capacity": Execution(dispatch="capacity", capacity_factor=E, mesh=mesh),
+           "expert_parallel": Execution(dispatch="expert_parallel", capacity_factor=E, mesh=mesh),
+           "expert_parallel_dropless": Execution(dispatch="expert_parallel_dropless", mesh=mesh)}
+
+    def loss(state, u, ex):
+        out, r = nnx.merge(graphdef, state)(u, valid, ex)
+        return jnp.sum(jnp.sin(out) * jnp.arange(out.size).reshape(out.shape) / out.size), (out, r.expert_ids)
+
+    got = jax.jit(lambda s, u: {k: jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(s, u, ex)
+                                for k, ex in exs.items()})(jax.device_put(state, sharding.state_shardings(state, mesh)), u)
+    (_, (out_ref, ids_ref)), _ = got["reference"]
+    assert bool((ids_ref >= E).any())
+    for name in exs:
+        _assert_close(got[name], got["reference"])
+    # The shared term, by hand: output - routed part.
+    u_TxD = u.reshape(-1, D)
+    _, ids, gates = router.route(u_TxD, layer.router[...], layer.bias[...], top_k=K, router="sigmoid_input",
+                                 logit_bias_E=layer.logit_bias[...])
+    routed = experts.reference(u_TxD, ids, gates, layer.w_gate[...], layer.w_up[...], layer.w_down[...],
+                               gate_input=True) + experts.zero_experts(u_TxD, ids, gates, E)
+    shared = _np_swiglu(np.asarray(u_TxD, np.float64), np.asarray(layer.shared.w_gate[...]),
+                        np.asarray(layer.shared.w_up[...]), np.asarray(layer.shared.w_down[...]))
+    g = 1 / (1 + np.exp(-np.asarray(u_TxD, np.float64) @ np.asarray(layer.shared_gate[...])))
+    np.testing.assert_allclose(np.asarray(out_ref).reshape(-1, D), np.asarray(routed) + g[:, None] * shared,
+                               rtol=1e-4, atol=1e-5)

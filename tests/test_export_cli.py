@@ -18,9 +18,10 @@ from moe.hf.paths import OutsideDirectoryError
 from plumbing.errors import UserError
 from rundir import open_run
 from train import export as export_cli
+from train import export_dir, generation
 from train import generate as generate_cli
 from train.data.tokenizer import EOS_ID, load_tokenizer
-from train.export import load_orbax_export
+from train.export_dir import load_orbax_export
 
 PROMPTS = ["The quick brown fox", "Once upon a time, there"]
 
@@ -117,8 +118,8 @@ def test_generate_cli_matches_hf_greedy(tiny_run, hf_out, capsys):
 def test_own_formats_round_trip(tiny_run, ours, tokens, tmp_path, fmt):
     out = tmp_path / fmt
     export_cli.main(["--workdir", str(tiny_run), "--out", str(out), "--format", fmt, "--step", "10"])
-    assert generate_cli.export_format(out) == fmt
-    model, tok = generate_cli.load_export(out)
+    assert export_dir.export_format(out) == fmt
+    model, tok = export_dir.load_export(out)
     ref, _ = load_model(tiny_run, 10)
     assert model.cfg == ref.cfg and tok.get_vocab_size() > 2
     np.testing.assert_array_equal(np.asarray(_logits(model, jnp.asarray(tokens))),
@@ -135,7 +136,7 @@ def test_bfloat16_hf_export_loads(tiny_run, ours, tokens, tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert hf.model.embed_tokens.weight.dtype == torch.bfloat16
     # And back into our model (weights rounded to bf16, so only close).
-    model, _ = generate_cli.load_export(out)
+    model, _ = export_dir.load_export(out)
     mine, back = (np.asarray(_logits(m, jnp.asarray(tokens))) for m in (ours[0], model))
     assert np.abs(mine - back).max() <= 0.05 * np.abs(mine).max()
 
@@ -148,7 +149,7 @@ def test_overwrite_replaces_and_failure_keeps_old(tiny_run, tmp_path, monkeypatc
     def boom(*args, **kwargs):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(export_cli, "write_export", boom)
+    monkeypatch.setattr(export_dir, "write_export", boom)
     with pytest.raises(RuntimeError):
         export_cli.main(["--workdir", str(tiny_run), "--out", str(out), "--format", "safetensors", "--overwrite"])
     assert os.listdir(tmp_path) == ["out"]
@@ -173,9 +174,9 @@ def _refusing_open_run(**changes):
     ("no_step", "no checkpoint for step 7"),
     ("not_empty", "exists and is not empty"),
     ("foreign", "not an export written by train.export"),
-    ("dtype", "--dtype 'float64' is not supported"),
-    ("format", "--format 'onnx' is not supported"),
-    ("mtp", "--mtp 'maybe' is not supported; use keep or drop"),
+    ("dtype", "argument --dtype: invalid choice: 'float64' (choose from 'float32', 'bfloat16')"),
+    ("format", "argument --format: invalid choice: 'onnx' (choose from 'hf', 'safetensors', 'orbax')"),
+    ("mtp", "argument --mtp: invalid choice: 'maybe' (choose from 'keep', 'drop')"),
     ("bf16_orbax", "applies to --format hf only"),
     ("prefix", "prefix mask"),
     ("nope", "no position encoding (NoPE)"),
@@ -203,7 +204,7 @@ def test_bad_input_exits_2_with_one_line(tiny_run, tmp_path, monkeypatch, capsys
         args.update({"--format": "orbax", "--dtype": "bfloat16"})
     else:
         changes = {"mask": "prefix"} if case == "prefix" else {"rope": False}
-        monkeypatch.setattr(export_cli, "open_run", _refusing_open_run(**changes))
+        monkeypatch.setattr(export_dir, "open_run", _refusing_open_run(**changes))
     argv = [x for k, v in args.items() for x in ([k] if v is None else [k, v])]
     with pytest.raises(SystemExit) as e:
         export_cli.main(argv)
@@ -215,7 +216,7 @@ def test_bad_input_exits_2_with_one_line(tiny_run, tmp_path, monkeypatch, capsys
 def test_generation_runs_dropless_fp32():
     """Generation runs with its own Execution whatever the run trained with: dropless (a row's continuation must
     not depend on the rest of the batch) and fp32."""
-    assert generate_cli.GENERATION == moe.Execution(dispatch="dropless", dtype="float32")
+    assert generation.GENERATION == moe.Execution(dispatch="dropless", dtype="float32")
 
 
 def test_generate_bad_input_exits_2(tmp_path, capsys):
@@ -247,7 +248,7 @@ def test_an_out_symlinked_at_a_run_is_refused(tiny_run, tmp_path, target):
     link = tmp_path / "link"
     os.symlink(where, link)
     with pytest.raises(UserError, match="run"):
-        export_cli.export(str(tiny_run), str(link))
+        export_dir.export(str(tiny_run), str(link))
     assert tree() == before and not list(tiny_run.parent.glob(".link*")) and not list(tmp_path.glob(".link*"))
 
 
@@ -264,10 +265,10 @@ def test_a_symlink_inside_an_orbax_export_is_refused(tiny_run, tmp_path):
     reads it (a link to another user's files must never be followed)."""
     out = tmp_path / "orbax"
     export_cli.main(["--workdir", str(tiny_run), "--out", str(out), "--format", "orbax"])
-    generate_cli.load_export(out)  # the intact export loads
-    inner = _link_out(out / generate_cli.ORBAX_DIR, tmp_path / "elsewhere")
+    export_dir.load_export(out)  # the intact export loads
+    inner = _link_out(out / export_dir.ORBAX_DIR, tmp_path / "elsewhere")
     with pytest.raises(UserError, match=f"{inner.name} resolves to .*outside") as e:
-        generate_cli.load_export(out)
+        export_dir.load_export(out)
     assert "\n" not in str(e.value)
     with pytest.raises(OutsideDirectoryError):
         load_orbax_export(out)
@@ -295,16 +296,16 @@ def test_a_killed_exports_leftovers_are_cleared_and_its_old_export_restored(tiny
     junk = tmp_path / ".e.tmp-killed"
     junk.mkdir()
     (junk / "model.safetensors").write_bytes(b"half")
-    export_cli.export(tiny_run, out, fmt="safetensors")
+    export_dir.export(tiny_run, out, fmt="safetensors")
     assert not junk.exists() and (out / "moe-export.json").is_file()
     aside = tmp_path / ".e.old-killed"
     aside.mkdir()
     os.replace(out, aside / "x")  # the state after the first rename of a swap
     with pytest.raises(UserError, match="exists and is not empty; pass --overwrite"):
-        export_cli.export(tiny_run, out, fmt="safetensors")  # restored, and not replaced without --overwrite
+        export_dir.export(tiny_run, out, fmt="safetensors")  # restored, and not replaced without --overwrite
     assert (out / "moe-export.json").is_file() and not aside.exists()
     (aside / "x").mkdir(parents=True)  # a swap that finished its second rename: the old export is deleted
-    export_cli.export(tiny_run, out, fmt="safetensors", overwrite=True)
+    export_dir.export(tiny_run, out, fmt="safetensors", overwrite=True)
     assert not aside.exists() and not [p.name for p in tmp_path.iterdir() if p.name.startswith(".e.")]
 
 
@@ -315,5 +316,5 @@ def test_a_second_export_into_the_same_out_is_refused_while_one_runs(tiny_run, t
     with open(tmp_path / ".e.lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         with pytest.raises(UserError, match="another export into --out"):
-            export_cli.export(tiny_run, out, fmt="safetensors")
+            export_dir.export(tiny_run, out, fmt="safetensors")
     assert not out.exists()

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from train.loss_curves import smooth
+from train.loss_plot import smooth
 
 
 def test_smooth_has_no_lag_and_keeps_levels():

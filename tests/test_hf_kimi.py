@@ -110,7 +110,8 @@ def test_kimi_k2_logits_experts_and_greedy_tokens_match_transformers(kimi):
     logits, ids = _forward(model, jnp.asarray(TOKENS))
     hf_logits, hf_ids = kimi["hf"]
     err = np.abs(np.asarray(logits) - hf_logits).max() / np.abs(hf_logits).max()
-    print(f"kimi_k2 (FP8): max |logit diff| / max |logit| = {err:.1e}; experts {same_experts(ids, hf_ids)}")
+    print(f"kimi_k2 (FP8): max |logit diff| / max |logit| = {err:.1e} (scale {np.abs(hf_logits).max():.1f}); "
+          f"experts {same_experts(ids, hf_ids)}")
     assert err < 1e-5
     assert same_experts(ids, hf_ids) == [1.0] * cfg.n_moe_layers == [1.0, 1.0]
     ours = np.asarray(generate(model, jnp.asarray(TOKENS[:, :5]), jax.random.key(0), max_new_tokens=N_NEW,
@@ -161,6 +162,7 @@ def test_kimi_k25_text_model_matches_transformers_kimi_k25(kimi, tmp_path, store
     assert model.cfg.tie_embeddings == (not stored_head)
     logits, _ = _forward(model, jnp.asarray(TOKENS))
     err = np.abs(np.asarray(logits) - hf_logits).max() / np.abs(hf_logits).max()
+    print(f"kimi_k25 (FP8, head {'stored' if stored_head else 'tied'}): max |logit diff| / max |logit| = {err:.1e}")
     assert err < 1e-5, err
     if stored_head:
         np.testing.assert_allclose(np.asarray(logits), np.asarray(_forward(kimi["model"], jnp.asarray(TOKENS))[0]),

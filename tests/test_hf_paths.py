@@ -7,8 +7,10 @@ import dataclasses
 import json
 import os
 import shutil
-import threading
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,7 +26,7 @@ from moe.hf.tensors import read_tensors
 from moe.hf.write import write_hf_checkpoint
 from plumbing.errors import UserError
 from tests.model_fixtures import tiny_model
-from train import generate
+from train import export_dir
 from train.data.tokenizer import DEFAULT_TOKENIZER, load_tokenizer
 
 INDEX = "model.safetensors.index.json"
@@ -177,15 +179,15 @@ def test_generate_refuses_an_export_whose_tokenizer_or_params_leave_it(tmp_path)
     shutil.copy(DEFAULT_TOKENIZER, tmp_path / "tokenizer.json")
     os.symlink(tmp_path / "tokenizer.json", export / "tokenizer.json")
     with pytest.raises(UserError, match="tokenizer.json' resolves to .*outside"):
-        generate.load_export(export)
+        export_dir.load_export(export)
     orbax = tmp_path / "orbax"
     orbax.mkdir()
     (orbax / "moe_config.json").write_text(json.dumps(dataclasses.asdict(ModelConfig())))
     shutil.copy(DEFAULT_TOKENIZER, orbax / "tokenizer.json")
     (tmp_path / "params").mkdir()
-    os.symlink(tmp_path / "params", orbax / generate.ORBAX_DIR)
+    os.symlink(tmp_path / "params", orbax / export_dir.ORBAX_DIR)
     with pytest.raises(UserError, match="'params' resolves to .*outside"):
-        generate.load_export(orbax)
+        export_dir.load_export(orbax)
 
 
 @pytest.mark.parametrize("path", ["/dev/zero", "DIR"])
@@ -219,27 +221,19 @@ def test_a_config_with_far_more_layers_than_stored_is_refused_at_once(hf_dir, n_
 
 
 def test_a_weight_map_entry_that_is_a_fifo_is_refused(hf_dir):
-    """Opening a FIFO for reading blocks until a writer comes: refused before it is opened, naming the entry."""
+    """Opening a FIFO for reading blocks until a writer comes (inside safetensors, holding the GIL): refused before
+    it is opened, naming the entry. Run in a child process, so that a loader that blocks fails the test."""
     _point_first_shard_at(hf_dir, "pipe.safetensors")
     os.mkfifo(hf_dir / "pipe.safetensors")
-    raised = []
-
-    def load():
-        try:
-            read_tensors(str(hf_dir))
-        except Exception as e:  # noqa: BLE001 - the test inspects it
-            raised.append(e)
-
-    reader = threading.Thread(target=load, daemon=True)
-    reader.start()
-    reader.join(20)
-    blocked = reader.is_alive()
-    if blocked:  # let the blocked open() return, so that the thread ends
-        os.close(os.open(hf_dir / "pipe.safetensors", os.O_WRONLY | os.O_NONBLOCK))
-        reader.join(5)
-    assert not blocked, "the loader blocked opening a FIFO"
-    assert isinstance(raised[0], HFImportError), raised
-    assert "'pipe.safetensors' is not a regular file" in str(raised[0]) and "\n" not in str(raised[0])
+    code = ("import sys; from moe.hf import HFImportError; from moe.hf.tensors import read_tensors\n"
+            "try:\n    read_tensors(sys.argv[1])\nexcept HFImportError as e:\n    print(e)")
+    try:
+        done = subprocess.run([sys.executable, "-c", code, str(hf_dir)], capture_output=True, text=True,
+                              timeout=120, cwd=Path(__file__).parents[1], env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    except subprocess.TimeoutExpired:
+        pytest.fail("the loader blocked opening a FIFO named by the weight_map")
+    assert "'pipe.safetensors' is not a regular file" in done.stdout, done.stdout + done.stderr[-2000:]
+    assert len(done.stdout.strip().splitlines()) == 1
 
 
 def _sparse_tokenizer(path, vocab, specials=()):

@@ -16,6 +16,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from moe.hf import HFImportError, load_model, model_config
+from moe.hf.load import FAMILIES as LAYOUTS
 from moe.hf.quant import Fp8Blocks, dequantize_fp8, dequantize_mxfp4, quantization
 from moe.hf.safetensors_io import flat_variables
 from moe.hf.tensors import SafetensorsFiles, read_tensors
@@ -79,27 +80,22 @@ def test_fp8_checkpoint_dequantizes_by_deepseeks_rule_and_matches_transformers(f
     model = load_model(str(fp8["path"]))
     cfg = model.cfg
     # (a) every variable is DeepSeek's rule on the stored FP8 (the rest as stored), bit for bit
-    want = our_tensors(cfg, model_layout(fp8["config"]), fp8["meant"], "test")
+    want = our_tensors(cfg, LAYOUTS["deepseek_v3"].layout(fp8["config"]), fp8["meant"], "test")
     got = flat_variables(model)
     assert got.keys() == want.keys()
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
-    # the FP8 grid is coarse: dequantized weights are not the originals (the test would pass on a bf16 copy else)
+    # the FP8 grid is coarse: the dequantized weights are not the originals, which the parity below would accept
     assert not np.allclose(fp8["meant"]["model.layers.1.self_attn.o_proj.weight"],
                            fp8["sd"]["model.layers.1.self_attn.o_proj.weight"], atol=1e-3)
     # (b) logits and (c) chosen experts equal transformers' on the same dequantized weights
     logits, ids = _forward(model, jnp.asarray(TOKENS))
     hf_logits, hf_ids = fp8["hf"]
     err = np.abs(np.asarray(logits) - hf_logits).max() / np.abs(hf_logits).max()
-    print(f"FP8 deepseek_v3: max |logit diff| / max |logit| = {err:.1e}; experts {same_experts(ids, hf_ids)}")
+    print(f"FP8 deepseek_v3: max |logit diff| / max |logit| = {err:.1e} (scale {np.abs(hf_logits).max():.1f}); "
+          f"experts {same_experts(ids, hf_ids)}")
     assert err < 1e-5
     assert same_experts(ids, hf_ids) == [1.0] * cfg.n_moe_layers
-
-
-def model_layout(config):
-    from moe.hf.load import FAMILIES
-
-    return FAMILIES[config["model_type"]].layout(config)
 
 
 def test_ue8m0_scales_are_multiplied_as_stored(fp8, tmp_path):
@@ -159,7 +155,8 @@ def test_fp8_checkpoints_without_scales_or_config_are_refused(fp8, tmp_path):
     save_file({name: tensors[name]}, str(tmp_path / "model.safetensors"))
     with pytest.raises(HFImportError, match=f"'{name}' is F8_E4M3 without its scales"):
         SafetensorsFiles(str(tmp_path), Fp8Blocks(24, 20))
-    save_file({**tensors, name + "_scale_inv": np.ones((3, 2), ml_dtypes.bfloat16)}, str(tmp_path / "model.safetensors"))
+    save_file({**tensors, name + "_scale_inv": np.ones((3, 2), ml_dtypes.bfloat16)},
+              str(tmp_path / "model.safetensors"))
     with pytest.raises(HFImportError, match=r"weight_scale_inv' is BF16\[3, 2\].*needs F32\[3, 2\]"):
         SafetensorsFiles(str(tmp_path), Fp8Blocks(24, 20))
     save_file({name: tensors[name].astype(ml_dtypes.float8_e5m2)}, str(tmp_path / "model.safetensors"))

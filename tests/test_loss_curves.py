@@ -1,4 +1,4 @@
-"""train/loss_curves.py and its command, analysis/loss_curves.py: reading metrics.jsonl (torn lines), the series (repeated steps, missing values),
+"""train/loss_plot.py and its command, analysis/loss_curves.py: reading metrics.jsonl (torn lines), the series (repeated steps, missing values),
 the figure (what each panel holds) and the CLI (one-line error, exit 2)."""
 
 import json
@@ -9,7 +9,7 @@ import pytest
 
 from analysis import loss_curves as loss_curves_cli
 from rundir.metrics import read_rows
-from train import loss_curves
+from train import loss_plot as loss_curves
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

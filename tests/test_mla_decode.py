@@ -11,10 +11,12 @@ from flax import nnx
 from moe import Execution, decoding
 from moe.accounting import kv_cache_bytes_per_token
 from plumbing.errors import UserError
+from rundir import open_run
 from tests.conftest import tiny_config
 from tests.model_fixtures import forward_fn, tiny_model
 from tests.test_mla import MLA_MODEL
 from train import generate as train_generate
+from train import generation
 from train.loop import run
 
 ABSORBED, NAIVE = Execution(), Execution(attention_impl="einsum")  # the cached MLA forms (moe/mla.py)
@@ -98,11 +100,11 @@ def test_train_generate_on_an_mla_run(tmp_path, monkeypatch, capsys):
     new = train_generate.main(["--workdir", str(tmp_path / "run"), "--prompt", "The", "--max_new_tokens", "3"])
     assert len(new) <= 3 and capsys.readouterr().out.startswith("The")
 
-    model = train_generate.open_run(str(tmp_path / "run"), None).model
+    model = open_run(str(tmp_path / "run"), None).model
     need = kv_cache_bytes_per_token(model.cfg) * 100
     assert need == 2 * (32 + 8) * 4 * 100  # < the 2 * 2 * 2 * 16 * 4 * 100 bytes of the tiny config's GQA
-    monkeypatch.setattr(train_generate, "device_memory_bytes", lambda device: need)
-    train_generate.check_cache_fits(model, 100)
-    monkeypatch.setattr(train_generate, "device_memory_bytes", lambda device: need - 1)
+    monkeypatch.setattr(generation, "device_memory_bytes", lambda device: need)
+    generation.check_cache_fits(model, 100)
+    monkeypatch.setattr(generation, "device_memory_bytes", lambda device: need - 1)
     with pytest.raises(UserError, match="KV cache"):
-        train_generate.check_cache_fits(model, 100)
+        generation.check_cache_fits(model, 100)

@@ -2,6 +2,7 @@
 command for configs/tiny.py, then every analysis / export / generation command on `runs/default` (here a
 copy of that tiny run: the real default trains for ~7 minutes), and the Python API block."""
 
+import json
 import re
 import shlex
 import shutil
@@ -9,6 +10,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from analysis import loss_curves
 from analysis.ablate import cli as ablate
@@ -16,6 +18,7 @@ from analysis.dynamics import cli as dynamics
 from analysis.rank import cli as rank
 from analysis.routing import cli as routing
 from analysis.specialization import cli as specialization
+from benchmarks.default_run import DOCS, RECORD, SPAN, parse_summary, render
 from experiments.masks_round1 import runner as experiments
 from train import __main__ as train_cli
 from train import export, generate
@@ -54,6 +57,9 @@ def test_readme_commands_run_as_written(tmp_path, monkeypatch, capsys):
     for line in train_lines:
         train_cli.main(shlex.split(line)[2:] + ["--config.log.progress=False", "--config.log.peak_flops=1e12"])
         ran.append(line)
+    # The README's figures for the default are parsed from this summary's form (benchmarks/default_run.py).
+    summary = parse_summary(capsys.readouterr().out)
+    assert summary["steps"] > 0 and summary["bigram"] > 0 and summary["targets"] > 0
     workdir = shlex.split(train_lines[0]).pop(shlex.split(train_lines[0]).index("--workdir") + 1)
     shutil.copytree(tmp_path / workdir, tmp_path / "runs" / "default")
     for line in commands():
@@ -75,8 +81,27 @@ def test_readme_commands_run_as_written(tmp_path, monkeypatch, capsys):
         assert (tmp_path / "runs/default/analysis" / name).is_file(), name
     assert (tmp_path / "exports/default/config.json").is_file()
     assert "In the beginning" in out
+    # Every figure an analysis wrote names the run and checkpoint step it shows (analysis.figures.source).
+    pngs = sorted((tmp_path / "runs/default").glob("*/*.png"))
+    assert len(pngs) >= 10, pngs
+    for png in pngs:
+        source = Image.open(png).text.get("Source", "")
+        assert "runs/default" in source and "step" in source, (png.name, source)
 
     api = re.search(r"```python\n(.*?)```", README, re.S).group(1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a deprecated call in the README's API is a failure, not a warning
         exec(compile(api, "README.md", "exec"), {})
+
+
+def test_the_default_runs_figures_are_rendered_from_its_record():
+    """Every copy of the default run's figures in README.md and docs/ is the rendering of docs/default_run.json,
+    which benchmarks.default_run writes from the README command's own output: none is copied by hand."""
+    record = json.loads(RECORD.read_text())
+    spans = {}
+    for path in DOCS:
+        for m in SPAN.finditer(path.read_text()):
+            spans.setdefault(path.name, []).append(m.group(1))
+            assert m.group(2) == render(m.group(1), record), (path.name, m.group(1))
+    assert {"minutes", "gap"} <= set(spans["README.md"]) and "curve" in spans["training.md"]
+    assert record["command"] == "pip install -e . && python -m train" and record["command"] in README

@@ -17,8 +17,8 @@ import pytest
 from analysis.routing import cli as routing
 from rundir import open_run
 from rundir.config_layout import RESOLVED_KEY, migrate
-from train import export
-from train.generate import load_export
+from train import export_dir
+from train.export_dir import load_export
 from train.loop import run as train
 
 DATA = Path(__file__).parent / "data"
@@ -64,7 +64,7 @@ def test_the_saved_run_resumes(saved):
 
 @pytest.mark.parametrize("fmt", ["hf", "safetensors"])
 def test_the_saved_run_exports(saved, tmp_path, fmt):
-    out = export.export(saved[0], tmp_path / "export", fmt=fmt)
+    out = export_dir.export(saved[0], tmp_path / "export", fmt=fmt)
     assert (out / "tokenizer.json").is_file() and (out / "moe-export.json").is_file()
 
 

@@ -14,6 +14,7 @@ from moe import ModelConfig, Transformer
 from moe.decoding.generate import generate
 from moe.decoding.speculative import speculative_generate
 from tests.model_fixtures import TINY
+from train import export_dir
 
 MLA = dict(attention="mla", q_lora_rank=0, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
 
@@ -50,7 +51,6 @@ def test_speculative_decoding_refuses_what_it_cannot_do():
 def test_a_run_trained_with_mtp_end_to_end(tmp_path, capsys):
     from moe.hf import load_hf_moe
     from tests.conftest import tiny_config
-    from train import export
     from train import generate as gen
     from train.loop import run
 
@@ -66,7 +66,7 @@ def test_a_run_trained_with_mtp_end_to_end(tmp_path, capsys):
                     "--speculative", "mtp"])
     err = capsys.readouterr().err
     assert "speculative (mtp):" in err and "output identical" in err and len(new) <= 12
-    out = export.export(workdir, tmp_path / "hf")
+    out = export_dir.export(workdir, tmp_path / "hf")
     assert load_hf_moe(str(out))[0].cfg.mtp_depth == 1
 
 

@@ -8,16 +8,16 @@ SIGTERM or Ctrl-C saves a checkpoint at the next step and exits (0 for SIGTERM, 
 from train import signals
 
 if __name__ == "__main__":
-    signals.install()  # before the heavy imports below: a signal during start-up stops cleanly, not a traceback
+    signals.install()  # before any import below: a signal during start-up stops cleanly, not a traceback
 
 import argparse  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from moe import ConfigError  # noqa: E402
 from plumbing.args import ArgParser  # noqa: E402
 from plumbing.errors import (  # noqa: E402
     OOM_HINT,
+    ConfigError,
     UserError,
     exit_with,
     hide_orbax_tracebacks,
@@ -26,7 +26,7 @@ from plumbing.errors import (  # noqa: E402
     storage_full,
 )
 from train.command_line import config_from_argv, print_help  # noqa: E402
-from train.loop import run  # noqa: E402
+from train.preflight import parse  # noqa: E402
 
 DEFAULT_CONFIG = str(Path(__file__).resolve().parent.parent / "configs" / "default.py")
 
@@ -75,7 +75,12 @@ def main(argv=None):
     workdir = None
     try:
         config, workdir = parse_flags(argv)
-        result = run(config, workdir)
+        rc = parse(config)  # --help, a bad flag or config value: answered before the training stack loads
+        from train.loop import (
+            run,  # the one boundary: orbax, the data pipeline, TensorBoard load from here on
+        )
+
+        result = run(rc, workdir)
     except (UserError, ConfigError) as e:
         exit_with(e)
     except KeyboardInterrupt:

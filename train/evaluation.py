@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from moe import router
 from rundir import metrics as metrics_file
-from train.loss_curves import plot_loss_curves, run_title
+from train.loss_plot import plot_loss_curves, run_title
 
 
 def to_global(batch: dict, mesh) -> dict:

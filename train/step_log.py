@@ -11,7 +11,7 @@ import time
 import jax
 
 from plumbing.errors import UserError
-from train.metrics import MetricsWriter, flatten
+from train.metrics_writer import MetricsWriter, flatten
 from train.progress import Progress, eval_line
 
 

@@ -20,8 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
+from analysis import figures
 from analysis.ablate import ablation, plots
 from analysis.ablate import controls as ablation_controls
+from analysis.figures import source_of
 from analysis.routing.stats import plain_json
 from plumbing.args import ArgParser, check_out_dir, run_cli
 from plumbing.errors import UserError
@@ -91,8 +93,9 @@ def run(args, log=print):
     doc = plain_json(dict(result, workdir=str(args.workdir), step=run_.step, mask_bias=ablation.MASK_BIAS,
                           spearman={f"layer {k}": v for k, v in corr.items()}, **extra))
     (out / "ablation.json").write_text(json.dumps(doc, indent=1))
-    plots.plot_importance_vs_share(result, out / "ablation_importance.png", zero=zero, controls=controls)
-    plots.plot_domains(result, out / "ablation_domains.png")
+    with figures.source(source_of(args.workdir, run_.step)):
+        plots.plot_importance_vs_share(result, out / "ablation_importance.png", zero=zero, controls=controls)
+        plots.plot_domains(result, out / "ablation_domains.png")
     log(f"base validation loss {float(result['base_loss']):.4f} on {int(np.sum(result['n_DxC']))} tokens")
     if zero is not None and len(result["delta_A"]):
         gap = np.asarray(zero["delta_A"]) - np.asarray(result["delta_A"])

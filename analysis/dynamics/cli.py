@@ -19,6 +19,7 @@ A run keeps only checkpoint.keep checkpoints (3 by default); for the whole traje
 import json
 from pathlib import Path
 
+from analysis import figures
 from analysis.dynamics import plots
 from analysis.dynamics.trajectory import training_series, trajectory
 from analysis.routing.stats import plain_json
@@ -53,9 +54,10 @@ def run(args, log=print):
                       training={k: {layer: {"steps": s, "values": v} for layer, (s, v) in ser.items()}
                                 for k, ser in series.items()}))
     (out / "dynamics.json").write_text(json.dumps(doc, indent=1))
-    plots.plot_saturation(traj, out / "dynamics_saturation.png")
-    plots.plot_load(traj, series.get("maxvio", {}), out / "dynamics_load.png")
-    plots.plot_bias(traj, series.get("bias_range", {}), out / "dynamics_bias.png")
+    with figures.source(f"{args.workdir}, steps {traj['steps'][0]}-{traj['final_step']}"):
+        plots.plot_saturation(traj, out / "dynamics_saturation.png")
+        plots.plot_load(traj, series.get("maxvio", {}), out / "dynamics_load.png")
+        plots.plot_bias(traj, series.get("bias_range", {}), out / "dynamics_bias.png")
     for i, layer in enumerate(traj["layer_ids"]):
         sat = ", ".join(f"{s}: {v:.3f}" for s, v in zip(traj["steps"], traj["saturation_SxL"][:, i]))
         log(f"layer {layer} saturation vs step {traj['final_step']}: {sat}")

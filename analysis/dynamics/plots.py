@@ -5,7 +5,7 @@ import numpy as np
 
 from analysis.figures import grid, plt, save
 from analysis.routing.scales import line_colors
-from train.loss_curves import smooth
+from train.loss_plot import smooth
 
 
 def _mark_step0(ax, steps):

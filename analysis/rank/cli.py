@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from analysis import figures
+from analysis.figures import source_of
 from analysis.rank.attention import analyse, select_rows
 from analysis.rank.plots import plot_all
 from plumbing.args import ArgParser, check_out_dir
@@ -30,7 +32,8 @@ def run_rank(workdir, sequences: int = 16, step=None, out=None, plots: bool = Tr
         out = check_out_dir(out, out)
         (out / "rank.json").write_text(json.dumps(result, indent=1))
         if plots:
-            plot_all(result, out)
+            with figures.source(source_of(workdir, run.step)):
+                plot_all(result, out)
     return result
 
 

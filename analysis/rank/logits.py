@@ -17,6 +17,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
+from analysis import figures
 from analysis.figures import grid, save
 from analysis.rank import metrics as rm
 from analysis.rank.attention import forward_paths
@@ -181,7 +182,9 @@ def main(argv=None):
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         write_text(out / "rank_logits.json", json.dumps(result, indent=1))
-        plot(result, out / "rank_logits.png")
+        trained = ", ".join(r["workdir"] for r in result["trained"])
+        with figures.source(f"random logits, n {args.n}" + (f"; trained: {trained}" if trained else "")):
+            plot(result, out / "rank_logits.png")
     except UserError as e:
         exit_with(e)
     except OSError as e:

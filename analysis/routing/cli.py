@@ -21,7 +21,8 @@ and prints a short summary. Bad input (no checkpoint, unknown step, a non-MoE la
 
 from pathlib import Path
 
-from analysis import hf_source
+from analysis import figures, hf_source
+from analysis.figures import source_of
 from analysis.routing import collect
 from analysis.routing.outputs import summary, write_outputs, write_run_outputs
 from plumbing.args import ArgParser, check_out_dir, run_cli
@@ -85,7 +86,8 @@ def run(args, log=print):
         raise UserError(f"no tokens to analyse in split {args.split or run_.config.data.eval_split!r}; "
                         "check --split and --max_tokens")
     out = check_out_dir(args.out, Path(args.workdir) / "analysis")
-    write_run_outputs(a, out, run_, args.workdir, layer, args.split, args.max_tokens, args.compare_step)
+    with figures.source(source_of(args.workdir, run_.step)):
+        write_run_outputs(a, out, run_, args.workdir, layer, args.split, args.max_tokens, args.compare_step)
     log(summary(a, layer, run_.step, args.compare_step))
     log(f"wrote routing.json, routing.npz, plots and tokens.html to {out}")
     return a, out
@@ -107,7 +109,8 @@ def run_hf(args, log=print):
     meta = {"hf": str(args.hf), "model_type": src.model_type, "text": args.text, "split": src.split,
             "seq_len": src.run.config.data.seq_len, "max_tokens": args.max_tokens,
             "layer": int(a.result["layer_ids_L"][layer])}
-    write_outputs(a, out, meta, {}, layer)
+    with figures.source(str(args.hf)):
+        write_outputs(a, out, meta, {}, layer)
     log(summary(a, layer, None))
     log(f"wrote routing.json, routing.npz, plots and tokens.html to {out}")
     return a, out

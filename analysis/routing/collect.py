@@ -69,6 +69,13 @@ def resolve_tokens(tokenizer, texts):
     return ids, notes
 
 
+def layer_routing(mcfg, layer_ids) -> dict:
+    """RoutingAccumulator's arguments that describe a model's routers: each MoE layer's K and how it routes
+    (top_k, or hash: by token id), and the zero experts."""
+    return {"top_k": [mcfg.moe_top_k(i) for i in layer_ids], "n_zero_experts": mcfg.n_zero_experts,
+            "routed_by": ["hash" if mcfg.layer_router(i) == "hash" else "top_k" for i in layer_ids]}
+
+
 def make_route_fn(graphdef, prefix: bool):
     """jit(state, batch) -> per MoE layer (expert_ids [B,L,K], gates [B,L,K]); logits are never materialized
     on the host (and XLA drops the LM head since nothing uses it)."""
@@ -152,8 +159,8 @@ def analyse(run: Run, split=None, max_tokens=None, tokens=DEFAULT_TOKENS, compar
     track_ids, notes = resolve_tokens(run.tokenizer, tokens)
     plans, domain_names = domain_rows(config, split, max_tokens, cache)
     n_moe = len(run.moe_layer_ids)
-    acc = RoutingAccumulator(n_moe, mcfg.n_routed_experts, mcfg.top_k, len(domain_names), mcfg.vocab_size,
-                             track_tokens=track_ids, n_frequent=n_frequent)
+    acc = RoutingAccumulator(n_moe, mcfg.n_routed_experts, n_domains=len(domain_names), vocab_size=mcfg.vocab_size,
+                             track_tokens=track_ids, n_frequent=n_frequent, **layer_routing(mcfg, run.moe_layer_ids))
     sat = SaturationAccumulator(n_moe) if compare_run is not None else None
     prefix = config.data.task == "prefix"
     graphdef, state = nnx.split(run.model)

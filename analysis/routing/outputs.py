@@ -17,23 +17,33 @@ def _layer_label(result, i):
 
 
 def write_json(a: Analysis, path, meta, maxvio_series):
-    """routing.json: run metadata, readable per-layer/domain shares and per-token distributions, then every
-    small metric array of the accumulator under "metrics" (NaN -> null)."""
+    """routing.json: run metadata, per layer how it routes ("layers": routed_by top_k or hash, its K, the zero
+    experts' share of the choices and load), readable per-layer/domain shares (the routed experts'; beside them
+    the zero experts') and per-token distributions, then every small metric array of the accumulator under
+    "metrics" (NaN -> null)."""
     r = a.result
-    per_layer = {}
+    per_layer, layers = {}, {}
     for i in range(int(r["n_layers"])):
         per_layer[_layer_label(r, i)] = {
             name: {"n_tokens": int(r["n_tokens_D"][d]),
                    "share": r["share_LxDxE"][i, d], "gate_share": r["gate_share_LxDxE"][i, d],
                    "first_choice_share": r["share_top1_LxDxE"][i, d]}
+            | ({"zero_expert_share": r["zero_share_LxD"][i, d], "zero_expert_gate_share": r["zero_gate_share_LxD"][i, d],
+                "zero_expert_first_choice_share": r["zero_first_LxD"][i, d]} if "zero_share_LxD" in r else {})
             for d, name in enumerate(a.domain_names)}
+        # How the layer routes: a hash layer's shares are its fixed token-id table's, not a learned routing.
+        layers[_layer_label(r, i)] = {"routed_by": "hash" if r["hash_routed_L"][i] else "top_k",
+                                      "top_k": int(r["top_k_L"][i])} | (
+            {"zero_expert_frac": r["zero_frac_L"][i], "zero_expert_load": r["zero_load_LxZ"][i]}
+            if "zero_frac_L" in r else {})
     tokens = []
     for which, n in (("track", "T"), ("freq", "N")):
         for t, tid in enumerate(r.get(f"{which}_ids_{n}", [])):
             tokens.append({"id": int(tid), "text": a.token_text.get(int(tid)), "kind": which,
                            "n": int(r[f"{which}_n_{n}"][t]), "share_LxE": r[f"{which}_share_{n}xLxE"][t]})
     doc = dict(meta, domains=a.domain_names, layer_ids=r["layer_ids_L"], top_k=int(r["top_k"]),
-               n_experts=int(r["n_experts"]), uniform_share=int(r["top_k"]) / int(r["n_experts"]),
+               n_experts=int(r["n_experts"]), n_zero_experts=int(r["n_zero_experts"]), layers=layers,
+               uniform_share=int(r["top_k"]) / (int(r["n_experts"]) + int(r["n_zero_experts"])),
                token_notes=a.token_notes, timing={"tokens": a.n_tokens, "seconds": a.seconds,
                                                   "tokens_per_second": a.n_tokens / max(a.seconds, 1e-9)},
                per_layer=per_layer, tokens=tokens, saturation=a.saturation,
@@ -92,6 +102,8 @@ def write_plots(a: Analysis, out, layer, series, final_step=None, compare_step=N
 
 
 def write_html(a: Analysis, path):
+    """tokens.html, coloured by the routed experts (a token whose first choice is a zero expert stays uncoloured:
+    no expert computed it; hovering shows its id, n_experts or above)."""
     r = a.result
     n = int(r["n_layers"])
     return tokens_html.render_tokens_html(a.samples, range(n), int(r["n_experts"]), path,

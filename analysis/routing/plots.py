@@ -13,9 +13,9 @@ import math
 import numpy as np
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
-from analysis.figures import grid, plt, save
+from analysis.figures import count, grid, plt, save, title
 from analysis.routing.scales import CHANCE_CMAP, chance_norm, line_colors, shared_colorbar
-from train.loss_curves import smooth
+from train.loss_plot import smooth
 
 UNIFORM_STYLE = dict(color="crimson", linestyle="--", linewidth=1.2)
 
@@ -69,15 +69,16 @@ def plot_domain_bars(result, layer, path, domain_names=None, key="share_LxDxE"):
     for d, ax in enumerate(axes):
         ax.bar(np.arange(n_experts), np.nan_to_num(share_DxE[d]), color="tab:blue", width=0.8)
         ax.axhline(uniform, **UNIFORM_STYLE, label=f"uniform {'K/E' if k > 1 else '1/E'} = {uniform:.3f}")
-        ax.set_title(f"{_layer_name(result, layer)} - {names[d]} (n={int(result['n_tokens_D'][d])})", fontsize=9)
+        ax.set_title(f"{_layer_name(result, layer)} - {names[d]} (n={count(result['n_tokens_D'][d])})", fontsize=9)
         ax.set_xlim(-0.6, n_experts - 0.4)
         ax.set_ylim(0, ymax)
         _expert_ticks(ax, n_experts)
         ax.set_xlabel("expert", fontsize=8)
         ax.set_ylabel(share_label(key, int(result["top_k"])).replace(" (", "\n("), fontsize=8)
         ax.tick_params(axis="y", labelsize=7)
-    axes[0].legend(fontsize=7, loc="upper right")
-    return save(fig, path)
+    # One legend for the figure, above the panels: inside one it would cover a bar.
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="upper right", fontsize=8, frameon=False)
+    return save(fig, path, rect=(0, 0, 1, 1 - 0.3 / fig.get_figheight()))
 
 
 def plot_domain_heatmaps(result, path, domain_names=None, layers=None, key="share_LxDxE"):
@@ -102,20 +103,22 @@ def plot_domain_heatmaps(result, path, domain_names=None, layers=None, key="shar
     what = ("share of domain tokens whose first choice is the expert" if "top1" in key
             else "share of domain tokens' top-k choices that go to the expert" if "norm" in key
             else f"share of domain tokens with the expert in their top-{k} (sums to K = {k} over experts)")
-    fig.suptitle(f"{what}\n(one colour scale for all layers; white = uniform {'1/E' if k == 1 else 'K/E'})",
-                 fontsize=10)
+    scale = "one colour scale for all layers; " if len(layers) > 1 else ""
+    title(fig, f"{what}\n({scale}white = uniform {'1/E' if k == 1 else 'K/E'})")
     shared_colorbar(fig, im, axes, k / n_experts, share_label(key, int(result["top_k"])), "uniform")
     return save(fig, path)
 
 
-def plot_token_experts(result, path, token_text, which="track", max_tokens=12):
+def plot_token_experts(result, path, token_text, which="track", max_tokens=None):
     """Per token, a layer x expert heatmap of the share of its occurrences with the expert in their top-k.
-    which="track" uses the requested ids (track_*), "freq" the most frequent ones (freq_*).
+    which="track" uses the requested ids (track_*), "freq" the most frequent ones (freq_*): every one routing.json
+    reports, unless max_tokens caps them (the title says how many are shown).
     token_text: mapping or callable id -> string; titles use repr() so whitespace stays visible."""
     n = "T" if which == "track" else "N"  # finalize() names tracked tokens *_T, frequent ones *_N
     ids_T, n_T, share_TxLxE = result[f"{which}_ids_{n}"], result[f"{which}_n_{n}"], result[f"{which}_share_{n}xLxE"]
     text = token_text if callable(token_text) else (lambda i: token_text.get(int(i), f"<id {int(i)}>"))
-    keep = [t for t in range(len(ids_T)) if n_T[t] > 0][:max_tokens]
+    present = [t for t in range(len(ids_T)) if n_T[t] > 0]
+    keep = present[:max_tokens]
     if not keep:
         fig, ax = plt.subplots(figsize=(5, 1.5))
         ax.text(0.5, 0.5, "no occurrences of the requested tokens", ha="center", va="center")
@@ -128,13 +131,16 @@ def plot_token_experts(result, path, token_text, which="track", max_tokens=12):
     norm = chance_norm(1.0, uniform)  # 1 = every occurrence: a fixed top, so tokens and runs compare
     for ax, t in zip(axes, keep):
         im = ax.imshow(share_TxLxE[t], aspect="auto", cmap=CHANCE_CMAP, norm=norm, interpolation="nearest")
-        ax.set_title(f"token {text(ids_T[t])!r} (id {int(ids_T[t])}, n={int(n_T[t])})", fontsize=9)
+        ax.set_title(f"token {text(ids_T[t])!r} (id {int(ids_T[t])}, n={count(n_T[t])})", fontsize=9)
         ax.set_yticks(np.arange(n_layers))
         ax.set_yticklabels(layer_labels(result), fontsize=7)
         _expert_ticks(ax, n_experts)
         ax.set_xlabel("expert", fontsize=8)
-    fig.suptitle(f"share of a token's occurrences with the expert in their top-{int(result['top_k'])} "
-                 "(white = uniform K/E)", fontsize=10)
+    which_tokens = (f"the {len(keep)} most frequent tokens" if which == "freq" else
+                    f"the {len(keep)} tracked tokens (--token)")
+    shown = f" ({len(keep)} of {len(present)} shown)" if len(keep) < len(present) else ""
+    title(fig, f"{which_tokens}{shown}: share of a token's occurrences with the expert in their "
+               f"top-{int(result['top_k'])} (white = uniform K/E)")
     shared_colorbar(fig, im, axes, uniform, f"share of occurrences (sums to K = {int(result['top_k'])})", "uniform")
     return save(fig, path)
 

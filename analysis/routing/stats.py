@@ -1,6 +1,12 @@
 """Routing statistics for MoE layers: a streaming accumulator plus pure metric functions (numpy only).
 
-Shape key: L MoE layers, E routed experts, K top-k, D domains, V vocabulary, T tracked tokens, N tokens.
+Shape key: L MoE layers, E routed experts, K top-k, D domains, V vocabulary, T tracked tokens, N tokens, Z zero
+experts.
+
+Zero experts (LongCat-Flash: router candidates E .. E+Z-1 that return their input) are counted apart: every table
+indexed by expert holds the E routed experts, and `zero_*` keys hold the zero experts' share and load. A layer's K
+may differ (per-layer top-k); a layer routed by token id (DeepSeek-V4's hash layers) is marked in `hash_routed_L`:
+its shares are the fixed hash table's, not a learned routing.
 
 Usage (the CLI runs the model batch by batch and feeds each batch's routing extras):
     acc = RoutingAccumulator(n_layers, n_experts, top_k, n_domains, vocab_size, track_tokens=[13, 262])
@@ -53,7 +59,7 @@ def coactivation(pairs_LxExE, counts_LxE):
 
 
 def vocab_specialization(tok_counts_LxVxE, tok_n_V, top_k, min_count=10):
-    """OLMoE vocabulary specialization over top-k assignments.
+    """OLMoE vocabulary specialization over top-k assignments (top_k: one K, or one per layer).
 
     For a token id v seen n_v >= min_count times: spec[l, v] = max_e count[l, v, e] / (K * n_v), the share of
     its K * n_v assignments that go to its most frequent expert (1/K = in every top-k, uniform = 1/E).
@@ -67,7 +73,8 @@ def vocab_specialization(tok_counts_LxVxE, tok_n_V, top_k, min_count=10):
     if n_elig == 0:
         return spec_LxE, mean_L, 0
     counts_LxVxE = tok_counts_LxVxE[:, eligible_V]
-    spec_LxV = counts_LxVxE.max(-1) / (top_k * np.asarray(tok_n_V)[eligible_V])[None]
+    k_Lx1 = np.broadcast_to(np.asarray(top_k, np.float64), (n_layers,))[:, None]
+    spec_LxV = counts_LxVxE.max(-1) / (k_Lx1 * np.asarray(tok_n_V)[eligible_V][None])
     best_LxV = counts_LxVxE.argmax(-1)
     for layer in range(n_layers):
         n_E = np.bincount(best_LxV[layer], minlength=n_experts)
@@ -123,11 +130,23 @@ class RoutingAccumulator:
 
     A token counts if valid; its "previous token" for locality must be valid and in the same segment
     (document) of the same row. track_tokens: token ids whose expert distribution is always reported;
-    n_frequent: how many most frequent token ids to report (needs track_vocab)."""
+    n_frequent: how many most frequent token ids to report (needs track_vocab).
+    top_k: every layer's K, or one K per layer; with one K, a layer whose ids carry another (a model with
+    per-layer top-k) is counted with its own, recorded in top_k_L. n_zero_experts: ids E .. E+Z-1 are zero
+    experts (None: any id >= E is one, Z the largest seen). routed_by: per layer "top_k" or "hash" (by token id;
+    default every layer top_k)."""
 
     def __init__(self, n_layers, n_experts, top_k, n_domains, vocab_size, track_tokens=(),
-                 track_vocab=True, n_frequent=20, vocab_min_count=10):
-        self.L, self.E, self.K, self.D, self.V = n_layers, n_experts, top_k, n_domains, vocab_size
+                 track_vocab=True, n_frequent=20, vocab_min_count=10, n_zero_experts=None, routed_by=None):
+        self.L, self.E, self.D, self.V = n_layers, n_experts, n_domains, vocab_size
+        self.K = int(max(top_k, default=0)) if np.ndim(top_k) else int(top_k)  # the headline K (largest per layer)
+        self.K_L = np.asarray(top_k if np.ndim(top_k) else [top_k] * n_layers, np.int64)
+        self.fixed_K = bool(np.ndim(top_k))
+        self.seen_K = [False] * n_layers
+        self.Z_max = n_zero_experts  # None: grows with the largest zero-expert id seen
+        self.routed_by_L = list(routed_by) if routed_by is not None else ["top_k"] * n_layers
+        if len(self.K_L) != n_layers or len(self.routed_by_L) != n_layers:
+            raise ValueError(f"top_k and routed_by need one entry per layer ({n_layers})")
         self.track_ids_T = np.asarray(track_tokens, np.int64).reshape(-1)
         self.track_vocab, self.n_frequent, self.vocab_min_count = track_vocab, n_frequent, vocab_min_count
         L, E, D = n_layers, n_experts, n_domains
@@ -136,6 +155,9 @@ class RoutingAccumulator:
         self.first_LxDxE = np.zeros((L, D, E), np.int64)
         self.gate_LxDxE = np.zeros((L, D, E), np.float64)
         self.pairs_LxExE = np.zeros((L, E, E), np.int64)
+        self.zero_LxDxZ = np.zeros((L, D, n_zero_experts or 0), np.int64)
+        self.zero_first_LxD = np.zeros((L, D), np.int64)
+        self.zero_gate_LxD = np.zeros((L, D), np.float64)
         self.loc_first_L = np.zeros(L, np.int64)
         self.loc_any_L = np.zeros(L, np.int64)
         self.loc_overlap_L = np.zeros(L, np.int64)  # sum of |A & B| over pairs; / (K * pairs) at the end
@@ -145,6 +167,25 @@ class RoutingAccumulator:
         if track_vocab:  # int32: L*V*E entries is the one large table
             self.tok_n_V = np.zeros(vocab_size, np.int64)
             self.tok_LxVxE = np.zeros((L, vocab_size, E), np.int32)
+
+    def _layer_k(self, layer, k):
+        if not self.seen_K[layer] and not self.fixed_K:
+            self.K_L[layer] = k
+        if k != self.K_L[layer]:
+            raise ValueError(f"layer {layer}: expert_ids has top-k {k}, expected {self.K_L[layer]}")
+        self.seen_K[layer] = True
+
+    def _zero_ids(self, layer, ids_NxK):
+        """Checks the ids' range; grows the zero-expert tables when their size is inferred."""
+        if not ids_NxK.size:
+            return
+        top = int(ids_NxK.max())
+        if ids_NxK.min() < 0 or (self.Z_max is not None and top >= self.E + self.Z_max):
+            raise ValueError(f"layer {layer}: expert_ids must be in [0, {self.E + (self.Z_max or 0)}); check "
+                             "n_experts and n_zero_experts")
+        if top >= self.E + self.zero_LxDxZ.shape[-1]:
+            grow = top - self.E + 1 - self.zero_LxDxZ.shape[-1]
+            self.zero_LxDxZ = np.concatenate([self.zero_LxDxZ, np.zeros((self.L, self.D, grow), np.int64)], -1)
 
     def update(self, layer_routing, tokens, domains, valid=None, segment_ids=None):
         """layer_routing: per MoE layer a dict with `expert_ids` [B,L,K] (first = highest score) and optionally
@@ -167,73 +208,97 @@ class RoutingAccumulator:
         self.track_n_T += track_hit_NxT.sum(0)
         if self.track_vocab:
             self.tok_n_V += np.bincount(tok_N, minlength=self.V)
-        E, D, K = self.E, self.D, self.K
+        E, D = self.E, self.D
         for layer, routing in enumerate(layer_routing):
             ids_BxSxK = _ids_of(routing).astype(np.int64)
-            if ids_BxSxK.shape[-1] != K:
-                raise ValueError(f"layer {layer}: expert_ids has top-k {ids_BxSxK.shape[-1]}, expected {K}")
+            K = ids_BxSxK.shape[-1]
+            self._layer_k(layer, K)
             ids_NxK = ids_BxSxK[valid_BxS]
-            if ids_NxK.size and (ids_NxK.min() < 0 or ids_NxK.max() >= E):
-                raise ValueError(f"layer {layer}: expert_ids must be in [0, {E}); check n_experts")
-            de_NxK = dom_N[:, None] * E + ids_NxK
-            self.counts_LxDxE[layer] += np.bincount(de_NxK.ravel(), minlength=D * E).reshape(D, E)
-            self.first_LxDxE[layer] += np.bincount(de_NxK[:, 0], minlength=D * E).reshape(D, E)
+            self._zero_ids(layer, ids_NxK)
+            real_NxK = ids_NxK < E
+            dom_NxK = np.broadcast_to(dom_N[:, None], ids_NxK.shape)
+            de_M = (dom_NxK * E + ids_NxK)[real_NxK]  # the routed experts' copies only
+            self.counts_LxDxE[layer] += np.bincount(de_M, minlength=D * E).reshape(D, E)
+            first_real_N = real_NxK[:, 0]
+            self.first_LxDxE[layer] += np.bincount((dom_N * E + ids_NxK[:, 0])[first_real_N],
+                                                   minlength=D * E).reshape(D, E)
+            Z = self.zero_LxDxZ.shape[-1]
+            if Z:
+                dz_M = (dom_NxK * Z + ids_NxK - E)[~real_NxK]
+                self.zero_LxDxZ[layer] += np.bincount(dz_M, minlength=D * Z).reshape(D, Z)
+                self.zero_first_LxD[layer] += np.bincount(dom_N[~first_real_N], minlength=D)
             if isinstance(routing, dict) and routing.get("gates") is not None:
                 gates_NxK = np.asarray(routing["gates"], np.float64)[valid_BxS]
-                self.gate_LxDxE[layer] += np.bincount(
-                    de_NxK.ravel(), weights=gates_NxK.ravel(), minlength=D * E).reshape(D, E)
+                self.gate_LxDxE[layer] += np.bincount(de_M, weights=gates_NxK[real_NxK], minlength=D * E).reshape(D, E)
+                self.zero_gate_LxD[layer] += np.bincount(dom_NxK[~real_NxK], weights=gates_NxK[~real_NxK],
+                                                         minlength=D)
             for i in range(K):
                 for j in range(K):
-                    if i != j:
-                        ij_N = ids_NxK[:, i] * E + ids_NxK[:, j]
+                    both_N = real_NxK[:, i] & real_NxK[:, j]
+                    if i != j and both_N.any():
+                        ij_N = (ids_NxK[:, i] * E + ids_NxK[:, j])[both_N]
                         self.pairs_LxExE[layer] += np.bincount(ij_N, minlength=E * E).reshape(E, E)
+            # Locality compares the candidates a token chose, zero experts included.
             prev_PxK, cur_PxK = ids_BxSxK[:, :-1][pair_BxS1], ids_BxSxK[:, 1:][pair_BxS1]
             overlap_P = _overlap_count(prev_PxK, cur_PxK)
             self.loc_first_L[layer] += int((prev_PxK[:, 0] == cur_PxK[:, 0]).sum())
             self.loc_any_L[layer] += int((overlap_P > 0).sum())
             self.loc_overlap_L[layer] += int(overlap_P.sum())
             for t in range(len(self.track_ids_T)):
-                self.track_LxTxE[layer, t] += np.bincount(ids_NxK[track_hit_NxT[:, t]].ravel(), minlength=E)
+                hit_NxK = track_hit_NxT[:, t][:, None] & real_NxK
+                self.track_LxTxE[layer, t] += np.bincount(ids_NxK[hit_NxK], minlength=E)
             if self.track_vocab:
-                np.add.at(self.tok_LxVxE[layer].reshape(-1), (tok_N[:, None] * E + ids_NxK).ravel(), 1)
+                np.add.at(self.tok_LxVxE[layer].reshape(-1), (tok_N[:, None] * E + ids_NxK)[real_NxK], 1)
 
     def finalize(self):
         """Metrics as a flat dict of numpy arrays (scalars as 0-d arrays), ready for np.savez.
 
         Shares (see `domain_share`): share_LxDxE (top-k, sums to K), share_top1_LxDxE (first choice, sums
         to 1), share_norm_LxDxE (top-k / K, sums to 1), gate_share_LxDxE (sum of gate weights / #tokens;
-        0 if no gates were given).
-        Load: load_LxE (top-k assignments), maxvio_L, dead_LxE (bool). Locality: loc_first_L, loc_any_L,
-        loc_overlap_L (mean |A & B| / K), baseline_first/_any/_overlap, n_pairs. coact_LxExE.
+        0 if no gates were given). Routed experts only: with zero experts each row sums to K (1) minus the zero
+        experts' zero_share_LxD (zero_first_LxD), and zero_load_LxZ, zero_gate_share_LxD hold theirs.
+        Load: load_LxE (top-k assignments), maxvio_L, dead_LxE (bool), over the routed experts. Locality:
+        loc_first_L, loc_any_L, loc_overlap_L (mean |A & B| / K), baseline_first/_any/_overlap (for top_k
+        and every candidate; per layer: baseline_*_L), n_pairs. coact_LxExE. Per layer: top_k_L, hash_routed_L.
         Tokens: track_ids_T, track_n_T, track_share_TxLxE (share of occurrences with e in top-k);
         with track_vocab also freq_ids_N, freq_n_N, freq_share_NxLxE, vocab_spec_LxE, vocab_spec_L,
         vocab_n_eligible, vocab_min_count, tok_n_V, tok_counts_LxVxE."""
         load_LxE = self.counts_LxDxE.sum(1)
-        base = locality_baseline(self.E, self.K)
+        Z = self.zero_LxDxZ.shape[-1]
+        base = locality_baseline(self.E + Z, self.K)
+        base_L = np.asarray([locality_baseline(self.E + Z, int(k)) for k in self.K_L]).reshape(self.L, 3)
+        k_Lx1x1 = self.K_L[:, None, None].astype(np.float64)
         with np.errstate(invalid="ignore", divide="ignore"):
             pairs = self.n_pairs or np.nan  # no pairs -> NaN locality rather than 0
             track_share_TxLxE = self.track_LxTxE.transpose(1, 0, 2) / self.track_n_T[:, None, None]
+            per_token = lambda c_LxD: np.where(self.n_tokens_D > 0, c_LxD / np.maximum(self.n_tokens_D, 1), np.nan)
         out = dict(
             n_layers=self.L, n_experts=self.E, top_k=self.K, n_domains=self.D,
+            top_k_L=self.K_L, hash_routed_L=np.asarray([r == "hash" for r in self.routed_by_L]), n_zero_experts=Z,
             n_tokens_D=self.n_tokens_D, n_tokens=self.n_tokens_D.sum(),
             counts_LxDxE=self.counts_LxDxE, first_LxDxE=self.first_LxDxE,
             share_LxDxE=domain_share(self.counts_LxDxE, self.n_tokens_D),
             share_top1_LxDxE=domain_share(self.first_LxDxE, self.n_tokens_D),
-            share_norm_LxDxE=domain_share(self.counts_LxDxE, self.n_tokens_D) / self.K,
+            share_norm_LxDxE=domain_share(self.counts_LxDxE, self.n_tokens_D) / k_Lx1x1,
             gate_share_LxDxE=domain_share(self.gate_LxDxE, self.n_tokens_D),
             load_LxE=load_LxE, maxvio_L=np.asarray(router.max_violation(load_LxE), np.float64), dead_LxE=load_LxE == 0,
             loc_first_L=self.loc_first_L / pairs, loc_any_L=self.loc_any_L / pairs,
-            loc_overlap_L=self.loc_overlap_L / (pairs * self.K), n_pairs=self.n_pairs,
+            loc_overlap_L=self.loc_overlap_L / (pairs * self.K_L), n_pairs=self.n_pairs,
             baseline_first=base[0], baseline_any=base[1], baseline_overlap=base[2],
+            baseline_first_L=base_L[:, 0], baseline_any_L=base_L[:, 1], baseline_overlap_L=base_L[:, 2],
             coact_LxExE=coactivation(self.pairs_LxExE, load_LxE),
             track_ids_T=self.track_ids_T, track_n_T=self.track_n_T, track_share_TxLxE=track_share_TxLxE,
         )
+        if Z:
+            out.update(zero_share_LxD=per_token(self.zero_LxDxZ.sum(-1)), zero_first_LxD=per_token(self.zero_first_LxD),
+                       zero_gate_share_LxD=per_token(self.zero_gate_LxD), zero_load_LxZ=self.zero_LxDxZ.sum(1),
+                       zero_frac_L=self.zero_LxDxZ.sum((1, 2)) / np.maximum(self.n_tokens_D.sum() * self.K_L, 1))
         if self.track_vocab:
             freq_ids_N = np.argsort(-self.tok_n_V, kind="stable")[: self.n_frequent]
             freq_ids_N = freq_ids_N[self.tok_n_V[freq_ids_N] > 0]
             freq_n_N = self.tok_n_V[freq_ids_N]
             spec_LxE, spec_L, n_elig = vocab_specialization(
-                self.tok_LxVxE, self.tok_n_V, self.K, self.vocab_min_count)
+                self.tok_LxVxE, self.tok_n_V, self.K_L, self.vocab_min_count)
             out.update(
                 freq_ids_N=freq_ids_N, freq_n_N=freq_n_N,
                 freq_share_NxLxE=self.tok_LxVxE[:, freq_ids_N].transpose(1, 0, 2)
@@ -304,24 +369,40 @@ def to_jsonable(result, max_size=100_000):
 
 
 def summary_text(result, domain_names=None, n_top=3, layer=-1):
-    """A short terminal summary: per layer MaxVio, locality vs random, dead experts, and per domain the
-    n_top most specialized experts (highest top-k share) at `layer` (default the last)."""
+    """A short terminal summary: per layer MaxVio, locality vs random, dead experts (with zero experts: their
+    share of the choices; a hash-routed layer says so), and per domain the n_top most specialized experts
+    (highest top-k share) at `layer` (default the last)."""
     L, K, E = int(result["n_layers"]), int(result["top_k"]), int(result["n_experts"])
+    Z = int(result.get("n_zero_experts", 0))
+    k_L = result.get("top_k_L", np.full(L, K))
+    hashed = [bool(h) for h in result.get("hash_routed_L", [False] * L)]
     names = domain_names or [f"domain {d}" for d in range(int(result["n_domains"]))]
     ids = result.get("layer_ids_L")  # model-layer index of each MoE layer, when the caller added it
     name = (lambda i: f"layer {int(ids[i])}") if ids is not None else (lambda i: f"layer {i}")
-    lines = [f"{int(result['n_tokens'])} tokens, {L} MoE layers, top-{K} of {E} experts (uniform share {K / E:.3f})"]
+    per_layer_k = len(set(np.asarray(k_L).tolist())) > 1
+    head = f"top-{K}" if not per_layer_k else f"top-{'/'.join(str(int(k)) for k in k_L)} (per layer)"
+    zero = f" + {Z} zero experts" if Z else ""
+    lines = [f"{int(result['n_tokens'])} tokens, {L} MoE layers, {head} of {E} experts{zero} (uniform share "
+             f"{K / (E + Z):.3f})"]
     for i in range(L):
         dead = np.flatnonzero(result["dead_LxE"][i]).tolist()
+        extra = f"  zero experts {float(result['zero_frac_L'][i]):.1%} of choices" if Z else ""
+        if hashed[i]:
+            lines.append(f"{name(i)}: routed by hash (token id -> fixed experts: the shares below are the table's, "
+                         f"not learned)  maxvio {result['maxvio_L'][i]:.2f}{extra}")
+            continue
+        k_note = f" top-{int(k_L[i])}" if per_layer_k else ""
         lines.append(
-            f"{name(i)}: maxvio {result['maxvio_L'][i]:.2f}  first-choice locality "
-            f"{result['loc_first_L'][i]:.3f} (rand {float(result['baseline_first']):.3f})  any-overlap "
-            f"{result['loc_any_L'][i]:.3f} (rand {float(result['baseline_any']):.3f})  dead {dead or 'none'}")
+            f"{name(i)}:{k_note} maxvio {result['maxvio_L'][i]:.2f}  first-choice locality "
+            f"{result['loc_first_L'][i]:.3f} (rand {float(result.get('baseline_first_L', [result['baseline_first']] * L)[i]):.3f})"
+            f"  any-overlap {result['loc_any_L'][i]:.3f} (rand "
+            f"{float(result.get('baseline_any_L', [result['baseline_any']] * L)[i]):.3f})  dead {dead or 'none'}{extra}")
     layer = layer % L
     share_DxE = result["share_LxDxE"][layer]
     for d, dom in enumerate(names):
         if not np.isfinite(share_DxE[d]).any():
             continue
         top = np.argsort(-np.nan_to_num(share_DxE[d]))[:n_top]
-        lines.append(f"{name(layer)} {dom}: " + ", ".join(f"e{e} {share_DxE[d, e]:.2f}" for e in top))
+        zero_d = f", zero experts {result['zero_share_LxD'][layer, d]:.2f}" if Z else ""
+        lines.append(f"{name(layer)} {dom}: " + ", ".join(f"e{e} {share_DxE[d, e]:.2f}" for e in top) + zero_d)
     return "\n".join(lines)

@@ -16,6 +16,8 @@ on stderr, exit 2.
 import json
 from pathlib import Path
 
+from analysis import figures
+from analysis.figures import source_of
 from analysis.specialization import plots
 from analysis.specialization.compare import check_same_config, document, measure, table
 from plumbing.args import ArgParser, check_out_dir, run_cli
@@ -50,7 +52,9 @@ def run(args, log=print):
     doc = document(runs, per_run, args.split, args.max_tokens, args.shuffles)
     out = check_out_dir(args.out, Path(args.workdir[0]) / "analysis")
     (out / "specialization.json").write_text(json.dumps(doc, indent=1))
-    plots.plot_specialization(doc, out / "specialization.png")
+    names = "; ".join(source_of(r.workdir, r.step) for r in runs)
+    with figures.source(names if len(runs) < 4 else f"{len(runs)} runs of {runs[0].workdir}, step {runs[0].step}"):
+        plots.plot_specialization(doc, out / "specialization.png")
     log(table(doc))
     log(f"wrote specialization.json and specialization.png to {out}")
     return doc, out

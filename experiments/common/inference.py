@@ -26,7 +26,7 @@ EQUIVALENCE_FRACTION = 0.1
 # causal-target cells split there (rederive prints the pooled distances): seeds that did not stall sit <= 0.16
 # above their cell's fast half, the ones whose curves lag from the first evaluations >= 0.23.
 SLOW_MARGIN = 0.2
-# Issue 46's target width for a headline interval, either side of the mean (nats for a loss; accuracy points
+# The target width for a headline interval, either side of the mean (nats for a loss; accuracy points
 # for the choice probe).
 HEADLINE_HALFWIDTH = 0.05
 

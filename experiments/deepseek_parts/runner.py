@@ -1,4 +1,4 @@
-"""What DeepSeek-V3's attention and objective buy at the default's size (issue 47): GQA vs MLA, and MTP (D = 1) vs
+"""What DeepSeek-V3's attention and objective buy at the default's size: GQA vs MLA, and MTP (D = 1) vs
 none, on the bundled corpus, paired by seed.
 
     python -m experiments.deepseek_parts --out runs/deepseek_parts [--seeds 3] [--steps N] [--rows_per_domain 32]
@@ -102,7 +102,7 @@ def report(results: list[dict], out: Path) -> Path:
     members = [member("deepseek_parts", f"{a} - {b}", None, groups[a], groups[b], bigram, an=a)
                for a, b in FAMILY if a in groups and b in groups and len(set(groups[a]) & set(groups[b])) >= 2]
     family = decide(members)
-    lines = ["# GQA vs MLA, MTP vs none (issue 47)", "",
+    lines = ["# GQA vs MLA, MTP vs none", "",
              f"Main-head validation loss on {results[0]['targets']:,} targets (bigram {bigram:.4f}, unigram "
              f"{results[0]['unigram']:.4f}); {results[0]['steps']} steps per run.", "",
              "| arm | val loss per seed | mean | gate (seeds passing) | stalled | KV bytes / token | tokens/s | params "

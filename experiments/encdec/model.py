@@ -1,4 +1,4 @@
-"""A small encoder-decoder built from the decoder-only model's own blocks (issue 14, item 8): the baseline the
+"""A small encoder-decoder built from the decoder-only model's own blocks: the baseline the
 "why decoder-only" arguments compare against.
 
   encoder  Blocks (moe.model.Block: attention + dense/MoE FFN) with a bidirectional mask over the source

@@ -109,7 +109,7 @@ def write_report(results, refs, out: Path, base, decoder_mask: str, lr_choice=No
     base_cells = [r for r in results if r["cell"] == "decoder_P"]
     g = gate(float(np.mean([r["val_loss"] for r in base_cells])), refs["bigram"],
              float(np.mean([r["val_loss"] + r["input_replacement_gap"] for r in base_cells])))
-    lines = ["# Encoder-decoder vs decoder-only, 2x2 (issue 14, item 8)", "",
+    lines = ["# Encoder-decoder vs decoder-only, 2x2", "",
              f"{len(results)} runs. Decoder-only cells use the {decoder_mask} mask. Model d_model "
              f"{base.model.d_model}, {base.model.n_routed_experts} routed experts top-{base.model.top_k} + "
              f"{base.model.n_shared_experts} shared; {base.data.seq_len}-token windows, input = first "

@@ -1,4 +1,4 @@
-"""Encoder-decoder vs decoder-only, 2x2 at P and 2P parameters (issue 14, item 8): is the encoder-decoder's edge
+"""Encoder-decoder vs decoder-only, 2x2 at P and 2P parameters: is the encoder-decoder's edge
 on an input->output task only its extra parameters?
 
     python -m experiments.encdec --out runs/encdec_study [--config experiments/masks_round2/config.py]

@@ -1,5 +1,5 @@
 """The study's input->output task for the encoder-decoder (experiments/encdec/model.py), scored on exactly the
-decoder-only model's targets (issue 14, item 8).
+decoder-only model's targets.
 
 A prefix row (packing.prefix_rows) has n real tokens, the first p of them the input, and scores targets
 tokens[p .. n-1] at positions p-1 .. n-2, each from tokens[0 .. i]. Its encoder-decoder form:

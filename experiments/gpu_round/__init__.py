@@ -1,1 +1,1 @@
-"""The decoder-only studies' GPU round (issue 14): every part at the GPU size, in one resumable command."""
+"""The decoder-only studies' GPU round: every part at the GPU size, in one resumable command."""

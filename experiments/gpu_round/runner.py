@@ -1,4 +1,4 @@
-"""The decoder-only study's GPU round (issue 14) in one command: every part at the GPU size, one after another.
+"""The decoder-only study's GPU round in one command: every part at the GPU size, one after another.
 
     python -m experiments.gpu_round --out runs/gpu_round [--parts study,encdec,head_sweep,mlm] [--seeds 5]
         [--dry_run]

@@ -1,2 +1,2 @@
-"""The head-size sweep (issue 14, item 5): prefix - causal against n_in / d_head at equal parameters, with the
+"""The head-size sweep: prefix - causal against n_in / d_head at equal parameters, with the
 trained input block's effective rank: does Su's low-rank argument show in the loss?"""

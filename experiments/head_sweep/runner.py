@@ -1,4 +1,4 @@
-"""Head-size sweep (issue 14, item 5, second half): does the prefix-LM's loss against the causal decoder move
+"""Head-size sweep: does the prefix-LM's loss against the causal decoder move
 with n / d_head, as Su's low-rank argument needs? His argument: softmax(Q K^T) over an n x n bidirectional block has
 rank at most ~d_head when n >> d_head, while the causal (triangular) one stays full rank; if that bottleneck costs
 quality, prefix - causal should rise with n / d_head.

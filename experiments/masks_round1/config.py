@@ -1,4 +1,4 @@
-"""The mask study, round 1 (issue 6): causal vs prefix-LM vs mixed decoders on input->output rows of the bundled
+"""The mask study, round 1: causal vs prefix-LM vs mixed decoders on input->output rows of the bundled
 corpus.
 
     python -m experiments.masks_round1 compare-masks --config experiments/masks_round1/config.py \

@@ -1,4 +1,4 @@
-"""The mask study, round 1 (issue 6) with the project's default small model: experiments/masks_round1/config.py,
+"""The mask study, round 1 with the project's default small model: experiments/masks_round1/config.py,
 model block from configs/default.py.
 
     python -m experiments.masks_round1 compare-masks --config experiments/masks_round1/config_default.py \

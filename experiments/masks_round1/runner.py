@@ -1,4 +1,4 @@
-"""The mask study, round 1 (issue 6): causal vs prefix-LM vs mixed decoders on input->output rows.
+"""The mask study, round 1: causal vs prefix-LM vs mixed decoders on input->output rows.
 
     python -m experiments.masks_round1 compare-masks --config experiments/masks_round1/config.py \
         --masks causal,prefix,mixed --seeds 3 --steps 150 [--nope] [--out runs/compare_masks] \

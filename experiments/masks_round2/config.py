@@ -1,4 +1,4 @@
-"""The mask study, round 2 (issue 14; experiments/masks_round2/README.md): causal vs prefix-LM vs mixed vs causal
+"""The mask study, round 2 (experiments/masks_round2/README.md): causal vs prefix-LM vs mixed vs causal
 with loss on every token, on input->output windows of the bundled corpus with the bundled 1,024-token tokenizer.
 
     python -m experiments.masks_round2 --out runs/study_masks          # CPU round: 16 runs x ~9.5 min, 2 cores

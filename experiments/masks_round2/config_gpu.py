@@ -1,4 +1,4 @@
-"""The mask study's GPU round (issue 14): experiments/masks_round2/config.py scaled up. One command, on one GPU:
+"""The mask study's GPU round: experiments/masks_round2/config.py scaled up. One command, on one GPU:
 
     python -m experiments.masks_round2 --config experiments/masks_round2/config_gpu.py --seeds 5 \
         --out runs/study_gpu --probe_rows 64,32,32

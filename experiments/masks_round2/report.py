@@ -85,7 +85,7 @@ def write_report(results, refs, out, base, missing=(), lr_choice=None) -> Path:
     plots.plot_probes(groups, out / "probes.png")
 
     n_seeds = max(len(v) for v in groups.values())
-    lines = ["# Mask study report (issue 14)", "",
+    lines = ["# Mask study report", "",
              f"{len(results)} runs: {len(groups)} arms x up to {n_seeds} paired seeds (seed k: same data order and "
              "initial weights in every arm).", ""]
     if missing:

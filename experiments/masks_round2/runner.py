@@ -1,4 +1,4 @@
-"""The mask study, round 2 (issue 14): four arms x paired seeds on input->output windows, with a gate.
+"""The mask study, round 2: four arms x paired seeds on input->output windows, with a gate.
 
     python -m experiments.masks_round2 --out runs/study_masks [--config experiments/masks_round2/config.py]
         [--seeds 4] [--steps 60] [--arms causal,prefix,mixed,causal_all] [--probe_rows 24,8,8] [--report_only]

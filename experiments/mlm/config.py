@@ -1,4 +1,4 @@
-"""Mixed vs bidirectional heads on a masked LM (issue 14, item 6; experiments/mlm/README.md):
+"""Mixed vs bidirectional heads on a masked LM (experiments/mlm/README.md):
 
     python -m experiments.mlm --out runs/mlm --seeds 4
 

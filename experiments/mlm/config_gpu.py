@@ -1,4 +1,4 @@
-"""Mixed vs bidirectional heads on a masked LM, the GPU size (issue 14, item 6; experiments/mlm/README.md):
+"""Mixed vs bidirectional heads on a masked LM, the GPU size (experiments/mlm/README.md):
 
     python -m experiments.mlm --config experiments/mlm/config_gpu.py --seeds 5 --out runs/mlm_gpu
 

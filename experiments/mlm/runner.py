@@ -1,4 +1,4 @@
-"""Su's mixed heads where he proposed them (issue 14, item 6): mixed vs bidirectional attention on a masked-LM
+"""Su's mixed heads where he proposed them: mixed vs bidirectional attention on a masked-LM
 (encoder) task, paired by seed.
 
     python -m experiments.mlm --out runs/mlm [--config experiments/mlm/config.py] [--seeds 4] [--steps N]

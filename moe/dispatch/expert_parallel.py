@@ -10,7 +10,10 @@ active mesh. With P = mesh.expert shards of E_l = E / P experts each:
   4. the grouped matmul (`execution.grouped_matmul`) runs the E_l local experts on the received rows (padding rows are
      sorted last and left out of every group, so they cost nothing and produce zeros);
   5. a second all_to_all sends the outputs back; each copy is gathered from its slot and combined with its gate.
-Copies past C are dropped (output 0, counted in the returned keep mask), later top-k choices first. C = N
+Copies past C are dropped (output 0, counted in the returned keep mask), later top-k choices first. A zero-expert
+copy (id >= E, LongCat-Flash) has no destination: it sorts after every shard's block, is never sent, comes back 0
+and counts as kept (moe.dispatch.routed_experts adds its g x). With gate_input (Llama 4) each copy is sent as g x
+and the outputs are summed unweighted. C = N
 (capacity_factor=None) can never drop: that is `dispatch="expert_parallel_dropless"`, at the price of send/receive
 buffers of P * N rows instead of cf * N (P times the local dropless path's N rows). `dispatch="expert_parallel"`
 uses cf = capacity_factor; its capacity is shared by all rows on a device, so one sequence's output can depend
@@ -49,7 +52,7 @@ def token_shards(mesh) -> int:
 
 def local_dispatch(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, n_shards: int,
                    capacity: int, axis_name: str | None = "expert", grouped_matmul: str = "auto",
-                   tensor_axis: str | None = None, permute: str = "auto"):
+                   tensor_axis: str | None = None, permute: str = "auto", gate_input: bool = False):
     """One device's part (inside shard_map; ids are global expert ids, weights the E_l local experts).
     Returns (y_TxD, keep_TxK). With axis_name None (one shard) there is no exchange. grouped_matmul: see
     kernels.grouped_swiglu_for; rows past sum(group sizes) are padding and come out zero in both.
@@ -69,11 +72,16 @@ def local_dispatch(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_E
     order_N = kernels.saved(jnp.argsort((flat_ids_N // El) * K + rank_N, stable=True))
     inverse_N = kernels.saved(jnp.argsort(order_N))
     ids_N = flat_ids_N[order_N]
-    dest_N = ids_N // El
+    dest_N = ids_N // El  # >= Pn for a zero expert: out of range, so the scatters below drop it
+    routed_N = dest_N < Pn
     counts_P = (dest_N[:, None] == jnp.arange(Pn)).sum(0)
-    slot_N = jnp.arange(N) - (jnp.cumsum(counts_P) - counts_P)[dest_N]  # row within the destination block
-    keep_N = slot_N < C
+    slot_N = jnp.arange(N) - (jnp.cumsum(counts_P) - counts_P)[jnp.minimum(dest_N, Pn - 1)]  # row in its block
+    fits_N = slot_N < C
+    keep_N = fits_N & routed_N  # the copies whose expert output comes back
     x_NxD = experts.take_copies(x_TxD, order_N, inverse_N, K, permute)
+    if gate_input:
+        g_N = experts.take_rows(gates_TxK.astype(jnp.float32).reshape(N, 1), order_N, inverse_N, permute)[:, 0]
+        x_NxD = experts.scale_input(x_NxD, g_N)
     send_PxCxD = jnp.zeros((Pn, C, D), x_TxD.dtype).at[dest_N, slot_N].set(x_NxD, mode="drop")
     send_ids_PxC = jnp.full((Pn, C), El, jnp.int32).at[dest_N, slot_N].set(ids_N % El, mode="drop")
 
@@ -96,22 +104,27 @@ def local_dispatch(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_E
     y_PxCxD = experts.take_rows(y_sorted_MxD, inverse_M, order_M, permute).reshape(Pn, C, D)
     back_PxCxD = kernels.saved(exchange(y_PxCxD))
 
-    y_NxD = back_PxCxD[dest_N, jnp.minimum(slot_N, C - 1)] * keep_N[:, None].astype(x_TxD.dtype)
+    y_NxD = back_PxCxD[jnp.minimum(dest_N, Pn - 1), jnp.minimum(slot_N, C - 1)] * keep_N[:, None].astype(x_TxD.dtype)
     y_TxKxD = experts.take_rows(y_NxD, inverse_N, order_N, permute).reshape(T, K, D)
-    keep_TxK = keep_N[inverse_N].reshape(T, K)
-    y_TxD = jnp.einsum("tkd,tk->td", y_TxKxD.astype(jnp.float32), gates_TxK)
+    keep_TxK = (fits_N | ~routed_N)[inverse_N].reshape(T, K)  # a zero expert's copy is never dropped
+    if gate_input:
+        y_TxD = y_TxKxD.astype(jnp.float32).sum(1)
+    else:
+        y_TxD = jnp.einsum("tkd,tk->td", y_TxKxD.astype(jnp.float32), gates_TxK)
     return y_TxD.astype(x_TxD.dtype), keep_TxK
 
 
 def dispatch(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, mesh=None,
-             capacity_factor: float | None = None, grouped_matmul: str = "auto", permute: str = "auto"):
+             capacity_factor: float | None = None, grouped_matmul: str = "auto", permute: str = "auto",
+             gate_input: bool = False):
     """(y_TxD, keep_TxK) with experts sharded over mesh axis `expert`. T must be divisible by
     data * fsdp * expert. mesh None: the same math on one shard (no exchange)."""
     T, K = ids_TxK.shape
     if mesh is None:
         C = send_capacity(T * K, 1, capacity_factor)
         return local_dispatch(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, n_shards=1,
-                              capacity=C, axis_name=None, grouped_matmul=grouped_matmul, permute=permute)
+                              capacity=C, axis_name=None, grouped_matmul=grouped_matmul, permute=permute,
+                              gate_input=gate_input)
     n_ep, n_tok = mesh.shape["expert"], token_shards(mesh)
     if T % n_tok:
         raise ValueError(f"expert parallelism needs the {T} tokens divisible by data*fsdp*expert ({n_tok})")
@@ -120,7 +133,7 @@ def dispatch(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, 
     tp = "tensor" if mesh.shape.get("tensor", 1) > 1 else None
     w_in, w_out = P("expert", None, tp), P("expert", tp, None)  # [E, D, F] and [E, F, D]: F split over tensor
     f = jax.shard_map(functools.partial(local_dispatch, n_shards=n_ep, capacity=C, grouped_matmul=grouped_matmul,
-                                        tensor_axis=tp, permute=permute),
+                                        tensor_axis=tp, permute=permute, gate_input=gate_input),
                       mesh=mesh, in_specs=(tok, tok, tok, w_in, w_in, w_out), out_specs=(tok, tok))
     return f(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD)
 

@@ -1,10 +1,15 @@
-"""Routed-expert computation: sum_k g_{t,k} * SwiGLU_{e_{t,k}}(x_t).
+"""Routed-expert computation: sum_k g_{t,k} * SwiGLU_{e_{t,k}}(x_t), or with gate_input (Llama 4) the gate on the
+expert's input, sum_k SwiGLU_{e_{t,k}}(g_{t,k} x_t) (SwiGLU is not homogeneous: not the same function).
 
 `dropless` is the fast path (sort token copies by expert, then a grouped SwiGLU backend from moe/dispatch/kernels/);
 `capacity` is GShard-style (one-hot dispatch/combine einsums around batched matmuls, at most C tokens per
-expert and group, the rest dropped); `reference` is the plain loop over experts both are tested against. All take
+expert and group, the rest dropped); `reference` is the plain loop over experts both are tested against: it
+defines both gate placements. All take
   x_TxD, ids_TxK (chosen experts), gates_TxK (fp32), and expert weights w_gate/w_up [E,D,F], w_down [E,F,D].
-The expert-parallel (shard_map + all_to_all) path is in moe/dispatch/expert_parallel.py.
+An id >= E is a zero expert (LongCat-Flash): every path leaves it out of the expert computation (dropless sorts it
+past the grouped matmul's rows, which the kernels leave zero; capacity's one-hot has no column for it), and
+`zero_experts` adds its term g x. The expert-parallel (shard_map + all_to_all) path is in
+moe/dispatch/expert_parallel.py.
 """
 
 import functools
@@ -17,15 +22,33 @@ from moe.dispatch import platform
 from moe.dispatch.kernels import grouped_swiglu_for, saved, swiglu
 
 
-def reference(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD):
-    """Every expert on every token, weighted by its gate (0 where not chosen). O(E) compute: tests only."""
+def reference(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, gate_input: bool = False):
+    """Every expert on every token, weighted by its gate (0 where not chosen): g SwiGLU_e(x), or with gate_input
+    SwiGLU_e(g x) (= 0 where not chosen: no biases). Zero experts (ids >= E) are not here: `zero_experts`. O(E)
+    compute: tests only."""
     E = w_gate_ExDxF.shape[0]
     y_TxD = jnp.zeros(x_TxD.shape, jnp.float32)
     for e in range(E):
         g_T = jnp.where(ids_TxK == e, gates_TxK, 0.0).sum(-1)
-        out_TxD = swiglu(x_TxD, w_gate_ExDxF[e], w_up_ExDxF[e], w_down_ExFxD[e])
-        y_TxD = y_TxD + g_T[:, None] * out_TxD.astype(jnp.float32)
+        if gate_input:
+            out_TxD = swiglu(scale_input(x_TxD, g_T), w_gate_ExDxF[e], w_up_ExDxF[e], w_down_ExFxD[e])
+            y_TxD = y_TxD + out_TxD.astype(jnp.float32)
+        else:
+            out_TxD = swiglu(x_TxD, w_gate_ExDxF[e], w_up_ExDxF[e], w_down_ExFxD[e])
+            y_TxD = y_TxD + g_T[:, None] * out_TxD.astype(jnp.float32)
     return y_TxD.astype(x_TxD.dtype)
+
+
+def scale_input(x_NxD, g_N):
+    """g x per row, multiplied in fp32 and rounded once to x's dtype: the gated input of gate_input."""
+    return (x_NxD.astype(jnp.float32) * g_N.astype(jnp.float32)[:, None]).astype(x_NxD.dtype)
+
+
+def zero_experts(x_TxD, ids_TxK, gates_TxK, n_experts: int):
+    """The zero experts' term (LongCat-Flash): x times the summed gates of the chosen ids >= n_experts (an identity
+    expert of gated input gives the same). fp32, rounded once to x's dtype."""
+    g_T = jnp.where(ids_TxK >= n_experts, gates_TxK, 0.0).sum(-1)
+    return scale_input(x_TxD, g_T)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -94,13 +117,14 @@ def permute_for(permute: str = "auto") -> str:
 
 
 def dropless(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, grouped="auto",
-             constrain=lambda a, names: a, permute="auto"):
+             constrain=lambda a, names: a, permute="auto", gate_input: bool = False):
     """Sort the T*K token copies by expert and run each expert on exactly its tokens (no capacity, no drops).
     grouped: a `grouped_swiglu_for` name, or the grouped SwiGLU function itself. constrain: `Execution.constrain`
     when XLA partitions this over a mesh. permute: how the backward pass moves rows: "scatter" (autodiff of the
     gathers: scatter-adds), "gather" (permute_copies / permute_rows: gathers only; the same numbers up to the
     order of the K-copy sum) or "auto" (`permute_for`). The A/B is `benchmarks.moe_layer --dispatch
-    dropless:scatter,dropless:gather`."""
+    dropless:scatter,dropless:gather`. Zero-expert copies (ids >= E) sort after every group: outside the grouped
+    matmul's rows, they come out 0."""
     permute = permute_for(permute)
     T, K = ids_TxK.shape
     E = w_gate_ExDxF.shape[0]
@@ -122,6 +146,8 @@ def dropless(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, 
     # outputs instead needs the experts' output rows in the backward pass: under remat_policy="save_moe" the largest
     # residual of configs/gpu_1b.py's step (over a quarter of the memory XLA plans for it at 8 experts).
     scale_N = take_rows(gates_TxK.astype(jnp.float32).reshape(-1, 1), order_N, inverse_N, permute)[:, 0]
+    if gate_input:  # the gate scales the copy's input instead, and the combine is a plain sum all the same
+        x_NxD, scale_N = scale_input(x_NxD, scale_N), None
     # Under remat_policy="save_moe" the backward pass reruns the gather into x_NxD (cheap), not the experts.
     y_sorted_NxD = grouped_fn(x_NxD, group_sizes_E, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, row_scale=scale_N)
     y_TxKxD = take_rows(y_sorted_NxD, inverse_N, order_N, permute).reshape(T, K, -1)
@@ -145,10 +171,12 @@ def capacity_slots(ids_GxSxK, E: int, C: int):
 
 
 def capacity_with_stats(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *,
-                        capacity_factor: float = 1.25, group_size: int | None = None):
+                        capacity_factor: float = 1.25, group_size: int | None = None, gate_input: bool = False):
     """GShard dispatch: (y_TxD, keep_TxK). Tokens form groups of `group_size` (default: all T) with
     C = expert_capacity(group_size, ...) slots per expert each; copies past C are dropped (keep False).
-    The dispatch tensor is [G, S, E, C]: memory and einsum FLOPs grow with S * E * C, so keep groups short."""
+    The dispatch tensor is [G, S, E, C]: memory and einsum FLOPs grow with S * E * C, so keep groups short.
+    A zero-expert copy (id >= E) has no column in the one-hot: never dispatched, never dropped (keep True).
+    gate_input: the gates weight the dispatch (each slot receives g x, in fp32) and the combine is a plain sum."""
     T, K = ids_TxK.shape
     E = w_gate_ExDxF.shape[0]
     S = group_size or T
@@ -164,8 +192,14 @@ def capacity_with_stats(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_d
                                  gates_TxK.reshape(G, S, K))
     dt = x_TxD.dtype
     x_GxSxD = x_TxD.reshape(G, S, -1)
+    if gate_input:  # each slot holds one copy: the fp32 einsum is g x exactly, rounded once (as `scale_input`)
+        x_ExGxCxD = jnp.einsum("gsec,gsd->egcd", combine_GxSxExC, x_GxSxD.astype(jnp.float32),
+                               precision=jax.lax.Precision.HIGHEST).astype(dt)
+        combine_GxSxExC = dispatch_GxSxExC  # outputs come back unweighted
+    else:
+        x_ExGxCxD = jnp.einsum("gsec,gsd->egcd", dispatch_GxSxExC.astype(dt), x_GxSxD)
     # The dispatched rows, pre-activations and expert outputs are kept under remat_policy="save_moe".
-    x_ExGCxD = saved(jnp.einsum("gsec,gsd->egcd", dispatch_GxSxExC.astype(dt), x_GxSxD).reshape(E, G * C, -1))
+    x_ExGCxD = saved(x_ExGxCxD.reshape(E, G * C, -1))
     h_ExGCxF = jax.nn.silu(saved(jnp.einsum("end,edf->enf", x_ExGCxD, w_gate_ExDxF))) * saved(jnp.einsum(
         "end,edf->enf", x_ExGCxD, w_up_ExDxF))
     y_ExGxCxD = saved(jnp.einsum("enf,efd->end", h_ExGCxF, w_down_ExFxD).reshape(E, G, C, -1))
@@ -174,6 +208,6 @@ def capacity_with_stats(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_d
 
 
 def capacity(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, *, capacity_factor=1.25,
-             group_size=None):
+             group_size=None, gate_input=False):
     return capacity_with_stats(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD,
-                               capacity_factor=capacity_factor, group_size=group_size)[0]
+                               capacity_factor=capacity_factor, group_size=group_size, gate_input=gate_input)[0]

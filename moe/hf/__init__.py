@@ -4,9 +4,11 @@
     write_hf_checkpoint(model, "out/hf", "tokenizer.json")   # Glm4MoeForCausalLM, or DeepseekV3ForCausalLM (MLA)
 
 Import: one module per family (glm4_moe.py, qwen_moe.py, olmoe.py, mixtral.py, and deepseek.py for the multi-head
-latent attention families deepseek_v2 / deepseek_v3 / glm4_moe_lite: config.json -> ModelConfig), the
-tensor mapping they share (weights.py), reading (common.py, which never leaves the directory: paths.py) and the
-dispatch (load.py). Anything that would not reproduce HF's logits is refused with HFImportError, a ValueError
+latent attention families deepseek_v2 / deepseek_v3 / kimi_k2 (and kimi_k25's text model) / glm4_moe_lite:
+config.json -> ModelConfig), what they share (common.py: the error, config.json's fields and their JSON types,
+RoPE), the tensor mapping (weights.py), reading safetensors a tensor at a time (tensors.py, which never leaves the
+directory: paths.py), quantized weights dequantized on load (quant.py: DeepSeek's block FP8; gpt-oss's MXFP4) and
+the dispatch (load.py). Anything that would not reproduce HF's logits is refused with HFImportError, a ValueError
 whose one-line message names the field (docs/hf_import.md). Export: export.py, with write_mla.py for
 multi-head latent attention (docs/export.md). Our own format, every variable by its module path: safetensors_io.py.
 """

@@ -22,9 +22,10 @@ the last layer: enorm, hnorm, eh_proj, a decoder layer, shared_head.norm, and co
 become our MTP modules (moe/mtp.py; transformers' forward never runs them); copies that differ from the main
 embedding or head are refused.
 
-Refused, one line naming the field: DeepSeek-V3.2's sparse indexer (index_*), attention_bias, mlp_bias, hidden_act other than silu, num_key_value_heads != num_attention_heads,
-moe_layer_freq != 1, and a scoring_func / topk_method that transformers would silently replace by its own. Fields
-missing from config.json take transformers' class defaults (DEFAULTS), which differ per family.
+Refused, one line naming the field: DeepSeek-V3.2's sparse indexer (index_*), attention_bias, mlp_bias,
+hidden_act other than silu, num_key_value_heads != num_attention_heads, moe_layer_freq != 1, and a scoring_func /
+topk_method that transformers would silently replace by its own. Fields missing from config.json take
+transformers' class defaults (DEFAULTS), which differ per family. Quantized weights: moe/hf/quant.py (block FP8).
 """
 
 from moe.config import ModelConfig

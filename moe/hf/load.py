@@ -84,7 +84,7 @@ def load_model(path_dir: str) -> Transformer:
     # the MTP layers the weights hold (num_nextn_predict_layers says how many the model had; tiny checkpoints
     # saved by transformers keep none), and the head transformers would use
     cfg = dataclasses.replace(cfg, mtp_depth=mtp_depth(layout, files.shapes))
-    cfg = untie_as_transformers(cfg, files, where)
+    cfg = untie_as_transformers(cfg, files)
     return model_from_items(cfg, variables(cfg, layout, files, where), path_dir, "config.json")
 
 

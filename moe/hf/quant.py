@@ -1,7 +1,7 @@
 """Quantized HF weights, dequantized to fp32 on import: DeepSeek's block FP8 (read by the loader) and gpt-oss's
 MXFP4 (the function, ready for that family).
 
-Block FP8 (DeepSeek-V3/R1/V3.1/V3.2, Kimi-K2, Qwen3 FP8 releases): config.json `quantization_config`
+Block FP8 (DeepSeek-V3/R1/V3.1/V3.2, Kimi-K2-Instruct): config.json `quantization_config`
 {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [bm, bn], ...}; each quantized Linear `X.weight` is
 F8_E4M3 [out, in] beside `X.weight_scale_inv` F32 [ceil(out / bm), ceil(in / bn)], and DeepSeek's rule
 (inference/kernel.py `weight_dequant`) is

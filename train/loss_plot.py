@@ -49,9 +49,10 @@ def domain_keys(rows):
     return list(keys)
 
 
-def _loss_ylim(ax, values):
+def _loss_ylim(ax, values, label: str):
     """Cut the first steps' loss (near log V, several times the rest) so the part of training that matters
-    fills the panel; the cut is said in the y label."""
+    fills the panel; `label` is the y label, with the cut said in it."""
+    ax.set_ylabel(label)
     values = np.concatenate([v for v in values if len(v)]) if any(len(v) for v in values) else np.array([])
     if len(values) < 4:
         return
@@ -60,7 +61,23 @@ def _loss_ylim(ax, values):
     top = top + 0.15 * (top - lo)
     if hi > top:
         ax.set_ylim(lo - 0.05 * (top - lo), top)
-        ax.set_ylabel("loss (y axis cut: first steps are higher)")
+        ax.set_ylabel(f"{label} (y axis cut: first steps are higher)")
+
+
+def _curves_ylim(ax, curves, label: str):
+    """Per-domain validation curves: every point after each curve's first evaluation stays in view (a short run has
+    few, and the worst domain is the one to see); only the first evaluations, near log V, may be cut, which the
+    y label then says."""
+    ax.set_ylabel(label)
+    later = [v[1:] for v in curves if len(v) > 1]
+    if not later:
+        return
+    later = np.concatenate(later)
+    lo, hi = min(v.min() for v in curves), later.max()
+    top = hi + 0.08 * (hi - lo)
+    if max(v[0] for v in curves) > top:
+        ax.set_ylim(lo - 0.05 * (top - lo), top)
+        ax.set_ylabel(f"{label} (y axis cut: the first evaluation is higher)")
 
 
 def _marker(steps, size):
@@ -102,8 +119,7 @@ def plot_loss_curves(rows, path, title=None, references=None):
         ax.axhline(references[name], color="0.35", linestyle=style, linewidth=1.0,
                    label=f"{name} on the validation targets, {references[name]:.3f}")
     if len(train_N) or len(val_N):
-        ax.set_ylabel("loss")
-        _loss_ylim(ax, [train_N, val_N] + ([np.array([references["bigram"]])] if references else []))
+        _loss_ylim(ax, [train_N, val_N] + ([np.array([references["bigram"]])] if references else []), "loss")
         ax.set_xlabel("step")
         ax.legend(fontsize=8, loc="upper right")
         ax.grid(alpha=0.3)
@@ -122,9 +138,8 @@ def plot_loss_curves(rows, path, title=None, references=None):
                         label=f"{name} {values[-1]:.3f}")
         if len(val_N):
             ax_dom.plot(val_S, val_N, color="black", linestyle="--", linewidth=1.2, label=f"all {val_N[-1]:.3f}")
-        _loss_ylim(ax_dom, [v for _, _, v in curves])
+        _curves_ylim(ax_dom, [v for _, _, v in curves] + ([val_N] if len(val_N) else []), "validation loss")
         ax_dom.set_xlabel("step")
-        ax_dom.set_ylabel("validation loss")
         ax_dom.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="last value",
                       title_fontsize=8)
         ax_dom.grid(alpha=0.3)

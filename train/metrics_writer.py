@@ -9,7 +9,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from tensorboardX import SummaryWriter
 
 
 def flatten(metrics: dict, moe_layer_ids: list[int]) -> dict:
@@ -36,6 +35,9 @@ class MetricsWriter:
         Path(workdir).mkdir(parents=True, exist_ok=True)
         self.file = open(Path(workdir) / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
         if tensorboard:
+            # Imported only here: with torch installed, tensorboardX imports it (seconds of start-up).
+            from tensorboardX import SummaryWriter
+
             # purge_step: on resume, TensorBoard drops the events the stopped run logged after its checkpoint.
             self.tb = SummaryWriter(str(Path(workdir) / "tensorboard"), purge_step=purge_step)
 
