@@ -12,14 +12,10 @@ import json
 import sys
 from pathlib import Path
 
-from configs.base import base_config
 from plumbing.args import ArgParser
-from plumbing.errors import UserError, exit_with, os_error
+from plumbing.errors import ConfigError, UserError, exit_with, os_error
 from rundir import RunDir
-from rundir.config_layout import migrate
 from rundir.metrics import read_rows
-from train.loss_plot import plot_loss_curves, run_title, series
-from train.references import gap_line, references
 
 
 def main(argv=None):
@@ -28,6 +24,10 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="PNG to write (default: WORKDIR/loss_curves.png)")
     try:
         args = p.parse_args(sys.argv[1:] if argv is None else argv)
+        # The plotting and the references: loaded once the flags are read (--help answers at once).
+        from train.loss_plot import plot_loss_curves, run_title, series
+        from train.references import gap_line
+
         metrics = RunDir(Path(args.workdir)).metrics
         if not metrics.is_file():
             raise UserError(f"no metrics.jsonl in {args.workdir}; pass the --workdir of a run "
@@ -55,14 +55,14 @@ def main(argv=None):
 
 def run_references(workdir: Path) -> tuple[dict | None, str]:
     """(references, "") for the run's config.json, or (None, why) when its data cannot be read here."""
+    from rundir.config_layout import up_to_date
+    from rundir.run_config import RunConfig
+    from train.references import references
+
     try:
-        saved = migrate(json.loads(RunDir(workdir).config.read_text(encoding="utf-8")))
-        config = base_config()
-        for section, values in saved.items():
-            if section in config and isinstance(values, dict):
-                config[section].update(values)
-        return references(config), ""
-    except (OSError, ValueError, KeyError, TypeError, UserError) as e:
+        saved = up_to_date(json.loads(RunDir(workdir).config.read_text(encoding="utf-8")))
+        return references(RunConfig.parse(saved)), ""
+    except (OSError, ValueError, KeyError, TypeError, UserError, ConfigError) as e:
         return None, f"no n-gram references: {type(e).__name__}: {' '.join(str(e).split())[:100]}"
 
 

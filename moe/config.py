@@ -84,7 +84,7 @@ class ModelConfig:
                                         "(DeepSeek-V3) | max, its best (DeepSeek-V2's group_limited_greedy)")
     routed_scaling_factor: float = field(1.0, positive, doc="the gates are multiplied by it")
     norm_topk_prob: bool = field(True, doc="the chosen experts' gates are normalized to sum 1 (before the "
-                                           "scaling factor)")
+                                           "scaling factor; routers sigmoid and softmax, the others fix it)")
     shared_d_ff: int = field(0, non_negative, doc="width of the shared-expert SwiGLU (0: moe_d_ff x "
                                                   "n_shared_experts)")
     shared_expert_gate: bool = field(False, doc="Qwen2-MoE / Qwen3-Next: the shared output scaled by "
@@ -98,7 +98,7 @@ class ModelConfig:
     n_hash_layers: int = field(0, non_negative, doc="the leading MoE layers that route by token id (DeepSeek-V4's "
                                                     "hash layers: router 'hash', whatever model.router is)")
     layer_top_k: str = field("", doc="comma-separated top-k of each MoE layer of the main model, in order "
-                                     "(Hunyuan's moe_topk list); '' = top_k in every layer")
+                                     "(Hunyuan's moe_topk list); '' = top_k in every layer (and the MTP blocks)")
     mtp_depth: int = field(0, non_negative, doc="multi-token prediction modules (DeepSeek-V3, moe/mtp.py): module k "
                                                 "predicts the token k + 1 ahead; training only")
     init_std: float = field(0.02, positive, doc="std of the initial weights")

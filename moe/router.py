@@ -242,16 +242,6 @@ def route(u_TxD, router_DxE, bias_E, **kw):
     return route_logits(u_TxD, router_DxE, bias_E, **kw)[1:]
 
 
-def route_for(cfg, u_TxD, router_DxE, bias_E, *, layer=None, logit_bias_E=None, token_ids_T=None):
-    """`route_logits` with the fields of model config `cfg` that the router of MoE layer `layer` reads (None: the
-    model's router and top_k)."""
-    return route_logits(u_TxD, router_DxE, bias_E, top_k=cfg.moe_top_k(layer), n_group=cfg.n_group,
-                        topk_group=cfg.topk_group, routed_scaling_factor=cfg.routed_scaling_factor,
-                        normalize=cfg.norm_topk_prob, router=cfg.layer_router(layer),
-                        group_score=cfg.router_group_score, logit_bias_E=logit_bias_E, token_ids_T=token_ids_T,
-                        hash_seed=layer or 0)
-
-
 def expert_load(ids_TxK, n_experts: int, valid_T=None):
     """Tokens routed to each expert [E] (every top-k choice counts; padding tokens don't)."""
     one_hot_TxKxE = jax.nn.one_hot(ids_TxK, n_experts, dtype=jnp.float32)

@@ -55,3 +55,6 @@ def run_cli(run, parse_args, argv=None):
         exit_with(e)
     except OSError as e:
         exit_with(os_error(e))
+    except KeyboardInterrupt:
+        exit_with(UserError("interrupted (Ctrl-C); outputs already written are complete, the rest were not "
+                            "written"), 130)

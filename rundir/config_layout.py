@@ -39,7 +39,11 @@ ADDED_KEYS = {"eval.dispatch": "", "execution.loss_chunks": 8, "execution.scan_l
               "model.yarn_mscale_all_dim": 0.0, "model.router_group_score": "top2_sum", "model.mtp_depth": 0,
               "train.mtp_weight": 0.3, "train.mtp_weight_late": 0.1, "train.mtp_weight_switch": 1.0,
               # a run saved before the setting existed is read with the compilation cache off
-              "train.compile_cache_dir": ""}
+              "train.compile_cache_dir": "",
+              # the router catalogue (moe/router.py): each at its default, which reproduces every earlier run; listed
+              # so that pre_split_layout leaves them out of the fingerprints of studies finished before them
+              "model.n_zero_experts": 0, "model.router_logit_bias": False, "model.n_hash_layers": 0,
+              "model.layer_top_k": "", "train.balance_loss_scope": "sequence", "train.router_z_loss_weight": 0.0}
 
 
 def up_to_date(config: dict) -> dict:

@@ -52,13 +52,21 @@ def test_overrides_are_parsed_by_type():
 HEAVY = ("torch", "tensorboardX", "orbax.checkpoint", "tensorflow_datasets", "grain", "matplotlib")
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["--config.train.stepz=3"]])
-def test_train_answers_help_and_bad_flags_without_the_training_stack(argv):
+# (command, a mistyped flag): every command's --help and bad flag, before its heavy imports.
+FLAG_CASES = [("train", ["--config.train.stepz=3"]), ("train.generate", ["--workdir", "x", "--prompt", "p", "--top_p", "2"]),
+              ("train.export", ["--workdir", "x", "--out", "y", "--format", "onnx"]),
+              *[(f"analysis.{name}", ["--workdr", "x"])
+                for name in ("specialization", "ablate", "dynamics", "rank", "loss_curves")]]
+
+
+@pytest.mark.parametrize("module,bad", FLAG_CASES, ids=[c for c, _ in FLAG_CASES])
+def test_commands_answer_help_and_bad_flags_without_heavy_imports(module, bad):
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-X", "importtime", "-m", "train", *argv], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == (0 if argv == ["--help"] else 2), out.stderr[-500:]
-    loaded = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
-    assert not loaded & set(HEAVY), sorted(loaded & set(HEAVY))
+    for argv, code in ((["--help"], 0), (bad, 2)):
+        out = subprocess.run([sys.executable, "-X", "importtime", "-m", module, *argv], capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == code, (argv, out.stderr[-500:])
+        loaded = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+        assert not loaded & set(HEAVY), (argv, sorted(loaded & set(HEAVY)))

@@ -269,9 +269,9 @@ def test_expert_parallel_never_sends_zero_experts():
     x, _, ws = _inputs(seed=4)
     t = np.arange(T)
     ids = jnp.asarray(np.stack([t % E, E + t % Z], -1))
-    gates = jnp.full((T, K), 0.5)
+    gates = jnp.full((T, 2), 0.5)
     # 16 tokens per shard, 32 copies, 4 routed copies to each of the 4 destinations: C = ceil(0.5 * 32 / 4) = 4.
-    assert expert_parallel.send_capacity(T // 4 * K, 4, 0.5) == 4
+    assert expert_parallel.send_capacity(T // 4 * 2, 4, 0.5) == 4
     y, keep = jax.jit(lambda *a: expert_parallel.dispatch(*a, mesh=mesh, capacity_factor=0.5))(x, ids, gates, *ws)
     assert bool(keep.all())
     np.testing.assert_allclose(y, experts.reference(x, ids, gates, *ws), rtol=1e-5, atol=1e-6)

@@ -1,14 +1,18 @@
 """The HF import streams (moe.hf.load_model): each tensor of the checkpoint is read once, when its layer is reached,
 and dropped once copied into the model, so no more than one layer's tensors are ever alive at a time (the whole
-checkpoint was, before). Counted, not measured: benchmarks/hf_import_memory.py measures the resident memory."""
+checkpoint was, before); block-FP8 weights are dequantized as they are read, one tensor at a time. Counted, not
+measured: benchmarks/hf_import_memory.py measures the resident memory."""
 
 import collections
 import re
 import weakref
 
 import numpy as np
+import pytest
 
-from moe.hf import load_model
+from benchmarks.hf_import_memory import to_block_fp8
+from moe.hf import HFImportError, load_model
+from moe.hf.quant import Fp8Blocks
 from moe.hf.safetensors_io import flat_variables
 from moe.hf.tensors import SafetensorsFiles
 from moe.hf.write import write_hf_checkpoint
@@ -16,10 +20,17 @@ from tests.model_fixtures import tiny_model
 from train.data.tokenizer import DEFAULT_TOKENIZER
 
 
-def test_the_import_holds_at_most_one_layers_tensors_at_a_time(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_the_import_holds_at_most_one_layers_tensors_at_a_time(tmp_path, monkeypatch, fp8):
     model = tiny_model(n_layers=4)
     write_hf_checkpoint(model, str(tmp_path), str(DEFAULT_TOKENIZER), max_shard_bytes=20_000)
-    shapes = SafetensorsFiles(str(tmp_path)).shapes
+    quant = None
+    if fp8:  # every Linear weight F8_E4M3 + F32 scales (128 x 128 tiles: one partial tile each here), the rest BF16
+        to_block_fp8(str(tmp_path))
+        quant = Fp8Blocks(128, 128)
+        with pytest.raises(HFImportError, match="is F8_E4M3 but config.json has no quantization_config"):
+            SafetensorsFiles(str(tmp_path))  # FP8 tensors indeed
+    shapes = SafetensorsFiles(str(tmp_path), quant).shapes
     group = lambda name: (re.match(r"model\.layers\.(\d+)\.", name) or [None, "rest"])[1]
     per_group = collections.Counter()
     for name, shape in shapes.items():
@@ -44,4 +55,7 @@ def test_the_import_holds_at_most_one_layers_tensors_at_a_time(tmp_path, monkeyp
     assert 0 < peak[0] <= max(per_group.values()) < sum(per_group.values()) / 2, (peak[0], per_group)
     ours = flat_variables(model)
     for k, v in flat_variables(loaded).items():
-        np.testing.assert_array_equal(v, ours[k], err_msg=k)
+        if fp8:  # within e4m3's rounding (3 mantissa bits: 1/16 of a value) of the model it was quantized from
+            np.testing.assert_allclose(v, ours[k], rtol=0, atol=np.abs(ours[k]).max() / 16, err_msg=k)
+        else:
+            np.testing.assert_array_equal(v, ours[k], err_msg=k)

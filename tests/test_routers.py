@@ -11,7 +11,16 @@ import pytest
 from flax import nnx
 
 from analysis.routing import collect, outputs, stats
-from moe import ConfigError, ModelConfig, Transformer, param_counts, router, train_flops_per_token
+from moe import (
+    ConfigError,
+    Execution,
+    ModelConfig,
+    Transformer,
+    param_counts,
+    router,
+    sharding,
+    train_flops_per_token,
+)
 from moe.accounting import matmul_params_per_token
 from train.step import balance_term
 
@@ -110,6 +119,17 @@ def test_softmax_with_bias_matches_ernie_and_its_clamp():
     assert np.all(np.asarray(gates).sum(-1) < 1e-3)  # the clamp, not a renormalization to 1
 
 
+def test_ernie_clamp_is_the_plain_sum_whenever_the_sum_reaches_it():
+    """max(sum, 1e-12) and sum + 1e-20 are the same fp32 division (values and gradients) when sum >= 1e-12, as
+    every unbiased softmax top-K is (sum >= K/E): the softmax entry kept its numbers for Mixtral, Qwen, DeepSeek-V2."""
+    z = jnp.asarray(np.random.default_rng(9).normal(size=(256, E)) * 4, jnp.float32)
+    ids = router.select_experts(jax.nn.softmax(z), jnp.zeros(E), K)
+    gates = lambda floor: lambda z: router.gate_weights(jax.nn.softmax(z), ids, 1.0, True, floor)
+    np.testing.assert_array_equal(gates(1e-12)(z), gates(0.0)(z))
+    loss = lambda floor: lambda z: (jnp.sin(gates(floor)(z)) * jnp.arange(K)).sum()
+    np.testing.assert_array_equal(jax.grad(loss(1e-12))(z), jax.grad(loss(0.0))(z))
+
+
 def test_topk_softmax_with_logit_bias_matches_gpt_oss():
     u, w, b = _inputs(2)
     c = np.random.default_rng(3).normal(size=E).astype(np.float32)  # the router Linear's bias
@@ -119,7 +139,7 @@ def test_topk_softmax_with_logit_bias_matches_gpt_oss():
     steer = np.zeros(E, np.float32)
     steer[5] = 100.0
     _, _, ids, gates = _route(u, w, steer, top_k=3, router="topk_softmax", logit_bias_E=jnp.asarray(c))
-    assert np.all(np.asarray(ids) == 5, -1).sum() == 0 and np.all(np.any(np.asarray(ids) == 5, -1))
+    assert np.all(np.any(np.asarray(ids) == 5, -1))
     z = u.astype(np.float64) @ w + c
     np.testing.assert_allclose(gates, _softmax(np.take_along_axis(z, np.asarray(ids), -1)), rtol=1e-5)
 
@@ -341,3 +361,76 @@ def test_routing_analysis_on_every_router(variant, tmp_path):
     np.testing.assert_allclose(balance_term(aux, "sequence"), aux.balance_loss, rtol=1e-6)
     np.testing.assert_allclose(balance_term(aux, "micro_batch", B), aux.balance_loss, rtol=1e-5)
     assert np.isfinite(float(balance_term(aux, "global_batch")))
+
+
+def test_hash_layers_and_per_layer_top_k_in_the_model():
+    """The model hands every block the call's token ids: a hash layer's experts are its table's rows of the input
+    tokens (an MTP block's too, with router 'hash': the token at its position, t_i); per-layer K shapes each
+    layer's routing; scanned layers give the unrolled values (hash and K split the runs of equal blocks)."""
+    cfg = ModelConfig(**TINY | dict(n_layers=4, layer_top_k="3,1,2", n_hash_layers=2, mtp_depth=1))
+    model = Transformer(cfg, nnx.Rngs(0))
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 12)))
+    _, aux = model.inspect(tokens)
+    assert [r.expert_ids.shape[-1] for r in aux.routing] == [3, 1, 2]
+    for r, layer in zip(aux.routing[:2], cfg.moe_layer_ids[:2]):
+        table = np.asarray(router.hash_table(cfg.vocab_size, cfg.n_routed_experts, cfg.moe_top_k(layer), layer))
+        np.testing.assert_array_equal(r.expert_ids, table[np.asarray(tokens)])
+        assert float(r.balance_loss) == 0.0 and float(r.rows.tokens_B.sum()) == 0.0  # nothing to balance
+    assert float(aux.routing[2].balance_loss) > 0
+    _, scanned = model.inspect(tokens, execution=Execution(scan_layers=True))
+    for a, b in zip(scanned.routing, aux.routing):
+        np.testing.assert_array_equal(a.expert_ids, b.expert_ids)
+        np.testing.assert_allclose(a.gates, b.gates, rtol=1e-6)
+    # An all-hash model with an MTP module: its block routes by the main token ids at its positions.
+    all_hash = Transformer(cfg.replace(router="hash", layer_top_k="", n_hash_layers=0), nnx.Rngs(0))
+    _, aux = all_hash.token_losses(tokens, jnp.roll(tokens, -1, 1), mtp=True)
+    mtp_routing = aux.mtp.routing[0]
+    table = np.asarray(router.hash_table(cfg.vocab_size, cfg.n_routed_experts, cfg.top_k, cfg.n_layers))
+    np.testing.assert_array_equal(mtp_routing.expert_ids, table[np.asarray(tokens)])
+    assert aux.expert_load.shape == (cfg.n_moe_layers + 1, cfg.n_routed_experts)
+    with pytest.raises(ValueError, match="token id"):  # a hash layer called without ids says what it needs
+        block = model.blocks[1]
+        block.feed_forward(jnp.zeros((1, 4, cfg.d_model)), jnp.ones((1, 4), bool), Execution())
+
+
+def _train_steps(tmp_path, **overrides):
+    from tests.conftest import tiny_config
+    from train import optim
+    from train.preflight import parse
+    from train.state import init_state
+    from train.step import make_train_step
+
+    c = tiny_config(**{"model.vocab_size": 64, "model.n_layers": 3, "model.n_hash_layers": 1, "model.n_zero_experts": 2,
+                       "train.bias_update_rate": 1e-2, "train.lr": 1e-2, **overrides})
+    rc = parse(c)
+    mesh = sharding.make_mesh(2, 1, 1, 1, devices=jax.devices()[:2])
+    tx = optim.optimizer(rc.train)
+    graphdef, state, _ = init_state(rc.model, tx, 0, mesh)
+    step = jax.jit(make_train_step(graphdef, tx, optim.schedule(rc.train), rc.train, Execution(mesh=mesh)))
+    rng = np.random.default_rng(0)
+    B, L = 8, 16
+    batch = {"tokens": rng.integers(0, 64, (B, L)).astype(np.int32), "targets": rng.integers(0, 64, (B, L)).astype(np.int32),
+             "segment_ids": np.ones((B, L), np.int32), "positions": np.broadcast_to(np.arange(L, dtype=np.int32), (B, L)),
+             "loss_mask": np.ones((B, L), np.float32)}
+    batch = jax.device_put(batch, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp"))))
+    metrics = []
+    for _ in range(3):
+        state, m = step(state, batch)
+        metrics.append(jax.device_get(m))
+    return jax.device_get(state), metrics
+
+
+def test_train_step_z_loss_scopes_hash_bias_and_zero_experts(tmp_path):
+    """The z-loss weight trains the router logits down; a hash layer's bias stays 0 while the learned layer's moves
+    (over routed and zero experts alike); the zero experts' share is logged per layer."""
+    plain_state, plain = _train_steps(tmp_path)
+    z_state, z = _train_steps(tmp_path, **{"train.router_z_loss_weight": 1.0,
+                                           "train.balance_loss_scope": "micro_batch"})
+    assert plain[0]["router_z_loss"] == pytest.approx(z[0]["router_z_loss"], rel=1e-5)  # the same first forward
+    assert z[-1]["router_z_loss"] < plain[-1]["router_z_loss"] - 0.5  # step 0 has lr 0 (warmup): two updates
+    for state in (plain_state, z_state):
+        hash_bias, learned_bias = jax.tree.leaves(state["bias"])
+        assert not np.asarray(hash_bias).any() and np.asarray(learned_bias).any()
+        assert learned_bias.shape == (8 + 2,)
+    assert all(0 <= m["zero_expert_frac"][i] <= 1 for m in plain for i in range(2))
+    assert all(np.isfinite(m["balance_loss"]) and m["balance_loss"] > 0 for m in z)

@@ -75,6 +75,9 @@ def main(argv=None):
             raise
     except UserError as e:
         exit_with(e)
+    except KeyboardInterrupt:
+        exit_with(UserError(f"interrupted (Ctrl-C); --out {args.out} was not replaced (the next export into it "
+                            "removes the unfinished one)"), 130)
     kind = args.format
     if args.format == "hf":  # the architecture picked from the model (moe.hf.write.architecture)
         kind = f"hf {json.loads((out / 'config.json').read_text())['architectures'][0]}"

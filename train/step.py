@@ -147,6 +147,8 @@ def make_train_step(graphdef, tx, lr_schedule, t, ex: Execution, forward_fn=trai
             for b, load_E, g in zip(jax.tree.leaves(state["bias"]), load_MxE, gamma_M, strict=True)])
         biases = jax.tree.leaves(bias)
 
+        # MaxVio and dead experts over the routed experts (what computes; the zero experts' share is logged apart).
+        routed_MxE = load_MxE[:, :cfg.n_routed_experts] if getattr(cfg, "n_zero_experts", 0) else load_MxE
         metrics = {
             "loss": ce_sum / n_targets,
             "balance_loss": bal / t.grad_accum,
@@ -155,8 +157,8 @@ def make_train_step(graphdef, tx, lr_schedule, t, ex: Execution, forward_fn=trai
             "param_norm": optax.tree.norm(params),  # non-finite params must never reach a checkpoint
             "lr": lr_schedule(state["step"]),
             "targets": n_targets,
-            "maxvio": router.max_violation(load_MxE),
-            "dead_experts": (load_MxE == 0).sum(-1),
+            "maxvio": router.max_violation(routed_MxE),
+            "dead_experts": (routed_MxE == 0).sum(-1),
             "dropped_frac": dropped_M / t.grad_accum,  # per MoE layer; 0 unless a capacity bound drops
             "bias_range": jnp.stack([b.max() - b.min() for b in biases]) if biases else jnp.zeros((0,)),
         }
@@ -177,10 +179,12 @@ def make_eval_step(graphdef, n_domains: int, ex: Execution, forward_fn=forward):
         ce_BxL, aux = forward_fn(graphdef, state["params"], state["bias"], batch, ex)
         mask_BxL = batch["loss_mask"]
         ids = batch["domains"].reshape(-1)
+        cfg = getattr(merge_model(graphdef, state["params"], state["bias"]), "cfg", None)
         return {
             "ce_sum": jax.ops.segment_sum(ce_BxL.reshape(-1), ids, n_domains),
             "count": jax.ops.segment_sum(mask_BxL.reshape(-1), ids, n_domains),
-            "load": aux.expert_load,
+            # the routed experts' (MaxVio is theirs, as in training)
+            "load": aux.expert_load[:, :cfg.n_routed_experts] if getattr(cfg, "n_zero_experts", 0) else aux.expert_load,
         }
 
     return eval_step

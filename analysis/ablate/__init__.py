@@ -5,3 +5,5 @@
   controls.py  the controls: every routed expert, the shared expert, every routed expert of one layer
   plots.py     ablation_importance.png and ablation_domains.png
 """
+
+MODES = ("reroute", "zero")  # how an expert is removed: out of the selection, or its output zeroed

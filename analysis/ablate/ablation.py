@@ -34,6 +34,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from analysis.ablate import MODES
 from analysis.routing import collect
 from analysis.routing.stats import RoutingAccumulator
 from moe import Execution
@@ -43,7 +44,6 @@ from train.step import make_eval_step
 
 MASK_BIAS = -1e9  # far below any score + bias (scores are in (0, 1), trained biases are O(1))
 TOKEN_CLASSES = ("word start", "word piece", "number", "punctuation", "whitespace")
-MODES = ("reroute", "zero")
 
 
 def token_class(text: str) -> int:

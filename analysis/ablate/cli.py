@@ -18,16 +18,9 @@ line on stderr, exit 2.
 import json
 from pathlib import Path
 
-import numpy as np
-
-from analysis import figures
-from analysis.ablate import ablation, plots
-from analysis.ablate import controls as ablation_controls
-from analysis.figures import source_of
-from analysis.routing.stats import plain_json
+from analysis.ablate import MODES
 from plumbing.args import ArgParser, check_out_dir, run_cli
 from plumbing.errors import UserError
-from rundir import open_run
 
 
 def parse_args(argv):
@@ -39,7 +32,7 @@ def parse_args(argv):
     p.add_argument("--experts", type=int, nargs="+", default=None, help="expert ids (default: every expert)")
     p.add_argument("--rows_per_domain", type=int, default=None,
                    help="validation rows per domain (default: the run's eval.rows_per_domain)")
-    p.add_argument("--mode", default="both", choices=("both", *ablation.MODES),
+    p.add_argument("--mode", default="both", choices=("both", *MODES),
                    help="reroute: mask out of the selection; zero: zero the output, routing unchanged; both")
     args = p.parse_args(argv)
     if args.rows_per_domain is not None and args.rows_per_domain < 1:
@@ -57,23 +50,17 @@ def check_choice(run, layers, experts):
             raise UserError(f"--experts {e} is out of range; this model has experts 0..{n - 1}")
 
 
-def correlations(result):
-    """Per ablated layer the Spearman correlation of routing share and loss change: over experts (overall
-    share, overall change) and over (expert, domain) pairs."""
-    out = {}
-    for layer in sorted({lay for lay, _ in result["ablations"]}):
-        rows = [a for a, (lay, _) in enumerate(result["ablations"]) if lay == layer]
-        li = list(result["layer_ids"]).index(layer)
-        experts = [result["ablations"][a][1] for a in rows]
-        share_DxA = np.asarray(result["share_LxDxE"])[li][:, experts]
-        out[layer] = {"experts": plots.spearman(np.asarray(result["share_LxE"])[li][experts],
-                                                 np.asarray(result["delta_A"])[rows]),
-                      "expert_domain_pairs": plots.spearman(
-                          share_DxA.T.ravel(), np.asarray(result["delta_AxD"])[rows].ravel())}
-    return out
-
-
 def run(args, log=print):
+    # The analysis itself: loaded once the flags are read (--help and bad flags answer at once).
+    import numpy as np
+
+    from analysis import figures
+    from analysis.ablate import ablation, plots
+    from analysis.ablate import controls as ablation_controls
+    from analysis.figures import source_of
+    from analysis.routing.stats import plain_json
+    from rundir import open_run
+
     check_out_dir(args.out, Path(args.workdir) / "analysis", create=False)
     run_ = open_run(args.workdir, args.step)
     check_choice(run_, args.layer, args.experts)
@@ -81,11 +68,11 @@ def run(args, log=print):
     controls = ablation_controls.controls(run_.model, run_.config, run_.tokenizer, scorer=scorer)
     for line in ablation_controls.control_lines(controls):
         log(f"control: {line}")
-    modes = ablation.MODES if args.mode == "both" else (args.mode,)
+    modes = MODES if args.mode == "both" else (args.mode,)
     results = {mode: ablation.ablate(run_.model, run_.config, run_.tokenizer, args.layer, args.experts,
                                      args.rows_per_domain, log=log, mode=mode, scorer=scorer) for mode in modes}
     result, zero = results[modes[0]], results.get("zero") if len(modes) > 1 else None
-    corr = correlations(result)
+    corr = plots.correlations(result)
     out = check_out_dir(args.out, Path(args.workdir) / "analysis")
     extra = {"controls": controls}
     if zero is not None:

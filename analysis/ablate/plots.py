@@ -111,3 +111,19 @@ def plot_domains(result, path):
                  "selection (red = worse), beside its routing share\n(loss changes: one symmetric scale per column; "
                  "share: ratio to uniform K/E, log scale)", fontsize=10)
     return save(fig, path)
+
+
+def correlations(result):
+    """Per ablated layer the Spearman correlation of routing share and loss change: over experts (overall
+    share, overall change) and over (expert, domain) pairs."""
+    out = {}
+    for layer in sorted({lay for lay, _ in result["ablations"]}):
+        rows = [a for a, (lay, _) in enumerate(result["ablations"]) if lay == layer]
+        li = list(result["layer_ids"]).index(layer)
+        experts = [result["ablations"][a][1] for a in rows]
+        share_DxA = np.asarray(result["share_LxDxE"])[li][:, experts]
+        out[layer] = {"experts": spearman(np.asarray(result["share_LxE"])[li][experts],
+                                                 np.asarray(result["delta_A"])[rows]),
+                      "expert_domain_pairs": spearman(
+                          share_DxA.T.ravel(), np.asarray(result["delta_AxD"])[rows].ravel())}
+    return out

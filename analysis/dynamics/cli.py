@@ -19,10 +19,6 @@ A run keeps only checkpoint.keep checkpoints (3 by default); for the whole traje
 import json
 from pathlib import Path
 
-from analysis import figures
-from analysis.dynamics import plots
-from analysis.dynamics.trajectory import training_series, trajectory
-from analysis.routing.stats import plain_json
 from plumbing.args import ArgParser, check_out_dir, run_cli
 from plumbing.errors import UserError
 
@@ -45,6 +41,12 @@ def parse_args(argv):
 
 
 def run(args, log=print):
+    # The analysis itself: loaded once the flags are read (--help and bad flags answer at once).
+    from analysis import figures
+    from analysis.dynamics import plots
+    from analysis.dynamics.trajectory import training_series, trajectory
+    from analysis.routing.stats import plain_json
+
     check_out_dir(args.out, Path(args.workdir) / "analysis", create=False)
     traj = trajectory(args.workdir, args.final_step, args.split, args.max_tokens, args.batch_size,
                       step0=not args.no_step0, log=log)

@@ -14,17 +14,19 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis import figures
-from analysis.figures import source_of
-from analysis.rank.attention import analyse, select_rows
-from analysis.rank.plots import plot_all
 from plumbing.args import ArgParser, check_out_dir
 from plumbing.errors import UserError, exit_with, os_error
-from rundir import open_run
-from train.inputs import eval_rows
 
 
 def run_rank(workdir, sequences: int = 16, step=None, out=None, plots: bool = True) -> dict:
+    # The analysis itself: loaded here, not when the command reads its flags (--help answers at once).
+    from analysis import figures
+    from analysis.figures import source_of
+    from analysis.rank.attention import analyse, select_rows
+    from analysis.rank.plots import plot_all
+    from rundir import open_run
+    from train.inputs import eval_rows
+
     run = open_run(workdir, step)
     result = analyse(run.model, select_rows(eval_rows(run.config), sequences))
     result.update(workdir=str(workdir), step=run.step)

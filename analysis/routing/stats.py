@@ -382,8 +382,9 @@ def summary_text(result, domain_names=None, n_top=3, layer=-1):
     per_layer_k = len(set(np.asarray(k_L).tolist())) > 1
     head = f"top-{K}" if not per_layer_k else f"top-{'/'.join(str(int(k)) for k in k_L)} (per layer)"
     zero = f" + {Z} zero experts" if Z else ""
+    uniform = "/".join(f"{int(k) / (E + Z):.3f}" for k in dict.fromkeys(np.asarray(k_L).tolist()) or [K])
     lines = [f"{int(result['n_tokens'])} tokens, {L} MoE layers, {head} of {E} experts{zero} (uniform share "
-             f"{K / (E + Z):.3f})"]
+             f"{uniform})"]
     for i in range(L):
         dead = np.flatnonzero(result["dead_LxE"][i]).tolist()
         extra = f"  zero experts {float(result['zero_frac_L'][i]):.1%} of choices" if Z else ""
@@ -403,6 +404,6 @@ def summary_text(result, domain_names=None, n_top=3, layer=-1):
         if not np.isfinite(share_DxE[d]).any():
             continue
         top = np.argsort(-np.nan_to_num(share_DxE[d]))[:n_top]
-        zero_d = f", zero experts {result['zero_share_LxD'][layer, d]:.2f}" if Z else ""
+        zero_d = f", zero experts {result['zero_share_LxD'][layer, d]:.2f} of {int(k_L[layer])}" if Z else ""
         lines.append(f"{name(layer)} {dom}: " + ", ".join(f"e{e} {share_DxE[d, e]:.2f}" for e in top) + zero_d)
     return "\n".join(lines)

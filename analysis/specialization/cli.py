@@ -16,13 +16,8 @@ on stderr, exit 2.
 import json
 from pathlib import Path
 
-from analysis import figures
-from analysis.figures import source_of
-from analysis.specialization import plots
-from analysis.specialization.compare import check_same_config, document, measure, table
 from plumbing.args import ArgParser, check_out_dir, run_cli
 from plumbing.errors import UserError
-from rundir import open_run
 
 
 def parse_args(argv):
@@ -45,6 +40,13 @@ def parse_args(argv):
 
 
 def run(args, log=print):
+    # The analysis itself: loaded once the flags are read (--help and bad flags answer at once).
+    from analysis import figures
+    from analysis.figures import source_of
+    from analysis.specialization import plots
+    from analysis.specialization.compare import check_same_config, document, measure, table
+    from rundir import open_run
+
     check_out_dir(args.out, Path(args.workdir[0]) / "analysis", create=False)
     runs = [open_run(w, args.step) for w in args.workdir]
     check_same_config(runs)

@@ -39,6 +39,7 @@ from rundir import RunDir, open_run
 from rundir.atomic import write_text
 from rundir.checkpoints import steps_in
 from rundir.metrics import read_rows
+from rundir.provenance import provenance
 from train.command_line import config_from_argv
 from train.loop import run as train_run
 from train.preflight import parse
@@ -91,7 +92,7 @@ def run_one(config, arm: str, workdir: Path, rows_per_domain: int, log=print, ru
     if not done or done[-1] < config.train.steps:
         raise Interrupted(f"{workdir} stopped at step {done[-1] if done else 0} of {config.train.steps}")
     r = {"arm": arm, "rows_per_domain": rows_per_domain, **measure(config, workdir, rows_per_domain)}
-    write_text(cache, json.dumps(r))
+    write_text(cache, json.dumps({**r, "provenance": provenance()}))
     return r
 
 

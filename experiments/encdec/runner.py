@@ -50,6 +50,7 @@ from moe.sharding import make_mesh
 from plumbing.args import ArgParser
 from plumbing.errors import UserError, exit_with, os_error
 from rundir.atomic import write_text
+from rundir.provenance import provenance
 from train import optim, step
 from train.command_line import config_from_argv
 from train.inputs import sampler as make_sampler
@@ -177,7 +178,7 @@ def run_cell(c, cell: Cell, workdir: Path, log=print) -> dict:
         return result
     result = train_cell(c, cell, log)
     workdir.mkdir(parents=True, exist_ok=True)
-    write_text(cache, json.dumps(result))
+    write_text(cache, json.dumps({**result, "provenance": provenance()}))
     return result
 
 

@@ -32,6 +32,7 @@ from plumbing.args import ArgParser
 from plumbing.errors import UserError
 from rundir import RunDir, open_run
 from rundir.checkpoints import steps_in
+from rundir.provenance import provenance
 from train.command_line import config_from_argv
 from train.inputs import eval_rows
 from train.loop import run as train_run
@@ -113,7 +114,7 @@ def train_one(config, workdir, log=print, run_fn=None) -> dict:
         raise Interrupted(f"{workdir} stopped at step {done[-1] if done else 0} of {config.train.steps}")
     result = summarize_run(config, workdir, time.perf_counter() - t0)
     tmp = cache.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result))
+    tmp.write_text(json.dumps({**result, "provenance": provenance()}))
     os.replace(tmp, cache)  # atomic: a kill never leaves a half-written cache
     return result
 

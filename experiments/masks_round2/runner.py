@@ -41,6 +41,7 @@ from plumbing.errors import UserError
 from rundir import RunDir, open_run
 from rundir.atomic import write_text
 from rundir.checkpoints import steps_in
+from rundir.provenance import provenance
 from train.command_line import config_from_argv
 from train.inputs import task_cache
 from train.loop import run as train_run
@@ -117,7 +118,7 @@ def reprobe(config, workdir, sizes=None, log=print) -> bool:
     shuf_rows = first_rows_per_domain(all_rows(config), n_shuffle)
     result["input_order_gap"] = order_gap(model, shuf_rows, row_losses(model, shuf_rows, 64),
                                           int(config.train.seed))
-    write_text(cache, json.dumps(result))
+    write_text(cache, json.dumps({**result, "provenance": provenance()}))
     log(f"{workdir}: input_order_gap {result['input_order_gap']:+.4f}")
     return True
 
@@ -160,7 +161,7 @@ def train_one(config, arm: str, workdir, log=print, run_fn=None, sizes=None) -> 
     if not done or done[-1] < config.train.steps:
         raise Interrupted(f"{workdir} stopped at step {done[-1] if done else 0} of {config.train.steps}")
     result = summarize(config, arm, workdir, time.perf_counter() - t0, sizes)
-    write_text(cache, json.dumps(result))
+    write_text(cache, json.dumps({**result, "provenance": provenance()}))
     return result
 
 

@@ -34,6 +34,7 @@ from plumbing.errors import UserError, exit_with, os_error
 from rundir import RunDir
 from rundir.atomic import write_text
 from rundir.checkpoints import steps_in
+from rundir.provenance import provenance
 from rundir.reading import open_run
 from train.command_line import config_from_argv
 from train.inputs import task_cache
@@ -70,7 +71,7 @@ def run_one(config, workdir, log=print) -> dict:
             raise UserError(f"{workdir} holds a finished run with a different config; use another --out")
         if "val_loss_by_domain" not in r:  # finished before the final loss was taken on every window: rescore
             r["val_loss"], r["val_loss_by_domain"] = final_losses(config, workdir)
-            write_text(cache, json.dumps(r))
+            write_text(cache, json.dumps({**r, "provenance": provenance()}))
         return r
     t0 = time.perf_counter()
     train_run(config, workdir, log=log)
@@ -85,7 +86,7 @@ def run_one(config, workdir, log=print) -> dict:
          "tokens_seen": int(config.train.steps * config.train.batch_size * config.data.seq_len),
          "val_loss": loss, "val_loss_by_domain": by_domain,
          "val_curve": sorted((s, e["val/loss"]) for s, e in evals.items())}
-    write_text(cache, json.dumps(r))
+    write_text(cache, json.dumps({**r, "provenance": provenance()}))
     return r
 
 
@@ -134,7 +135,7 @@ def compare(base, seeds: int, steps: int, out, log=print) -> Path:
                                 "bigram_name": "neighbour bigram"}, out / "curves.png",
                       "Masked-LM validation loss per seed during training (masked tokens)",
                       "validation loss, masked tokens (nats)")
-    write_text(out / "result.json", json.dumps(v))
+    write_text(out / "result.json", json.dumps({**v, "provenance": provenance()}))
     return write_text(out / "report.md", "\n".join(lines))
 
 

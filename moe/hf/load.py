@@ -54,7 +54,8 @@ def model_config(c: dict, where: str = "config.json"):
     return _family_config(c, where)
 
 
-def _family_config(c: dict, where: str):
+def _family(c: dict, where: str):
+    """The family module of c's model_type (HFImportError naming it when refused or unknown)."""
     kind = c.get("model_type")
     if kind in REFUSED:
         field, why = REFUSED[kind]
@@ -62,11 +63,16 @@ def _family_config(c: dict, where: str):
     if kind not in FAMILIES:
         raise HFImportError(f"{where}: model_type {kind!r} is not supported; supported: "
                             f"{', '.join([*FAMILIES, *NESTED])}")
+    return FAMILIES[kind]
+
+
+def _family_config(c: dict, where: str):
+    family = _family(c, where)
     quantization(c, where)  # refused unless DeepSeek's block FP8
     try:
-        return FAMILIES[kind].model_config(c, where)
+        return family.model_config(c, where)
     except KeyError as e:
-        raise HFImportError(f"{where}: field {e.args[0]!r} missing for model_type {kind!r}") from None
+        raise HFImportError(f"{where}: field {e.args[0]!r} missing for model_type {c['model_type']!r}") from None
     except ConfigError as e:  # a value our ModelConfig refuses, e.g. heads not divisible by kv heads
         raise HFImportError(f"{where}: {e}") from None
 
@@ -74,13 +80,15 @@ def _family_config(c: dict, where: str):
 def load_model(path_dir: str) -> Transformer:
     """The model, streamed: each variable is filled from the safetensors it needs, read when its layer is reached,
     so host memory peaks near the fp32 model's bytes plus one layer's (benchmarks/hf_import_memory.py). The layer
-    count is compared with the stored tensor names before any shape is built."""
+    count is compared with the stored tensor names before anything is built from it."""
     c, where = read_config(path_dir)
     c, where, rename = text_model(c, where)
-    cfg = _family_config(c, where)
+    family = _family(c, where)
     files = SafetensorsFiles(path_dir, quantization(c, where), rename)
-    layout = FAMILIES[c["model_type"]].layout(c)
-    check_layers(cfg.n_layers, layout, files.shapes, where)
+    if "num_hidden_layers" in c:  # before ModelConfig, whose size checks grow with the layer count
+        check_layers(c["num_hidden_layers"], family.layout(c), files.shapes, where)
+    cfg = _family_config(c, where)
+    layout = family.layout(c)
     # the MTP layers the weights hold (num_nextn_predict_layers says how many the model had; tiny checkpoints
     # saved by transformers keep none), and the head transformers would use
     cfg = dataclasses.replace(cfg, mtp_depth=mtp_depth(layout, files.shapes))
