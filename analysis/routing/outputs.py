@@ -22,8 +22,10 @@ def write_json(a: Analysis, path, meta, maxvio_series):
     the zero experts') and per-token distributions, then every small metric array of the accumulator under
     "metrics" (NaN -> null)."""
     r = a.result
+    L, Z = int(r["n_layers"]), int(r.get("n_zero_experts", 0))  # results saved before these keys: none of either
+    hashed_L, k_L = r.get("hash_routed_L", np.zeros(L, bool)), r.get("top_k_L", np.full(L, int(r["top_k"])))
     per_layer, layers = {}, {}
-    for i in range(int(r["n_layers"])):
+    for i in range(L):
         per_layer[_layer_label(r, i)] = {
             name: {"n_tokens": int(r["n_tokens_D"][d]),
                    "share": r["share_LxDxE"][i, d], "gate_share": r["gate_share_LxDxE"][i, d],
@@ -32,8 +34,7 @@ def write_json(a: Analysis, path, meta, maxvio_series):
                 "zero_expert_first_choice_share": r["zero_first_LxD"][i, d]} if "zero_share_LxD" in r else {})
             for d, name in enumerate(a.domain_names)}
         # How the layer routes: a hash layer's shares are its fixed token-id table's, not a learned routing.
-        layers[_layer_label(r, i)] = {"routed_by": "hash" if r["hash_routed_L"][i] else "top_k",
-                                      "top_k": int(r["top_k_L"][i])} | (
+        layers[_layer_label(r, i)] = {"routed_by": "hash" if hashed_L[i] else "top_k", "top_k": int(k_L[i])} | (
             {"zero_expert_frac": r["zero_frac_L"][i], "zero_expert_load": r["zero_load_LxZ"][i]}
             if "zero_frac_L" in r else {})
     tokens = []
@@ -42,8 +43,8 @@ def write_json(a: Analysis, path, meta, maxvio_series):
             tokens.append({"id": int(tid), "text": a.token_text.get(int(tid)), "kind": which,
                            "n": int(r[f"{which}_n_{n}"][t]), "share_LxE": r[f"{which}_share_{n}xLxE"][t]})
     doc = dict(meta, domains=a.domain_names, layer_ids=r["layer_ids_L"], top_k=int(r["top_k"]),
-               n_experts=int(r["n_experts"]), n_zero_experts=int(r["n_zero_experts"]), layers=layers,
-               uniform_share=int(r["top_k"]) / (int(r["n_experts"]) + int(r["n_zero_experts"])),
+               n_experts=int(r["n_experts"]), n_zero_experts=Z, layers=layers,
+               uniform_share=int(r["top_k"]) / (int(r["n_experts"]) + Z),
                token_notes=a.token_notes, timing={"tokens": a.n_tokens, "seconds": a.seconds,
                                                   "tokens_per_second": a.n_tokens / max(a.seconds, 1e-9)},
                per_layer=per_layer, tokens=tokens, saturation=a.saturation,
