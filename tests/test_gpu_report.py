@@ -65,7 +65,7 @@ SESSION = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_session.sh"
 
 def test_gpu_session_steps_are_valid_gpu_report_flags():
     steps = [shlex.split(line)[3:] for line in SESSION.read_text().splitlines() if line.startswith("step ")]
-    assert len(steps) == 5
+    assert len(steps) == 6
     sections = []
     for args in steps:
         a = gpu_report.parser().parse_args(args)
@@ -79,7 +79,7 @@ def test_gpu_session_skips_the_steps_its_budget_cannot_hold(tmp_path):
     done = subprocess.run(["bash", str(SESSION)], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     console = (tmp_path / "console.txt").read_text()
-    assert console.count(": skipped,") == 5 and "== done" in console
+    assert console.count(": skipped,") == 6 and "== done" in console
 
 
 def test_gpu_session_runs_each_step_under_its_limit_and_reports_its_exit(tmp_path):
@@ -94,7 +94,7 @@ def test_gpu_session_runs_each_step_under_its_limit_and_reports_its_exit(tmp_pat
     done = subprocess.run(["bash", str(SESSION)], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     console = (out / "console.txt").read_text()
-    for name in ("train", "tests", "layer_profile", "fallback", "decode"):
+    for name in ("train", "tests", "layer_profile", "fallback", "decode", "speculative"):
         assert f"FAKE -m benchmarks.gpu_report --out {out}/{name}.md --sections" in console, console
         assert f"== {name}: exit 3 after" in console, console
-    assert "--remat save_moe\n" in console and console.count("--no_target_config") == 4
+    assert "--remat save_moe\n" in console and console.count("--no_target_config") == 5
