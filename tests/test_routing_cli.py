@@ -1,5 +1,7 @@
 """python -m analysis.routing on the shared tiny run: outputs, --token pieces, --compare_step, bad input."""
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -17,9 +19,17 @@ MAX_TOKENS = "1500"  # per domain: a few batches, enough for every view
 @pytest.fixture(scope="module")
 def analysed(tiny_run, tmp_path_factory):
     out = tmp_path_factory.mktemp("routing_out")
-    routing.main(["--workdir", str(tiny_run), "--out", str(out), "--max_tokens", MAX_TOKENS, "--compare_step", "10",
-                  "--token", "supercalifragilistic", "--token", " the", "--layer", "1", "--no_progress"])
+    console = io.StringIO()
+    with contextlib.redirect_stdout(console):
+        routing.main(["--workdir", str(tiny_run), "--out", str(out), "--max_tokens", MAX_TOKENS, "--compare_step",
+                      "10", "--token", "supercalifragilistic", "--token", " the", "--layer", "1", "--no_progress"])
+    (out / "console.txt").write_text(console.getvalue())
     return out
+
+
+def test_console_summary_names_the_step_and_counts_in_words(analysed):
+    console = (analysed / "console.txt").read_text()
+    assert "1 MoE layer," in console and "through the checkpoint of step 20 in" in console, console
 
 
 def test_outputs_exist_and_shares_sum_to_k(analysed):

@@ -2,6 +2,7 @@
 tiny random glm4_moe checkpoint with a tokenizer, read back exactly by moe.hf, analysed end to end."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -15,7 +16,13 @@ from plumbing.errors import UserError
 
 def test_the_recipe_writes_a_checkpoint_the_importer_reads_back_exactly(tmp_path):
     out = tmp_path / "tiny_hf"
-    tiny_hf.main(["--out", str(out)])
+    old = os.umask(0o022)
+    try:
+        tiny_hf.main(["--out", str(out)])
+    finally:
+        os.umask(old)
+    # readable by whoever may read the directory's other files, as exports are (safetensors itself writes 0600)
+    assert {p.name: oct(p.stat().st_mode & 0o777) for p in out.iterdir()} == {p.name: "0o644" for p in out.iterdir()}
     model, tokenizer = load_hf_moe(str(out))
     ours = flat_variables(tiny_hf.tiny_model())
     got = flat_variables(model)

@@ -139,5 +139,6 @@ def summary(a: Analysis, layer, step, compare_step=None):
         sat = ", ".join(f"{_layer_label(a.result, i)} {s:.3f}" for i, s in enumerate(a.saturation["saturation_L"]))
         lines.append(f"router saturation of step {compare_step} vs step {step}: {sat} "
                      f"(random {int(a.result['top_k']) / int(a.result['n_experts']):.3f})")
-    lines.append(f"routed {a.n_tokens} tokens in {a.seconds:.1f}s ({a.n_tokens / max(a.seconds, 1e-9):,.0f} tokens/s)")
+    of = f" through the checkpoint of step {step}" if step is not None else ""
+    lines.append(f"routed {a.n_tokens:,} tokens{of} in {a.seconds:.1f}s ({a.n_tokens / max(a.seconds, 1e-9):,.0f} tokens/s)")
     return "\n".join(lines)

@@ -38,13 +38,22 @@ def flat_variables(model: Transformer) -> dict[str, np.ndarray]:
     return {_key(path): np.asarray(var.get_value()) for path, var in nnx.to_flat_state(state)}
 
 
+def save_file_readable(tensors: dict[str, np.ndarray], path: str, metadata: dict | None = None) -> None:
+    """safetensors' save_file, leaving the file with the permissions of any other file this process writes
+    (0666 less the umask: safetensors creates it 0600)."""
+    save_file(tensors, path, metadata=metadata)
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def save_safetensors(model: Transformer, path_dir: str, extra_meta: dict | None = None) -> None:
     os.makedirs(path_dir, exist_ok=True)
     meta = {"format": FORMAT}
     if extra_meta is not None:
         meta["extra_meta"] = json.dumps(extra_meta)
     tensors = {k: np.ascontiguousarray(v) for k, v in flat_variables(model).items()}
-    save_file(tensors, os.path.join(path_dir, WEIGHTS_FILE), metadata=meta)
+    save_file_readable(tensors, os.path.join(path_dir, WEIGHTS_FILE), metadata=meta)
     with open(os.path.join(path_dir, CONFIG_FILE), "w") as f:
         json.dump(dataclasses.asdict(model.cfg), f, indent=2, sort_keys=True)
 

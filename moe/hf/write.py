@@ -25,11 +25,11 @@ import shutil
 
 import jax.numpy as jnp
 import numpy as np
-from safetensors.numpy import save_file
 
 from moe.accounting import param_counts
 from moe.config import ModelConfig
 from moe.hf import write_mla
+from moe.hf.safetensors_io import save_file_readable
 from moe.model import Transformer
 from moe.router import ROUTERS
 
@@ -69,6 +69,7 @@ def glm4_moe_unsupported_features(cfg: ModelConfig) -> list[str]:
     # Options for imported families (moe.hf/); the Glm4Moe config this export writes has none of them.
     defaults = ModelConfig()
     for field in ("moe_layer_step", "dense_layers", "rope_fraction", "qkv_bias", "attn_out_bias", "qk_norm",
+                  "qk_norm_after_rope",
                   "router_group_score", "shared_d_ff", "shared_expert_gate", "attention", "rope_interleave",
                   "rope_scaling_factor"):
         if getattr(cfg, field) != getattr(defaults, field):
@@ -218,12 +219,12 @@ def write_weights(sd: dict[str, np.ndarray], out_dir: str, max_shard_bytes: int 
         size += arr.nbytes
     meta = {"format": "pt"}  # transformers refuses safetensors files without a known format tag
     if len(shards) == 1:
-        save_file(sd, os.path.join(out_dir, "model.safetensors"), metadata=meta)
+        save_file_readable(sd, os.path.join(out_dir, "model.safetensors"), metadata=meta)
         return ["model.safetensors"]
     files, weight_map = [], {}
     for i, names in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file({n: sd[n] for n in names}, os.path.join(out_dir, fname), metadata=meta)
+        save_file_readable({n: sd[n] for n in names}, os.path.join(out_dir, fname), metadata=meta)
         files.append(fname)
         weight_map.update(dict.fromkeys(names, fname))
     index = {"metadata": {"total_size": sum(a.nbytes for a in sd.values())}, "weight_map": weight_map}
