@@ -6,8 +6,16 @@ range (the offsets in its file's header) into a fresh array: nothing is unpickle
 caller streaming layer by layer keeps no more than the tensors it holds. F32, F16 and BF16 are held exactly by
 fp32; F8_E4M3 weights are dequantized with their `_scale_inv` block scales (moe/hf/quant.py) when config.json
 declares DeepSeek's block FP8. Any other dtype is refused naming the tensor: nothing is cast silently.
+
+`read_block(name, index)` reads a box of a tensor (a slice per axis) from the byte ranges its rows occupy, never
+the rest: a device's shard in the sharded import (moe/hf/sharded.py), the up half of a fused gate_up_proj. An FP8
+box is widened to whole tiles of its scale grid, dequantized by the same rule, and cut back (DeepSeek's tiles start
+at the tensor's origin, not the box's). `bytes_read` counts what was read from disk, per tensor.
 """
 
+import collections
+import hashlib
+import itertools
 import json
 import math
 import os
@@ -30,12 +38,15 @@ class SafetensorsFiles:
     """The tensors of DIR's model.safetensors or of the shards in model.safetensors.index.json.
 
     `shapes`: name -> shape of every tensor the model may use (a quantized weight's `_scale_inv` is folded into the
-    weight, not listed). `read(name)` returns one tensor as fp32 NumPy. `quant` (moe.hf.quant.quantization of
-    config.json) allows F8_E4M3 weights; `rename(stored name)` gives the name a family reads (None: not part of
-    the model, skipped; e.g. Kimi-K2.5's vision tower)."""
+    weight, not listed). `read(name)` returns one tensor as fp32 NumPy (with `keep_dtype`, F16 and BF16 tensors as
+    stored; FP8 is always dequantized to fp32). `quant` (moe.hf.quant.quantization of config.json) allows F8_E4M3
+    weights; `rename(stored name)` gives the name a family reads (None: not part of the model, skipped; e.g.
+    Kimi-K2.5's vision tower)."""
 
-    def __init__(self, path_dir: str, quant: Fp8Blocks | None = None, rename=None):
+    def __init__(self, path_dir: str, quant: Fp8Blocks | None = None, rename=None, keep_dtype: bool = False):
         self.quant = quant
+        self.keep_dtype = keep_dtype
+        self.bytes_read: collections.Counter = collections.Counter()  # tensor name -> bytes read from disk
         self.shapes: dict[str, tuple[int, ...]] = {}
         self._at: dict[str, tuple] = {}  # name -> (path, dtype, shape, offset, nbytes)
         for name in _files(path_dir):
@@ -81,11 +92,57 @@ class SafetensorsFiles:
         arr = self._stored(name)
         if arr.dtype == STORED[FP8]:
             return dequantize_fp8(arr, self._stored(name + SCALE_SUFFIX), self.quant, name)
-        return arr if arr.dtype == np.float32 else arr.astype(np.float32)
+        return self._as_read(arr)
+
+    def read_block(self, name: str, index) -> np.ndarray:
+        """tensor[index] for a tuple of unit-step slices (one per axis; missing trailing ones are whole), read from
+        the byte ranges of the box only, as `read` returns tensors (FP8 dequantized)."""
+        path, dtype, shape, offset, _ = self._at[name]
+        box = [s.indices(n)[:2] for s, n in zip(tuple(index) + (slice(None),) * len(shape), shape)]
+        if dtype != FP8:
+            return self._as_read(self._box(name, path, STORED[dtype], shape, offset, box))
+        # DeepSeek's rule indexes tiles from the tensor's origin: read whole tiles, dequantize, cut back to the box
+        sizes = (self.quant.rows, self.quant.cols)
+        tiles = [(a // t, -(-b // t)) for (a, b), t in zip(box[-2:], sizes)]
+        wide = box[:-2] + [(a * t, min(b * t, n)) for (a, b), t, n in zip(tiles, sizes, shape[-2:])]
+        q = self._box(name, path, STORED[FP8], shape, offset, wide)
+        s_path, _, s_shape, s_offset, _ = self._at[name + SCALE_SUFFIX]
+        s = self._box(name + SCALE_SUFFIX, s_path, STORED["F32"], s_shape, s_offset, box[:-2] + tiles)
+        w = dequantize_fp8(q, s, self.quant, name)
+        return w[(...,) + tuple(slice(a - w0, b - w0) for (a, b), (w0, _) in zip(box[-2:], wide[-2:]))]
+
+    def fingerprint(self) -> str:
+        """A hash of what the headers say (every tensor's file, dtype, shape and byte range) and of each file's size:
+        what a resumed computation checks it is reading the same checkpoint by, without reading any tensor."""
+        h = hashlib.sha256()
+        for k in sorted(self._at):
+            path, dtype, shape, offset, nbytes = self._at[k]
+            h.update(json.dumps([k, os.path.basename(path), os.path.getsize(path), dtype, list(shape), offset,
+                                 nbytes]).encode())
+        return h.hexdigest()[:32]
+
+    def stored_bytes(self, name: str) -> int:
+        """The tensor's bytes on disk (an FP8 weight's scales included)."""
+        scale = self._at.get(name + SCALE_SUFFIX) if self._at[name][1] == FP8 else None
+        return self._at[name][4] + (scale[4] if scale else 0)
+
+    def held_bytes(self, name: str) -> int:
+        """What `read` returns for it: fp32, or with keep_dtype F16 / BF16 as stored (FP8: dequantized fp32)."""
+        _, dtype, shape, _, nbytes = self._at[name]
+        return nbytes if self.keep_dtype and dtype in ("F16", "BF16", "F32") else 4 * math.prod(shape)
+
+    def _as_read(self, arr: np.ndarray) -> np.ndarray:
+        return arr if arr.dtype == np.float32 or self.keep_dtype else arr.astype(np.float32)
 
     def _stored(self, name: str) -> np.ndarray:
         path, dtype, shape, offset, nbytes = self._at[name]
+        self.bytes_read[name] += nbytes
         return _read(path, name, STORED[dtype], shape, offset, nbytes)
+
+    def _box(self, name, path, dtype, shape, offset, box) -> np.ndarray:
+        out = _read_box(path, name, dtype, shape, offset, box)
+        self.bytes_read[name] += out.nbytes
+        return out
 
     def release(self) -> None:
         """Nothing to release: each read opens, reads its byte range and closes (kept for the streaming callers)."""
@@ -131,6 +188,30 @@ def _header(path: str, shown: str) -> dict[str, tuple]:
             raise HFImportError(f"{shown}: tensor {k!r} holds {end - begin} bytes, its shape {list(shape)} needs "
                                 f"{math.prod(shape) * item}; re-download the checkpoint")
         out[k] = (path, info["dtype"], shape, 8 + n + begin, end - begin)
+    return out
+
+
+def _read_box(path: str, name: str, dtype: np.dtype, shape, offset: int, box) -> np.ndarray:
+    """tensor[a0:b0, a1:b1, ...] (box: (a, b) per axis) of the tensor at `offset`, read run by run: a run is the box's
+    part of one row of the last axis that is not whole (with every later axis whole: one contiguous range), read
+    straight into the result (os.preadv), so nothing outside the box is read or held."""
+    out = np.empty([b - a for a, b in box], dtype)
+    if not out.size:
+        return out
+    cut = max((d for d, (a, b) in enumerate(box) if (a, b) != (0, shape[d])), default=0)
+    strides = [math.prod(shape[d + 1:]) for d in range(len(shape))]  # elements
+    run = (box[cut][1] - box[cut][0]) * strides[cut] * dtype.itemsize
+    view = memoryview(out.reshape(-1).view(np.uint8))
+    with open(path, "rb", buffering=0) as f:
+        fd = f.fileno()
+        for n, lead in enumerate(itertools.product(*[range(a, b) for a, b in box[:cut]])):
+            at = offset + dtype.itemsize * (sum(i * s for i, s in zip(lead, strides)) + box[cut][0] * strides[cut])
+            got = 0
+            while got < run:
+                k = os.preadv(fd, [view[n * run + got:(n + 1) * run]], at + got)
+                if not k:
+                    raise HFImportError(f"{path}: ends inside tensor {name!r}; re-download the checkpoint")
+                got += k
     return out
 
 
