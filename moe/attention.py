@@ -292,12 +292,16 @@ class Attention(nnx.Module):
             q_BxLxHxDh = q_BxLxHxDh + self.bq[...].astype(dt)
             k_BxLxNxDh = k_BxLxNxDh + self.bk[...].astype(dt)
             v_BxLxNxDh = v_BxLxNxDh + self.bv[...].astype(dt)
-        if cfg.qk_norm != "none":
+        norm_qk = cfg.qk_norm != "none"
+        if norm_qk and not cfg.qk_norm_after_rope:
             q_BxLxHxDh = self._qk_norm(self.q_norm, q_BxLxHxDh)
             k_BxLxNxDh = self._qk_norm(self.k_norm, k_BxLxNxDh)
         if cfg.rope:
             q_BxLxHxDh = rotate(cfg, q_BxLxHxDh, positions_BxL, cfg.rope_dim)
             k_BxLxNxDh = rotate(cfg, k_BxLxNxDh, positions_BxL, cfg.rope_dim)
+        if norm_qk and cfg.qk_norm_after_rope:  # Hunyuan: the rotated q and k are normed (and k cached so)
+            q_BxLxHxDh = self._qk_norm(self.q_norm, q_BxLxHxDh)
+            k_BxLxNxDh = self._qk_norm(self.k_norm, k_BxLxNxDh)
         # q, k and v sharded alike (heads over tensor): cuDNN's partitioner requires identical shardings.
         q_BxLxHxDh = ex.constrain(q_BxLxHxDh, ("batch", "length", "act_heads", None))
         k_BxLxNxDh = ex.constrain(k_BxLxNxDh, ("batch", "length", "act_heads", None))

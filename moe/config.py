@@ -46,6 +46,8 @@ class ModelConfig:
     attn_out_bias: bool = field(False, doc="bias on the output projection (OLMoE / Qwen3-MoE attention_bias)")
     qk_norm: str = field("none", one_of(*QK_NORMS), doc="RMSNorm of q and k before RoPE: none | head (each head's "
                                                         "dims: Qwen3-MoE, GLM) | full (the whole projection: OLMoE)")
+    qk_norm_after_rope: bool = field(False, doc="the q/k RMSNorm after RoPE instead of before (Hunyuan-A13B); the "
+                                                "cache holds the normed keys")
     attention: str = field("gqa", one_of(*ATTENTIONS),
                            doc="gqa (the fields above) | mla: DeepSeek-V2/V3 multi-head latent attention (moe/mla.py), "
                                "n_heads heads of the MLA fields below")
@@ -55,8 +57,8 @@ class ModelConfig:
     qk_rope_head_dim: int = field(0, non_negative, doc="mla: per-head roped query dims and the one roped key all "
                                                        "heads share (even)")
     v_head_dim: int = field(0, non_negative, doc="mla: per-head value dims")
-    rope_interleave: bool = field(False, doc="mla: RoPE on pairs (2i, 2i+1), DeepSeek checkpoints' layout; false: "
-                                             "rotate-half")
+    rope_interleave: bool = field(False, doc="RoPE on pairs (2i, 2i+1): DeepSeek checkpoints' layout (mla), ERNIE "
+                                             "4.5's (gqa); false: rotate-half")
     # DeepSeek's and transformers' code fix the latent norms' eps at 1e-6 whatever rms_norm_eps is (Moonlight,
     # GLM-4.7-Flash: 1e-5), so imports set it.
     latent_norm_eps: float = field(0.0, non_negative, doc="mla: eps of the query and kv latent RMSNorms (0: norm_eps)")
@@ -229,6 +231,10 @@ def validate(c: ModelConfig) -> None:
         fail("head_dim", f"must be even for RoPE, got {c.head_dim}")
     if gqa and c.rope and (c.rope_dim < 2 or c.rope_dim % 2):
         fail("rope_fraction", f"int(head_dim * rope_fraction) = {c.rope_dim} rotated dims must be even and >= 2")
+    if c.qk_norm_after_rope and c.qk_norm == "none":
+        fail("qk_norm_after_rope", "needs a q/k norm (model.qk_norm 'head' or 'full')")
+    if c.qk_norm_after_rope and c.rope_interleave:  # interleaved RoPE returns its pairs permuted
+        fail("qk_norm_after_rope", "is not implemented with model.rope_interleave")
     _validate_mla(c, fail)
     _validate_yarn(c, fail)
     if c.shared_expert_gate and not c.n_shared_experts:
@@ -276,7 +282,7 @@ def _validate_routing(c: ModelConfig, fail) -> None:
 
 def _validate_mla(c: ModelConfig, fail) -> None:
     if c.attention == "gqa":
-        for field in MLA_FIELDS + ("rope_interleave", "latent_norm_eps"):
+        for field in MLA_FIELDS + ("latent_norm_eps",):
             if getattr(c, field):
                 fail(field, f"is a multi-head latent attention field; set model.attention='mla' or leave it at "
                             f"{getattr(ModelConfig, field)!r}")

@@ -43,7 +43,9 @@ ADDED_KEYS = {"eval.dispatch": "", "execution.loss_chunks": 8, "execution.scan_l
               # the router catalogue (moe/router.py): each at its default, which reproduces every earlier run; listed
               # so that pre_split_layout leaves them out of the fingerprints of studies finished before them
               "model.n_zero_experts": 0, "model.router_logit_bias": False, "model.n_hash_layers": 0,
-              "model.layer_top_k": "", "train.balance_loss_scope": "sequence", "train.router_z_loss_weight": 0.0}
+              "model.layer_top_k": "", "train.balance_loss_scope": "sequence", "train.router_z_loss_weight": 0.0,
+              # imported families' attention options (Hunyuan-A13B)
+              "model.qk_norm_after_rope": False}
 
 
 def up_to_date(config: dict) -> dict:

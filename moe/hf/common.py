@@ -43,15 +43,23 @@ FIELD_TYPES = {
                      "first_k_dense_replace", "decoder_sparse_step", "shared_expert_intermediate_size", "q_lora_rank",
                      "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_nextn_predict_layers",
                      "num_mtp_layers", "max_position_embeddings", "original_max_position_embeddings",
-                     "sliding_window", "moe_layer_freq", "index_topk", "index_n_heads", "index_head_dim"), INT),
+                     "sliding_window", "moe_layer_freq", "index_topk", "index_n_heads", "index_head_dim",
+                     "moe_num_experts", "moe_k", "moe_num_shared_experts", "moe_layer_start_index",
+                     "moe_layer_end_index", "moe_layer_interval", "max_window_layers", "rotary_dim"), INT),
     **dict.fromkeys(("rms_norm_eps", "initializer_range", "routed_scaling_factor", "rope_theta",
-                     "partial_rotary_factor", "clip_qkv"), NUMBER),
+                     "partial_rotary_factor", "clip_qkv", "moe_norm_min"), NUMBER),
     **dict.fromkeys(("tie_word_embeddings", "norm_topk_prob", "rope_interleave", "attention_bias", "mlp_bias",
-                     "qkv_bias", "use_qk_norm", "use_sliding_window"), BOOL),
+                     "qkv_bias", "use_qk_norm", "use_sliding_window", "use_bias", "use_cla", "use_mixed_mlp_moe"),
+                    BOOL),
     **dict.fromkeys(("model_type", "hidden_act", "scoring_func", "topk_method"), STRING),
     **dict.fromkeys(("rope_scaling", "rope_parameters", "quantization_config", "text_config"), OBJECT),
     "mlp_only_layers": INTS, "mlp_layer_types": STRINGS, "layer_types": STRINGS,
 }
+INT_OR_INTS = "an integer or a list of integers"
+# A family's own types where they differ: Hunyuan's original config.json keeps per-layer lists (transformers
+# reads moe_topk per layer and ignores the other two; moe/hf/hunyuan_v1_moe.py refuses lists that disagree).
+FAMILY_FIELD_TYPES = {"hunyuan_v1_moe": {"moe_topk": INT_OR_INTS, "moe_intermediate_size": INT_OR_INTS,
+                                         "num_shared_expert": INT_OR_INTS}}
 ROPE_FIELD_TYPES = {  # inside rope_scaling / rope_parameters
     **dict.fromkeys(("rope_type", "type"), STRING), "original_max_position_embeddings": INT, "truncate": BOOL,
     **dict.fromkeys(("rope_theta", "factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
@@ -67,7 +75,8 @@ def check_field_types(c: dict, where: str) -> None:
     """Every field a family reads (FIELD_TYPES, and ROPE_FIELD_TYPES inside the RoPE dict) has its JSON type, else
     HFImportError naming the field, its value and the type expected: Python would read "false" as true and "4"
     as a string. Called once for every family (moe.hf.load.model_config) before any family module reads c."""
-    for name, kind in FIELD_TYPES.items():
+    family = FAMILY_FIELD_TYPES.get(c.get("model_type"), {}) if isinstance(c.get("model_type"), str) else {}
+    for name, kind in {**FIELD_TYPES, **family}.items():
         if name in c and not _is(c[name], kind, nullable=name not in REQUIRED):
             raise HFImportError(f"{where}: field {name!r} is {_describe(c[name])}; expected {kind}")
     for rope in ("rope_scaling", "rope_parameters"):
@@ -79,6 +88,8 @@ def check_field_types(c: dict, where: str) -> None:
 def _is(value, kind: str, nullable: bool) -> bool:
     if value is None:
         return nullable
+    if kind == INT_OR_INTS:
+        return _is(value, INT, False) or _is(value, INTS, False)
     if kind in (INTS, STRINGS):
         return isinstance(value, list) and all(_is(v, INT if kind == INTS else STRING, False) for v in value)
     if isinstance(value, bool):
