@@ -3,8 +3,10 @@
     python -m analysis.routing --hf path/to/Qwen1.5-MoE-A2.7B --text a.txt --text b.txt --out /tmp/routing
     python -m analysis.routing --hf path/to/OLMoE-1B-7B --out /tmp/routing      # the bundled corpus, re-tokenized
 
-The model comes from moe.hf.load_hf_moe (exact: same logits and experts as transformers), the tokenizer from
-the directory's tokenizer.json. Rows: each --text file is one domain named after the file (its whole text one
+The model comes from moe.hf.load_hf_moe (exact: same logits and experts as transformers), in memory or imported
+onto a device mesh, or is a moe.hf.stream.LayerStream that reads one block at a time when it does not fit
+(analysis/hf_memory.py chooses; analysis/routing/streamed.py runs it); the tokenizer from the directory's
+tokenizer.json. Rows: each --text file is one domain named after the file (its whole text one
 document), or, without --text, every domain of the bundled corpus's --split tokenized with the model's tokenizer
 (cached like training's token caches, keyed by the tokenizer file's hash). Packed LM rows of --seq_len tokens.
 """
@@ -14,8 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from moe.hf import load_hf_moe
+from moe.hf import load_hf_moe, load_tokenizer
 from moe.hf.common import read_config
+from moe.hf.load import check_vocabulary
 from plumbing.errors import UserError
 from rundir.run_config import DataConfig, EvalConfig, RunConfig
 from train.data import packing, tfds_corpus
@@ -47,14 +50,32 @@ class HFSource:
     model_type: str  # config.json's
 
 
-def open_model(path_dir) -> tuple:
-    """(model, tokenizer) or UserError: analysing needs the directory's tokenizer.json."""
+def open_model(path_dir, mesh=None) -> tuple:
+    """(model, tokenizer) or UserError: analysing needs the directory's tokenizer.json. With a mesh, the model is
+    imported straight into its shards (moe/hf/sharded.py)."""
+    return _opened(path_dir, lambda path: load_hf_moe(path, mesh=mesh))
+
+
+def open_stream(path_dir) -> tuple:
+    """(moe.hf.stream.LayerStream, tokenizer) or UserError: every check of the import, no tensor read."""
+    from moe.hf.stream import LayerStream
+
+    def stream_and_tokenizer(path):
+        stream, tokenizer = LayerStream(path), load_tokenizer(path)
+        if tokenizer is not None:
+            check_vocabulary(tokenizer, stream.cfg.vocab_size, str(Path(path) / "tokenizer.json"))
+        return stream, tokenizer
+
+    return _opened(path_dir, stream_and_tokenizer)
+
+
+def _opened(path_dir, load) -> tuple:
     path = Path(path_dir)
     if not path.is_dir():
         raise UserError(f"--hf {path} is not a directory; pass a HuggingFace model directory (config.json, "
                         "*.safetensors, tokenizer.json)")
     try:
-        model, tokenizer = load_hf_moe(str(path))
+        model, tokenizer = load(str(path))
     except ValueError as e:  # HFImportError, or a tensor of the wrong shape (one line, naming it)
         raise UserError(str(e)) from None
     except OSError:
@@ -115,8 +136,10 @@ def corpus_cache(path_dir, split: str, tokenizer, eos_id: int, pad_id: int) -> p
     return packing.token_cache_with(src, tokenizer, Path(path_dir) / "tokenizer.json", eos_id=eos_id, pad_id=pad_id)
 
 
-def open_source(path_dir, texts=None, split=None, seq_len=256, batch_size=16) -> HFSource:
-    model, tokenizer = open_model(path_dir)
+def open_source(path_dir, texts=None, split=None, seq_len=256, batch_size=16, opened=None) -> HFSource:
+    """The rows and what routes them: `opened` (model, tokenizer) from open_model / open_stream, default the
+    in-memory model."""
+    model, tokenizer = opened or open_model(path_dir)
     c, _ = read_config(str(path_dir))
     eos, pad = special_ids(c, tokenizer, path_dir)
     if texts:
@@ -132,13 +155,22 @@ def open_source(path_dir, texts=None, split=None, seq_len=256, batch_size=16) ->
 def check_args(args) -> None:
     """The flag combinations --hf allows (one-line UserError otherwise)."""
     if args.hf is None:
-        for flag in ("text", "seq_len"):
-            if getattr(args, flag) is not None:
+        for flag in ("text", "seq_len", "memory_gb"):
+            if getattr(args, flag, None) is not None:
                 raise UserError(f"--{flag} goes with --hf (a run directory uses its own data and seq_len)")
+        if getattr(args, "mode", "auto") != "auto":
+            raise UserError("--mode goes with --hf (a run's model is always in memory)")
+        if any(getattr(args, f"mesh_{a}", None) is not None for a in ("data", "fsdp", "expert", "tensor")):
+            raise UserError("--mesh.* goes with --hf (a run's analysis runs on one device)")
         return
     for flag in ("step", "compare_step"):
         if getattr(args, flag) is not None:
             raise UserError(f"--{flag} needs --workdir: a HuggingFace directory has one set of weights")
+    if getattr(args, "memory_gb", None) is not None and args.memory_gb <= 0:
+        raise UserError(f"--memory_gb must be > 0, got {args.memory_gb}")
+    if getattr(args, "mode", "auto") != "auto" and any(getattr(args, f"mesh_{a}", None) is not None
+                                                       for a in ("data", "fsdp", "expert", "tensor")):
+        raise UserError(f"--mode {args.mode} and --mesh.* exclude each other: on a mesh the model is imported sharded")
     if args.text and args.split is not None:
         raise UserError("--text and --split exclude each other: --split picks a split of the bundled corpus")
     if args.out is None:

@@ -7,7 +7,10 @@
 
 --hf analyses a HuggingFace MoE directory instead of a run (GLM-4.5, Qwen2/3-MoE, OLMoE, Mixtral; see
 docs/hf_import.md and analysis/hf_source.py): each --text file is a domain, or the bundled corpus is re-tokenized
-with the model's tokenizer.
+with the model's tokenizer. A model whose fp32 weights do not fit the memory this process may use (--memory_gb,
+default what /proc/meminfo and the cgroup allow; analysis/hf_memory.py) is analysed one layer at a time
+(analysis/routing/streamed.py: same outputs, resumable in OUT/stream/). --mesh.data/fsdp/expert/tensor import it
+sharded over every device of every process, as training shards it (analysis/routing/sharded.py, docs/scaling.md).
 
 Routes every domain of --split (default: the run's validation split) through the checkpoint, batched and
 jitted, and writes into --out (default WORKDIR/analysis):
@@ -19,6 +22,7 @@ jitted, and writes into --out (default WORKDIR/analysis):
 and prints a short summary. Bad input (no checkpoint, unknown step, a non-MoE layer): one line, exit 2.
 """
 
+import dataclasses
 from pathlib import Path
 
 from analysis import figures, hf_source
@@ -28,6 +32,7 @@ from analysis.routing.outputs import summary, write_outputs, write_run_outputs
 from plumbing.args import ArgParser, check_out_dir, run_cli
 from plumbing.errors import UserError
 from rundir import open_run
+from rundir.run_config import MeshConfig
 
 
 def parse_args(argv):
@@ -54,6 +59,16 @@ def parse_args(argv):
     p.add_argument("--n_frequent", type=int, default=20, help="most frequent tokens to report")
     p.add_argument("--samples", type=int, default=2, help="sample rows per domain in tokens.html")
     p.add_argument("--no_progress", action="store_true", help="no progress bar")
+    p.add_argument("--mode", choices=("auto", "memory", "stream"), default="auto",
+                   help="with --hf: auto (default) streams one layer at a time when the fp32 model does not fit "
+                        "--memory_gb; memory or stream to choose yourself")
+    p.add_argument("--memory_gb", type=float, default=None,
+                   help="with --hf: host memory the analysis may use, GB; a model that does not fit in it is streamed "
+                        "one layer at a time (default: what the machine and its cgroup have available)")
+    for f in dataclasses.fields(MeshConfig):
+        p.add_argument(f"--mesh.{f.name}", dest=f"mesh_{f.name}", type=int, default=None, metavar="N",
+                       help=f"with --hf: {f.metadata.get('doc', f.name)} (as training's --config.mesh.{f.name}); any "
+                            "--mesh.* imports the model sharded over all devices")
     args = p.parse_args(argv)
     for name in ("max_tokens", "batch_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -94,26 +109,93 @@ def run(args, log=print):
 
 
 def run_hf(args, log=print):
-    """`run` for --hf: the same outputs, over --text files or the bundled corpus (no steps, no training series)."""
+    """`run` for --hf: the same outputs, over --text files or the bundled corpus (no steps, no training series): in
+    memory, layer-streamed when the model does not fit (--memory_gb), or on a mesh (--mesh.*)."""
     check_out_dir(args.out, None, create=False)
-    src = hf_source.open_source(args.hf, args.text, args.split, args.seq_len or 256, args.batch_size or 16)
+    mesh_cfg = _mesh_config(args)
+    seq_len, batch_size = args.seq_len or 256, args.batch_size or 16
+    if mesh_cfg is not None:
+        from analysis.routing import sharded
+
+        mesh = sharded.make_mesh(mesh_cfg)
+        src = hf_source.open_source(args.hf, args.text, args.split, seq_len, batch_size,
+                                    hf_source.open_model(args.hf, mesh))
+        mode = {"mode": "mesh", "mesh": dict(mesh.shape)}
+        log(f"on a mesh of {mesh.devices.size} devices {dict(mesh.shape)} (moe.hf.load_hf_moe with mesh)")
+    else:
+        src = hf_source.open_source(args.hf, args.text, args.split, seq_len, batch_size, hf_source.open_stream(args.hf))
+        mode = {"mode": _choose(src, args, log)}
+        if mode["mode"] == "memory":
+            src.run.model = hf_source.open_model(args.hf)[0]
     layer = collect.check_layer(src.run, args.layer)
-    a = collect.analyse(src.run, split=src.split, max_tokens=args.max_tokens,
-                        tokens=args.token or collect.DEFAULT_TOKENS, n_samples=args.samples,
-                        n_frequent=args.n_frequent, progress=not args.no_progress, cache=src.cache)
+    kw = dict(tokens=args.token or collect.DEFAULT_TOKENS, n_samples=args.samples, n_frequent=args.n_frequent,
+              progress=not args.no_progress)
+    if mode["mode"] == "mesh":
+        a = sharded.analyse(src, mesh, src.split, args.max_tokens, **kw)
+    elif mode["mode"] == "stream":
+        from analysis.routing import streamed
+
+        flags = {"text": args.text, "split": src.split, "seq_len": seq_len, "batch_size": batch_size,
+                 "max_tokens": args.max_tokens, "samples": args.samples}
+        a, mode["stream"] = streamed.analyse(src, check_out_dir(args.out, None), flags, src.split, args.max_tokens,
+                                             log=log, **kw)
+        log(streamed.report(mode["stream"]))
+    else:
+        a = collect.analyse(src.run, split=src.split, max_tokens=args.max_tokens, cache=src.cache, **kw)
     for note in a.token_notes:
         log(note)
     if a.n_tokens == 0:
         raise UserError("no tokens to analyse; check --text / --split and --max_tokens")
+    if not _writes():
+        return a, None
     out = check_out_dir(args.out, None)
     meta = {"hf": str(args.hf), "model_type": src.model_type, "text": args.text, "split": src.split,
             "seq_len": src.run.config.data.seq_len, "max_tokens": args.max_tokens,
-            "layer": int(a.result["layer_ids_L"][layer])}
+            "layer": int(a.result["layer_ids_L"][layer]), **mode}
     with figures.source(str(args.hf)):
         write_outputs(a, out, meta, {}, layer)
     log(summary(a, layer, None))
     log(f"wrote routing.json, routing.npz, plots and tokens.html to {out}")
     return a, out
+
+
+def _mesh_config(args):
+    """The --mesh.* flags as a MeshConfig (unset axes: MeshConfig's defaults), or None without any."""
+    given = {f.name: getattr(args, f"mesh_{f.name}") for f in dataclasses.fields(MeshConfig)
+             if getattr(args, f"mesh_{f.name}", None) is not None}
+    if not given:
+        return None
+    try:
+        return MeshConfig(**given)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
+def _choose(src, args, log) -> str:
+    """"memory" or "stream" for the HFSource's LayerStream: --mode, or by its estimated needs and the memory
+    budget."""
+    from analysis import hf_memory
+    from analysis.routing import accumulate
+
+    if args.mode != "auto":
+        log(f"{'in memory' if args.mode == 'memory' else 'streamed one layer at a time'} (--mode {args.mode})")
+        return args.mode
+    batches, _ = accumulate.rows(src.run, src.split, args.max_tokens, src.cache, 0)
+    config = src.run.config
+    try:
+        mode, why = hf_memory.choose_mode(src.run.model, args.memory_gb, len(batches) * config.eval.batch_size,
+                                          config.data.seq_len, config.eval.batch_size)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    log(why)
+    return mode
+
+
+def _writes() -> bool:
+    """Only process 0 writes the outputs (several processes route the same rows on one mesh)."""
+    import jax
+
+    return jax.process_index() == 0
 
 
 def main(argv=None):
