@@ -5,7 +5,9 @@ multi-head latent attention deepseek_v2, deepseek_v3, kimi_k2, glm4_moe_lite; ki
 `text_config`); each family module maps config.json to a ModelConfig that reproduces HF's forward exactly and says
 where its tensors live. Every field a family reads is type-checked first (common.check_field_types), and a
 `quantization_config` must be DeepSeek's block FP8 (quant.quantization; its weights are dequantized on load).
-Params are fp32 (the checkpoint's dtype is upcast).
+Params are fp32 (the checkpoint's dtype is upcast). With a mesh, every variable is placed straight into its sharded
+array, each process reading only the slices its devices hold (moe/hf/sharded.py); `open_checkpoint` is what the
+layer-streamed forward (moe/hf/stream.py) reads from.
 """
 
 import dataclasses
@@ -28,9 +30,11 @@ from moe.hf import (
 from moe.hf.common import HFImportError, check_field_types, inside, read_config
 from moe.hf.quant import quantization
 from moe.hf.safetensors_io import model_from_items
+from moe.hf.sharded import load_sharded
 from moe.hf.tensors import SafetensorsFiles
-from moe.hf.weights import check_layers, mtp_depth, untie_as_transformers, variables
+from moe.hf.weights import Layout, check_layers, mtp_depth, untie_as_transformers, variables
 from moe.model import Transformer
+from moe.sharding import RULES
 
 FAMILIES = {t: m for m in (glm4_moe, qwen_moe, olmoe, mixtral, deepseek, ernie4_5_moe, dots1, hunyuan_v1_moe,
                             minimax_m2) for t in m.MODEL_TYPES}
@@ -88,14 +92,25 @@ def _family_config(c: dict, where: str):
         raise HFImportError(f"{where}: {e}") from None
 
 
-def load_model(path_dir: str) -> Transformer:
-    """The model, streamed: each variable is filled from the safetensors it needs, read when its layer is reached,
-    so host memory peaks near the fp32 model's bytes plus one layer's (benchmarks/hf_import_memory.py). The layer
-    count is compared with the stored tensor names before anything is built from it."""
+@dataclasses.dataclass
+class Checkpoint:
+    """A HF directory opened for reading: the ModelConfig that reproduces it, where its family keeps its tensors,
+    and its safetensors (headers read and checked; no tensor read yet)."""
+
+    cfg: object  # moe.ModelConfig
+    layout: Layout
+    files: SafetensorsFiles
+    where: str  # config.json's path, for messages
+
+
+def open_checkpoint(path_dir: str, keep_dtype: bool = False) -> Checkpoint:
+    """The checkpoint of `path_dir`, with the MTP layers its weights hold and the head transformers would use. The
+    layer count is compared with the stored tensor names before anything is built from it. keep_dtype: read F16 /
+    BF16 tensors as stored (SafetensorsFiles)."""
     c, where = read_config(path_dir)
     c, where, rename = text_model(c, where)
     family = _family(c, where)
-    files = SafetensorsFiles(path_dir, quantization(c, where), rename)
+    files = SafetensorsFiles(path_dir, quantization(c, where), rename, keep_dtype=keep_dtype)
     if "num_hidden_layers" in c:  # before ModelConfig, whose size checks grow with the layer count
         check_layers(c["num_hidden_layers"], family.layout(c), files.shapes, where)
     cfg = _family_config(c, where)
@@ -103,8 +118,18 @@ def load_model(path_dir: str) -> Transformer:
     # the MTP layers the weights hold (num_nextn_predict_layers says how many the model had; tiny checkpoints
     # saved by transformers keep none), and the head transformers would use
     cfg = dataclasses.replace(cfg, mtp_depth=mtp_depth(layout, files.shapes))
-    cfg = untie_as_transformers(cfg, files)
-    return model_from_items(cfg, variables(cfg, layout, files, where), path_dir, "config.json")
+    return Checkpoint(untie_as_transformers(cfg, files), layout, files, where)
+
+
+def load_model(path_dir: str, mesh=None, rules=RULES) -> Transformer:
+    """The model, streamed: each variable is filled from the safetensors it needs, read when its layer is reached,
+    so host memory peaks near the fp32 model's bytes plus one layer's (benchmarks/hf_import_memory.py). With a
+    `mesh` (moe.sharding.make_mesh) each variable is placed into its sharded array by `rules` (moe.sharding.RULES:
+    experts on the expert axis, heads on the tensor axis ...), each process reading only its devices' slices."""
+    ck = open_checkpoint(path_dir)
+    if mesh is not None:
+        return load_sharded(ck.cfg, ck.layout, ck.files, ck.where, mesh, rules)
+    return model_from_items(ck.cfg, variables(ck.cfg, ck.layout, ck.files, ck.where), path_dir, "config.json")
 
 
 def load_tokenizer(path_dir: str):
@@ -129,9 +154,10 @@ def check_vocabulary(tokenizer, vocab_size: int, path: str) -> None:
                             "(config.json); use the tokenizer.json that belongs to these weights")
 
 
-def load_hf_moe(path_dir: str):
-    """(model, tokenizer or None) for a directory of any model_type in FAMILIES (or NESTED)."""
-    model, tokenizer = load_model(path_dir), load_tokenizer(path_dir)
+def load_hf_moe(path_dir: str, mesh=None, rules=RULES):
+    """(model, tokenizer or None) for a directory of any model_type in FAMILIES (or NESTED); with a `mesh`, the model
+    sharded by `rules` as it is read (load_model)."""
+    model, tokenizer = load_model(path_dir, mesh, rules), load_tokenizer(path_dir)
     if tokenizer is not None:
         check_vocabulary(tokenizer, model.cfg.vocab_size, os.path.join(path_dir, "tokenizer.json"))
     return model, tokenizer

@@ -4,16 +4,23 @@ Shared by every family; a `Layout` says where a family keeps its MoE pieces. Att
 (q/k/v/o_proj) or multi-head latent (`_mla`, DeepSeek-V2/V3 and GLM-4.7-Flash). Routed experts are read in either
 layout found in the wild: per expert (`experts.E.gate_proj.weight`, what the Hub stores and save_pretrained
 writes) or fused (`experts.gate_up_proj` [E, 2F, D] + `experts.down_proj` [E, D, F], transformers 5.x in memory).
+
+`plan` is the one mapping: each variable as a `moe.hf.pieces.Piece` of HF tensors, checked against the config from
+the tensors' names and shapes alone. `variables` reads it whole, a step at a time (the import); the layer-streamed
+forward (moe/hf/stream.py) reads one block's steps at a time, and the sharded import (moe/hf/sharded.py) each
+device's slice of every piece.
 """
 
 import dataclasses
 import hashlib
 import re
 
+import ml_dtypes
 import numpy as np
 
 from moe.config import ModelConfig
 from moe.hf.common import HFImportError
+from moe.hf.pieces import Piece
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,65 +102,78 @@ class InMemory:
     def read(self, name: str) -> np.ndarray:
         return self._sd[name]
 
+    def read_block(self, name: str, index) -> np.ndarray:
+        return self._sd[name][tuple(index)]
+
     def release(self) -> None:
         pass
 
 
-def variables(cfg: ModelConfig, layout: Layout, src, where: str):
-    """(our variable name, contiguous fp32 array) for every variable of `cfg`, from the HF tensors of `src` (`shapes`:
-    name -> shape, `read(name)`, `release()`: moe.hf.tensors.SafetensorsFiles or InMemory), a group at a time (a
-    layer's norms and attention, each [E, ...] expert array, the rest of the layer): a group's tensors are read when
-    it is reached, `src` is released, and its variables are handed out one by one and dropped here. Every tensor's
-    full HF shape ([out, in] for a Linear weight) is checked against the config before it is read, and the layer
-    count first (check_layers); missing and left-over tensors are refused (HFImportError naming them)."""
-    check_layers(cfg.n_layers, layout, src.shapes, where)
-    names = {k: v for k, v in src.shapes.items()
+@dataclasses.dataclass
+class Step:
+    """Variables read together (a layer's norms and attention; one [E, ...] expert array; the rest of the layer):
+    our variable name -> the Piece it is read from, and what the step's HF tensors must equal."""
+
+    group: str  # "ends" (embedding, final norm, head), "blocks.i", "mtp.k" (the MTP module, its block included)
+    pieces: dict[str, Piece]
+    # MTP layers' copies of the embedding and head: (HF tensor, the main HF tensor it must equal)
+    copies: tuple[tuple[str, str], ...] = ()
+    tied_head: str | None = None  # tie_word_embeddings with a stored head: the HF head that must equal the embedding
+
+
+def plan(cfg: ModelConfig, layout: Layout, shapes: dict, where: str) -> list[Step]:
+    """Where every variable of `cfg` comes from, in the order the import reads them, from the HF tensors' names and
+    shapes alone (nothing is read): every tensor's full HF shape ([out, in] for a Linear weight) is checked against
+    the config, the layer count first (check_layers); missing and left-over tensors are refused (HFImportError
+    naming them). The one mapping: the import (`variables`), the layer-streamed forward (moe/hf/stream.py) and the
+    sharded import (moe/hf/sharded.py) all read through it."""
+    check_layers(cfg.n_layers, layout, shapes, where)
+    names = {k: tuple(v) for k, v in shapes.items()
              if not k.endswith("rotary_emb.inv_freq") and not _dropped(layout, cfg.mtp_depth, k)
              and not k.startswith(layout.ignored)}
 
-    def take(name, *hf_shape):
-        """The HF tensor `name`, refused unless it is exactly `hf_shape`."""
+    def check(name, hf_shape):
+        """Consume the HF tensor `name`, refused unless it is exactly `hf_shape`."""
         if name not in names:
             raise HFImportError(f"{where}: tensor {name!r} missing for the config in config.json")
         if names[name] != hf_shape:
             raise HFImportError(f"{where}: tensor {name!r} is {list(names[name])}, the config in config.json needs "
                                 f"{list(hf_shape)}; the config and the weights disagree")
         del names[name]
-        return src.read(name)
+
+    def take(name, *hf_shape, shape=None):
+        """The HF tensor `name` as it is (reshaped to `shape`)."""
+        check(name, hf_shape)
+        return Piece((name,), hf_shape, shape or hf_shape)
 
     def linear(name, n_out, n_in, *ours):
         """HF's Linear weight [n_out, n_in] as our [in ..., out ...] layout `ours` (same numbers, transposed)."""
-        return take(name, n_out, n_in).T.reshape(ours)
+        check(name, (n_out, n_in))
+        return Piece((name,), (n_out, n_in), ours, perm=(1, 0))
 
     def stacked(hf_names, n_in, n_out):
-        """[E, in, out] from E HF [out, in] tensors, filled one expert at a time."""
-        out = np.empty((len(hf_names), n_in, n_out), np.float32)
-        for e, name in enumerate(hf_names):
-            out[e] = take(name, n_out, n_in).T
-        return out
-
-    def emit(out):
-        src.release()
-        while out:
-            k = next(iter(out))
-            yield k, np.ascontiguousarray(out.pop(k), np.float32)
+        """[E, in, out] from E HF [out, in] tensors (read one expert at a time)."""
+        for name in hf_names:
+            check(name, (n_out, n_in))
+        return Piece(tuple(hf_names), (len(hf_names), n_out, n_in), (len(hf_names), n_in, n_out), perm=(0, 2, 1),
+                     stacked=True)
 
     H, N, Dh, D, V = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_model, cfg.vocab_size
     embed, head = "model.embed_tokens.weight", "lm_head.weight"
     if cfg.tie_embeddings and embed not in names and head in names:
         embed = head  # transformers ties symmetrically: a tied checkpoint storing only the head loads it as both
-    out = {"embed": take(embed, V, D), "final_norm.scale": take("model.norm.weight", D)}
+    ends = Step("ends", {"embed": take(embed, V, D), "final_norm.scale": take("model.norm.weight", D)})
     if not cfg.tie_embeddings:
-        out["lm_head"] = take(head, V, D).T
-    elif head in names and not np.array_equal(take(head, V, D), out["embed"]):
-        raise HFImportError(f"{where}: tie_word_embeddings is true but tensor {head!r} differs from {embed!r}; "
-                            "transformers then uses the stored head (moe.hf.load_model does too): set "
-                            "tie_word_embeddings to false")
+        ends.pieces["lm_head"] = linear(head, V, D, D, V)
+    elif head in names:
+        check(head, (V, D))
+        ends.tied_head = head
+    steps = [ends]
 
-    def layer(p, q, i):
+    def layer(p, q, i, group):
         """Block i from HF layer prefix p into our prefix q (a main block, or an MTP module's)."""
-        out[q + "attn_norm.scale"] = take(p + "input_layernorm.weight", D)
-        out[q + "ffn_norm.scale"] = take(p + "post_attention_layernorm.weight", D)
+        out = {q + "attn_norm.scale": take(p + "input_layernorm.weight", D),
+               q + "ffn_norm.scale": take(p + "post_attention_layernorm.weight", D)}
         a = p + "self_attn."
         if cfg.attention == "mla":
             out.update(_mla(cfg, a, q + "attn.", take, linear))
@@ -163,9 +183,9 @@ def variables(cfg: ModelConfig, layout: Layout, src, where: str):
             out[q + "attn.wv"] = linear(a + "v_proj.weight", N * Dh, D, D, N, Dh)
             out[q + "attn.wo"] = linear(a + "o_proj.weight", D, H * Dh, H, Dh, D)
         if cfg.qkv_bias:
-            out[q + "attn.bq"] = take(a + "q_proj.bias", H * Dh).reshape(H, Dh)
-            out[q + "attn.bk"] = take(a + "k_proj.bias", N * Dh).reshape(N, Dh)
-            out[q + "attn.bv"] = take(a + "v_proj.bias", N * Dh).reshape(N, Dh)
+            out[q + "attn.bq"] = take(a + "q_proj.bias", H * Dh, shape=(H, Dh))
+            out[q + "attn.bk"] = take(a + "k_proj.bias", N * Dh, shape=(N, Dh))
+            out[q + "attn.bv"] = take(a + "v_proj.bias", N * Dh, shape=(N, Dh))
         if cfg.attn_out_bias:
             out[q + "attn.bo"] = take(a + "o_proj.bias", D)
         if cfg.qk_norm != "none":
@@ -177,51 +197,92 @@ def variables(cfg: ModelConfig, layout: Layout, src, where: str):
             F = cfg.d_ff
             for w, n_out, n_in in (("gate", F, D), ("up", F, D), ("down", D, F)):
                 out[f"{q}ffn.w_{w}"] = linear(f"{p}mlp.{w}_proj.weight", n_out, n_in, n_in, n_out)
-            yield from emit(out)
+            steps.append(Step(group, out))
             return
         E = cfg.n_routed_experts
         m = p + next((name for name in layout.moe if f"{p}{name}.{layout.router}" in names), layout.moe[0]) + "."
         out[q + "ffn.router"] = linear(m + layout.router, E, D, D, E)
         bias = m + (layout.routing_bias or "")
         stored = (1, E) if names.get(bias) == (1, E) else (E,)  # ERNIE stores [1, E]
-        out[q + "ffn.bias"] = take(bias, *stored).reshape(E) if layout.routing_bias else np.zeros(E)
-        yield from emit(out)
-        for k, make in _experts(cfg, layout, m, q, names, take, stacked, where).items():
-            out[k] = make()  # one [E, ...] array at a time: handed out before the next is read
-            yield from emit(out)
+        out[q + "ffn.bias"] = take(bias, *stored, shape=(E,)) if layout.routing_bias else Piece((), (E,), (E,))
+        steps.append(Step(group, out))
+        for k, piece in _experts(cfg, layout, m, q, names, check, stacked).items():
+            steps.append(Step(group, {k: piece}))  # one [E, ...] array at a time
+        out = {}
         if layout.shared:
             S = cfg.shared_width
             shared = {w: linear(f"{m}{layout.shared}.{w}_proj.weight", n_out, n_in, n_in, n_out)
                       for w, n_out, n_in in (("gate", S, D), ("up", S, D), ("down", D, S))}
             if cfg.n_shared_experts:  # else HF's zero-width shared MLP (GLM with n_shared_experts 0): dropped
                 out.update({f"{q}ffn.shared.w_{w}": v for w, v in shared.items()})
-            del shared
         if cfg.shared_expert_gate:
-            out[q + "ffn.shared_gate"] = take(f"{m}{layout.shared_gate}.weight", 1, D).reshape(D)
-        yield from emit(out)
-    digests = {"model.embed_tokens.weight": _digest(out["embed"]),  # what MTP layers' copies must equal
-               "lm_head.weight": _digest(out["embed"] if cfg.tie_embeddings else out["lm_head"].T)} \
-        if cfg.mtp_depth else {}
-    yield from emit(out)
+            out[q + "ffn.shared_gate"] = take(f"{m}{layout.shared_gate}.weight", 1, D, shape=(D,))
+        if out:
+            steps.append(Step(group, out))
+
     for i in range(cfg.n_layers):
-        yield from layer(f"model.layers.{i}.", f"blocks.{i}.", i)
+        layer(f"model.layers.{i}.", f"blocks.{i}.", i, f"blocks.{i}")
     for k in range(cfg.mtp_depth):  # DeepSeek-V3's MTP layer k: our mtp[k] (moe/mtp.py)
         p, q = f"model.layers.{cfg.n_layers + k}.", f"mtp.{k}."
-        out[q + "enorm.scale"] = take(p + "enorm.weight", D)
-        out[q + "hnorm.scale"] = take(p + "hnorm.weight", D)
-        out[q + "eh_proj"] = linear(p + "eh_proj.weight", D, 2 * D, 2 * D, D)
-        out[q + "head_norm.scale"] = take(p + "shared_head.norm.weight", D)
+        step = Step(f"mtp.{k}", {q + "enorm.scale": take(p + "enorm.weight", D),
+                                 q + "hnorm.scale": take(p + "hnorm.weight", D),
+                                 q + "eh_proj": linear(p + "eh_proj.weight", D, 2 * D, 2 * D, D),
+                                 q + "head_norm.scale": take(p + "shared_head.norm.weight", D)})
         # the module's copies of the embedding and head: ours shares the main model's, so they must be equal
-        for name, main in ((p + "embed_tokens.weight", "model.embed_tokens.weight"),
-                           (p + "shared_head.head.weight", "lm_head.weight")):
-            if name in names and _digest(take(name, V, D)) != digests[main]:
-                raise HFImportError(f"{where}: tensor {name!r} differs from {main!r}; our MTP modules share the "
-                                    "main model's embedding and head (as DeepSeek-V3 trains them)")
-        yield from emit(out)
-        yield from layer(p, q + "block.", cfg.n_layers + k)
+        copies = [(name, main) for name, main in ((p + "embed_tokens.weight", "model.embed_tokens.weight"),
+                                                  (p + "shared_head.head.weight", "lm_head.weight")) if name in names]
+        for name, _ in copies:
+            check(name, (V, D))
+        step.copies = tuple(copies)
+        steps.append(step)
+        layer(p, q + "block.", cfg.n_layers + k, f"mtp.{k}")
     if names:
         raise HFImportError(f"{where}: unexpected tensor(s) {', '.join(sorted(names)[:4])} for the config in "
                             "config.json (a feature this importer does not know)")
+    return steps
+
+
+def variables(cfg: ModelConfig, layout: Layout, src, where: str):
+    """(our variable name, contiguous array) for every variable of `cfg`, from the HF tensors of `src` (`shapes`:
+    name -> shape, `read(name)`, `read_block(name, index)`, `release()`: moe.hf.tensors.SafetensorsFiles or
+    InMemory), a Step of `plan` at a time (a layer's norms and attention, each [E, ...] expert array, the rest of
+    the layer): a step's tensors are read when it is reached, `src` is released, and its variables are handed out
+    one by one and dropped here. Arrays are fp32, or with `src.keep_dtype` BF16 / F16 as stored (FP8 is
+    dequantized to fp32). Every check of `plan` comes first, before anything is read."""
+    keep = getattr(src, "keep_dtype", False)
+    digests = {}  # what the MTP layers' copies of the embedding and head must equal
+    for step in plan(cfg, layout, src.shapes, where):
+        out = read_step(step, src, where)
+        if step.group == "ends" and cfg.mtp_depth:
+            digests = {"model.embed_tokens.weight": _digest(out["embed"]),
+                       "lm_head.weight": _digest(out["embed"] if cfg.tie_embeddings else out["lm_head"].T)}
+        for name, main in step.copies:
+            if _digest(src.read(name)) != digests[main]:
+                raise HFImportError(f"{where}: tensor {name!r} differs from {main!r}; our MTP modules share the "
+                                    "main model's embedding and head (as DeepSeek-V3 trains them)")
+        src.release()
+        while out:
+            k = next(iter(out))
+            yield k, held(out.pop(k), keep)
+
+
+def read_step(step: Step, src, where: str) -> dict:
+    """The step's variables read whole from `src` (its tied head checked against the embedding)."""
+    out = {k: piece.read(src) for k, piece in step.pieces.items()}
+    if step.tied_head and not np.array_equal(src.read(step.tied_head), out["embed"]):
+        raise HFImportError(f"{where}: tie_word_embeddings is true but tensor {step.tied_head!r} differs from "
+                            f"{step.pieces['embed'].names[0]!r}; transformers then uses the stored head "
+                            "(moe.hf.load_model does too): set tie_word_embeddings to false")
+    return out
+
+
+KEPT_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
+
+
+def held(arr, keep: bool = False) -> np.ndarray:
+    """A variable as the model holds it: contiguous fp32, or with `keep` BF16 / F16 as stored (each exact in fp32,
+    what the computation casts them to)."""
+    return np.ascontiguousarray(arr, arr.dtype if keep and arr.dtype in KEPT_DTYPES else np.float32)
 
 
 def _mla(cfg, a, q, take, linear):
@@ -256,15 +317,17 @@ def _digest(arr) -> bytes:
     return hashlib.blake2b(np.ascontiguousarray(arr, np.float32).tobytes(), digest_size=16).digest()
 
 
-def _experts(cfg, layout, m, q, names, take, stacked, where):
-    """Routed experts [E, D, F] / [E, F, D] from the per-expert or the fused layout: name -> a function reading it."""
+def _experts(cfg, layout, m, q, names, check, stacked):
+    """Routed experts [E, D, F] / [E, F, D] from the per-expert or the fused layout: our name -> its Piece."""
     E, F, D = cfg.n_routed_experts, cfg.moe_d_ff, cfg.d_model
     gate, up, down = layout.experts
     if m + f"experts.0.{gate}.weight" in names:
-        return {f"{q}ffn.w_gate": lambda: stacked([f"{m}experts.{e}.{gate}.weight" for e in range(E)], D, F),
-                f"{q}ffn.w_up": lambda: stacked([f"{m}experts.{e}.{up}.weight" for e in range(E)], D, F),
-                f"{q}ffn.w_down": lambda: stacked([f"{m}experts.{e}.{down}.weight" for e in range(E)], F, D)}
-    gate_up = take(m + "experts.gate_up_proj", E, 2 * F, D)
-    return {f"{q}ffn.w_gate": lambda: gate_up[:, :F].transpose(0, 2, 1),
-            f"{q}ffn.w_up": lambda: gate_up[:, F:].transpose(0, 2, 1),
-            f"{q}ffn.w_down": lambda: take(m + "experts.down_proj", E, D, F).transpose(0, 2, 1)}
+        return {f"{q}ffn.w_gate": stacked([f"{m}experts.{e}.{gate}.weight" for e in range(E)], D, F),
+                f"{q}ffn.w_up": stacked([f"{m}experts.{e}.{up}.weight" for e in range(E)], D, F),
+                f"{q}ffn.w_down": stacked([f"{m}experts.{e}.{down}.weight" for e in range(E)], F, D)}
+    gate_up, down_proj = m + "experts.gate_up_proj", m + "experts.down_proj"
+    check(gate_up, (E, 2 * F, D))
+    check(down_proj, (E, D, F))
+    return {f"{q}ffn.w_gate": Piece((gate_up,), (E, F, D), (E, D, F), perm=(0, 2, 1)),
+            f"{q}ffn.w_up": Piece((gate_up,), (E, F, D), (E, D, F), perm=(0, 2, 1), rows=F),
+            f"{q}ffn.w_down": Piece((down_proj,), (E, D, F), (E, F, D), perm=(0, 2, 1))}
