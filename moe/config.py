@@ -4,10 +4,14 @@ config's `model` section builds this object (rundir/run_config.py).
 """
 
 import dataclasses
+import functools
 
 from moe.router import GROUP_SCORES, ROUTERS
 from plumbing.errors import ConfigError
 from plumbing.fields import at_least, between, check_fields, field, non_negative, one_of, positive
+
+# Far above any released model (DeepSeek-V3: 61 layers): the per-layer checks and the accounting stay instant.
+MAX_LAYERS = 4096
 
 MASK_MODES = ("causal", "prefix", "bidirectional", "mixed")
 QK_NORMS = ("none", "head", "full")
@@ -23,7 +27,7 @@ class ModelConfig:
     # Stack.
     vocab_size: int = field(8192, positive, doc="rows of the embedding and columns of the LM head")
     d_model: int = field(256, positive, doc="width of the residual stream")
-    n_layers: int = field(4, positive, doc="Transformer blocks")
+    n_layers: int = field(4, between(1, MAX_LAYERS), doc="Transformer blocks")
     n_heads: int = field(4, positive, doc="query heads")
     n_kv_heads: int = field(4, positive, doc="key/value heads (< n_heads: grouped-query attention)")
     head_dim: int = field(64, positive, doc="dims of one head")
@@ -101,7 +105,7 @@ class ModelConfig:
                                                     "hash layers: router 'hash', whatever model.router is)")
     layer_top_k: str = field("", doc="comma-separated top-k of each MoE layer of the main model, in order "
                                      "(Hunyuan's moe_topk list); '' = top_k in every layer (and the MTP blocks)")
-    mtp_depth: int = field(0, non_negative, doc="multi-token prediction modules (DeepSeek-V3, moe/mtp.py): module k "
+    mtp_depth: int = field(0, between(0, MAX_LAYERS), doc="multi-token prediction modules (DeepSeek-V3, moe/mtp.py): module k "
                                                 "predicts the token k + 1 ahead; training only")
     init_std: float = field(0.02, positive, doc="std of the initial weights")
 
@@ -116,7 +120,7 @@ class ModelConfig:
         d = {RENAMED_FIELDS.get(k, k): v for k, v in d.items() if k not in LEGACY_EXECUTION_FIELDS}
         return cls(**d)
 
-    @property
+    @functools.cached_property
     def moe_layer_ids(self) -> tuple[int, ...]:
         """Indices of the MoE layers, in order (the layer axis of expert_load and of the routing biases)."""
         return tuple(i for i in range(self.n_layers) if self.is_moe_layer(i))
@@ -125,7 +129,7 @@ class ModelConfig:
     def n_moe_layers(self) -> int:
         return len(self.moe_layer_ids)
 
-    @property
+    @functools.cached_property
     def mtp_moe_layer_ids(self) -> tuple[int, ...]:
         """Layer indices of the MoE blocks of the MTP modules (module k is layer n_layers + k - 1)."""
         return tuple(i for i in range(self.n_layers, self.n_layers + self.mtp_depth) if self.is_moe_layer(i))
@@ -135,7 +139,7 @@ class ModelConfig:
         """The rows of the train step's expert load and routing biases: the MoE layers, then the MTP modules'."""
         return self.moe_layer_ids + self.mtp_moe_layer_ids
 
-    @property
+    @functools.cached_property
     def dense_layer_ids(self) -> tuple[int, ...]:
         return _layer_ids(self.dense_layers)
 
@@ -148,7 +152,7 @@ class ModelConfig:
         """Router outputs per MoE layer: the routed experts, then the zero experts."""
         return self.n_routed_experts + self.n_zero_experts
 
-    @property
+    @functools.cached_property
     def hash_layer_ids(self) -> tuple[int, ...]:
         """The MoE layers that route by token id: the first n_hash_layers of the main model (an MTP block does not,
         as in DeepSeek-V4, whose hash layers are the layer ids below num_hash_layers), or with router 'hash' every
@@ -160,14 +164,19 @@ class ModelConfig:
 
     def layer_router(self, layer: int | None = None) -> str:
         """The ROUTERS entry of MoE layer `layer` (None: the model's router)."""
-        return "hash" if layer is not None and layer in self.hash_layer_ids else self.router
+        return "hash" if layer is not None and layer in self._hash_layers else self.router
+
+    @functools.cached_property
+    def _hash_layers(self) -> frozenset[int]:
+        return frozenset(self.hash_layer_ids)
 
     def moe_top_k(self, layer: int | None = None) -> int:
         """K of MoE layer `layer`: its layer_top_k entry; top_k for an MTP block or layer None."""
-        ks = _layer_ids(self.layer_top_k)
-        if ks and layer in self.moe_layer_ids:
-            return ks[self.moe_layer_ids.index(layer)]
-        return self.top_k
+        return self._layer_top_k.get(layer, self.top_k)
+
+    @functools.cached_property
+    def _layer_top_k(self) -> dict[int, int]:
+        return dict(zip(self.moe_layer_ids, _layer_ids(self.layer_top_k)))
 
     @property
     def shared_width(self) -> int:

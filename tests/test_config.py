@@ -2,6 +2,7 @@
 
 import dataclasses
 import importlib
+import time
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,20 @@ def test_moe_layer_placement():
     cfg = ModelConfig(n_layers=6, first_k_dense=1, moe_layer_step=2, dense_layers="3")
     assert cfg.moe_layer_ids == (1, 5) and cfg.n_moe_layers == 2
     assert ModelConfig(n_layers=4, first_k_dense=0, dense_layers=" 0, 2 ").dense_layer_ids == (0, 2)
+
+
+@pytest.mark.parametrize("field", ["n_layers", "mtp_depth"])
+def test_layer_counts_are_bounded_and_checked_in_time_independent_of_them(field):
+    with pytest.raises(ConfigError, match=f"model.{field}: must be in \\[.*4096\\], got 1000000000"):
+        ModelConfig(**{field: 10**9})
+    # the largest accepted model validates and is counted without work quadratic in its depth
+    from moe.accounting import param_counts
+
+    start = time.perf_counter()
+    big = ModelConfig(n_layers=4096, mtp_depth=4096, first_k_dense=1, n_hash_layers=4000,
+                      layer_top_k=",".join(["2"] * 4095))
+    assert param_counts(big)["total"] > 0 and big.moe_top_k(4095) == 2 and big.layer_router(3) == "hash"
+    assert time.perf_counter() - start < 10
 
 
 def test_checkpoint_written_before_new_fields_still_resumes():
