@@ -8,8 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
-from analysis.routing import plots, stats, tokens_html
+from analysis.routing import plots, stats, step0, tokens_html
 from analysis.routing.collect import Analysis
+from rundir.provenance import provenance
 
 
 def _layer_label(result, i):
@@ -20,7 +21,8 @@ def write_json(a: Analysis, path, meta, maxvio_series):
     """routing.json: run metadata, per layer how it routes ("layers": routed_by top_k or hash, its K, the zero
     experts' share of the choices and load), readable per-layer/domain shares (the routed experts'; beside them
     the zero experts') and per-token distributions, then every small metric array of the accumulator under
-    "metrics" (NaN -> null)."""
+    "metrics" (NaN -> null); "locality": per layer each locality measure beside its chance levels, and
+    "provenance" (commit, jax, machine)."""
     r = a.result
     L, Z = int(r["n_layers"]), int(r.get("n_zero_experts", 0))  # results saved before these keys: none of either
     hashed_L, k_L = r.get("hash_routed_L", np.zeros(L, bool)), r.get("top_k_L", np.full(L, int(r["top_k"])))
@@ -47,12 +49,31 @@ def write_json(a: Analysis, path, meta, maxvio_series):
                uniform_share=int(r["top_k"]) / (int(r["n_experts"]) + Z),
                token_notes=a.token_notes, timing={"tokens": a.n_tokens, "seconds": a.seconds,
                                                   "tokens_per_second": a.n_tokens / max(a.seconds, 1e-9)},
-               per_layer=per_layer, tokens=tokens, saturation=a.saturation,
+               per_layer=per_layer, tokens=tokens, saturation=a.saturation, locality=locality_table(r),
                maxvio_training={str(k): {"steps": s, "maxvio": v} for k, (s, v) in maxvio_series.items()},
-               metrics=stats.to_jsonable(r))
+               metrics=stats.to_jsonable(r), provenance=provenance())
     with open(path, "w") as f:
         json.dump(_plain(doc), f, indent=1)
     return path
+
+
+def locality_table(r):
+    """{"layer L": {measure: {"trained", "uniform", "load_matched_null", "token_identity_null", "step0"}}} for
+    measure in first / any / overlap; a chance level not measured (step 0 of an HF model, the nulls of
+    any-overlap, the token-identity null with zero experts or without the token tables) is absent."""
+    out = {}
+    for i in range(int(r["n_layers"])):
+        row = {}
+        for m, _ in plots.LOCALITY:
+            cell = {"trained": r[f"loc_{m}_L"][i],
+                    "uniform": r.get(f"baseline_{m}_L", np.full(int(r["n_layers"]), r[f"baseline_{m}"]))[i]}
+            for key, name in ((f"loadmatched_{m}_L", "load_matched_null"), (f"tokennull_{m}_L", "token_identity_null"),
+                              (f"step0_loc_{m}_L", "step0")):
+                if key in r:
+                    cell[name] = r[key][i]
+            row[m] = cell
+        out[_layer_label(r, i)] = row
+    return out
 
 
 def _plain(x):
@@ -124,11 +145,15 @@ def write_outputs(a: Analysis, out, meta, series, layer, final_step=None, compar
 
 def write_run_outputs(a: Analysis, out, run_, workdir, layer, split=None, max_tokens=None,
                       compare_step=None):
-    """`write_outputs` for a run (`python -m analysis.routing --workdir` and the notebook): its metadata and
-    its MaxVio over training from WORKDIR/metrics.jsonl. `layer`: the MoE-layer index of the summary."""
+    """`write_outputs` for a run (`python -m analysis.routing --workdir` and the notebook): its metadata, its
+    MaxVio over training from WORKDIR/metrics.jsonl, and the untrained router's locality on the same tokens
+    (`step0.locality`: one more routing pass, added to a.result as step0_loc_*_L). `layer`: the MoE-layer index
+    of the summary."""
+    untrained = step0.locality(run_, split, max_tokens)
+    a.result.update({k: v for k, v in untrained.items() if k != "step0_source"})
     meta = {"workdir": str(workdir), "step": run_.step, "compare_step": compare_step,
             "split": split or run_.config.data.eval_split, "max_tokens": max_tokens,
-            "layer": int(a.result["layer_ids_L"][layer])}
+            "layer": int(a.result["layer_ids_L"][layer]), "step0_source": untrained["step0_source"]}
     return write_outputs(a, out, meta, maxvio_series(workdir), layer, final_step=run_.step,
                          compare_step=compare_step)
 

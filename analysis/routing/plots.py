@@ -11,6 +11,7 @@ a random router has a known value (uniform share K/E, co-activation (K-1)/(E-1))
 import math
 
 import numpy as np
+from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
 from analysis.figures import count, grid, plt, save, title
@@ -145,28 +146,60 @@ def plot_token_experts(result, path, token_text, which="track", max_tokens=None)
     return save(fig, path)
 
 
+LOCALITY = (("first", "same first choice"), ("any", "any top-k overlap"), ("overlap", "mean overlap fraction"))
+# key in the result, label, marker, colour of each chance level drawn beside the trained bars.
+LOCALITY_NULLS = (("loadmatched_{m}_L", "load-matched null (sets permuted over all tokens)", "_", "black"),
+                  ("tokennull_{m}_L", "token-identity null (permuted within each token id)", "D", "tab:purple"))
+
+
 def plot_locality(result, path):
-    """Per layer: first-choice repeat, any top-k overlap and mean overlap fraction with the previous token,
-    against their random-router baselines (dashed)."""
+    """One panel per locality measure (first-choice repeat, any top-k overlap, mean overlap fraction with the
+    previous token of the same document): per layer the trained value (blue bar) and, where measured, the
+    untrained router's (step0_*_L, orange bar), beside the load-matched null (black tick) and the token-identity
+    null (purple diamond), both exact expectations (analysis.routing.nulls), and the uniform router (dashed;
+    1/E, 1 - C(E-K,K)/C(E,K), K/E). Any-overlap has no exact null beyond the uniform one."""
     n_layers = int(result["n_layers"])
     x = np.arange(n_layers)
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * n_layers + 3), 4.4))
-    series = [("loc_first_L", "baseline_first", "same first choice", "tab:blue"),
-              ("loc_any_L", "baseline_any", "any top-k overlap", "tab:orange"),
-              ("loc_overlap_L", "baseline_overlap", "mean overlap fraction", "tab:green")]
-    width, handles = 0.27, []
-    for i, (key, base, label, color) in enumerate(series):
-        handles.append(ax.bar(x + (i - 1) * width, result[key], width, label=label, color=color))
-        handles.append(ax.axhline(float(result[base]), color=color, linestyle="--", linewidth=1.2, zorder=3,
-                                  label=f"random: {float(result[base]):.3f}"))
-    ax.set_xticks(x)
-    ax.set_xticklabels(layer_labels(result), fontsize=8, rotation=45 if n_layers > 12 else 0)
-    ax.set_ylabel("share of consecutive token pairs")
-    ax.set_ylim(0, 1.04)  # bars at exactly 1 stay visible
-    ax.set_title(f"Routing locality vs previous token (top-{int(result['top_k'])} of {int(result['n_experts'])})")
-    # Below the axes so tall bars are never hidden; columns pair each metric with its baseline.
-    ax.legend(handles=handles, fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.1))
-    return save(fig, path)
+    step0 = "step0_loc_first_L" in result
+    fig, axes = grid(3, 3, max(3.6, 0.32 * n_layers + 1.6), 3.6)
+    width = 0.36 if step0 else 0.6
+    for ax, (m, label) in zip(axes, LOCALITY):
+        ax.bar(x - width / 2 * step0, result[f"loc_{m}_L"], width, color="tab:blue", label="trained")
+        if step0:
+            ax.bar(x + width / 2, result[f"step0_loc_{m}_L"], width, color="tab:orange", alpha=0.8,
+                   label="step 0 (untrained router)")
+        for key, null_label, marker, color in LOCALITY_NULLS:
+            if key.format(m=m) in result:
+                # Drawn on the trained bar they are the chance levels of; the diamond a little right of the tick.
+                dx = -width / 2 * step0 + (0.0 if marker == "_" else width / 4)
+                ax.plot(x + dx, result[key.format(m=m)], marker, color=color, linestyle="none",
+                        markersize=16 if marker == "_" else 5, markeredgewidth=2.4, label=null_label, zorder=4)
+        if not any(key.format(m=m) in result for key, *_ in LOCALITY_NULLS):
+            ax.text(0.02, 0.97, "no exact null beyond the uniform router", transform=ax.transAxes, fontsize=7,
+                    va="top", color="0.35")
+        uniform = np.asarray(result.get(f"baseline_{m}_L", [result[f"baseline_{m}"]] * n_layers), np.float64)
+        ax.plot(np.r_[x - 0.5, x[-1] + 0.5] if n_layers else x, np.r_[uniform, uniform[-1:]] if n_layers else uniform,
+                drawstyle="steps-post", color="crimson", linestyle="--", linewidth=1.2,
+                label=f"uniform router ({float(uniform[0]):.3f})")
+        ax.set_xticks(x)
+        ax.set_xticklabels(layer_labels(result), fontsize=7, rotation=45 if n_layers > 6 else 0)
+        ax.set_xlim(-0.6, n_layers - 0.4)
+        top = max(np.nanmax([np.nanmax(np.asarray(result[k], np.float64)) for k in
+                             [f"loc_{m}_L", f"step0_loc_{m}_L", f"baseline_{m}_L"] if k in result]), 0.05)
+        ax.set_ylim(0, min(1.04, top * 1.25))
+        ax.set_title(label, fontsize=9)
+        ax.tick_params(axis="y", labelsize=7)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("share of consecutive token pairs\n(same document)", fontsize=8)
+    order = ["trained", "step 0 (untrained router)"] + [lab for _, lab, _, _ in LOCALITY_NULLS]
+    found = {lab: h for ax in axes for h, lab in zip(*ax.get_legend_handles_labels())}
+    labels = [lab for lab in order if lab in found]
+    handles = [found[lab] for lab in labels] + [Line2D([], [], color="crimson", linestyle="--", linewidth=1.2)]
+    labels.append("uniform router (1/E; any-overlap 1 - C(E-K,K)/C(E,K); K/E)")
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=7)
+    fig.suptitle(f"Routing locality vs the previous token (top-{int(result['top_k'])} of "
+                 f"{int(result['n_experts'])}), beside its chance levels", fontsize=10)
+    return save(fig, path, rect=(0, (0.25 + 0.16 * ((len(labels) + 1) // 2)) / fig.get_figheight(), 1, 1))
 
 
 def plot_vocab_specialization(result, path):

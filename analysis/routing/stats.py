@@ -14,8 +14,15 @@ Usage (the CLI runs the model batch by batch and feeds each batch's routing extr
         acc.update(routing_per_layer, tokens_BxL, domains_BxL, valid_BxL, segment_ids_BxL)
     result = acc.finalize()            # dict of numpy arrays: np.savez(path, **result)
     json.dump(to_jsonable(result), f)  # small arrays only, NaN -> null
-Only counts are kept, never activations; memory is dominated by the L*V*E int32 token table
-(disable with track_vocab=False, which drops vocabulary specialization and the frequent-token table).
+Only counts are kept, never activations; memory is dominated by the two L*V*E int32 token tables (top-k and
+first choice; disable with track_vocab=False, which drops vocabulary specialization, the frequent-token table and
+the token-identity null).
+
+Locality is reported beside three chance levels, all exact (no sampling): the uniform router (1/E, ...), the
+load-matched null (every analysed token's top-k set dealt at random to the analysed positions: each expert keeps
+its load) and the token-identity null (the sets dealt at random among the occurrences of the same token id: token
+identity kept, everything beyond it destroyed). Both nulls are expectations over the permutation, computed from
+count tables: `load_matched_locality`, `token_null_locality`.
 """
 
 import math
@@ -23,6 +30,7 @@ import re
 
 import numpy as np
 
+from analysis.routing.nulls import PairCounts, grown, load_matched_locality, token_null_locality
 from moe import router
 from rundir.metrics import read_rows
 
@@ -162,11 +170,16 @@ class RoutingAccumulator:
         self.loc_any_L = np.zeros(L, np.int64)
         self.loc_overlap_L = np.zeros(L, np.int64)  # sum of |A & B| over pairs; / (K * pairs) at the end
         self.n_pairs = 0
+        # Every candidate's first-choice and top-k load (zero experts included): the load-matched null.
+        self.cand_first_LxC = np.zeros((L, E + (n_zero_experts or 0)), np.int64)
+        self.cand_load_LxC = np.zeros((L, E + (n_zero_experts or 0)), np.int64)
         self.track_n_T = np.zeros(len(self.track_ids_T), np.int64)
         self.track_LxTxE = np.zeros((L, len(self.track_ids_T), E), np.int64)
         if track_vocab:  # int32: L*V*E entries is the one large table
             self.tok_n_V = np.zeros(vocab_size, np.int64)
             self.tok_LxVxE = np.zeros((L, vocab_size, E), np.int32)
+            self.tok_first_LxVxE = np.zeros((L, vocab_size, E), np.int32)
+            self.bigrams = PairCounts()  # (previous id, id) of every locality pair: the token-identity null
 
     def _layer_k(self, layer, k):
         if not self.seen_K[layer] and not self.fixed_K:
@@ -203,6 +216,8 @@ class RoutingAccumulator:
         # Locality pairs: (t-1, t) both valid and in the same document of the same row.
         pair_BxS1 = valid_BxS[:, 1:] & valid_BxS[:, :-1] & (seg_BxS[:, 1:] == seg_BxS[:, :-1])
         self.n_pairs += int(pair_BxS1.sum())
+        if self.track_vocab:
+            self.bigrams.add(tokens[:, :-1][pair_BxS1].astype(np.int64) * self.V + tokens[:, 1:][pair_BxS1])
         self.n_tokens_D += np.bincount(dom_N, minlength=self.D)
         track_hit_NxT = tok_N[:, None] == self.track_ids_T[None, :]
         self.track_n_T += track_hit_NxT.sum(0)
@@ -216,6 +231,11 @@ class RoutingAccumulator:
             ids_NxK = ids_BxSxK[valid_BxS]
             self._zero_ids(layer, ids_NxK)
             real_NxK = ids_NxK < E
+            n_cand = E + self.zero_LxDxZ.shape[-1]
+            self.cand_first_LxC, self.cand_load_LxC = (grown(t, n_cand) for t in (self.cand_first_LxC,
+                                                                                  self.cand_load_LxC))
+            self.cand_first_LxC[layer] += np.bincount(ids_NxK[:, 0], minlength=n_cand)
+            self.cand_load_LxC[layer] += np.bincount(ids_NxK.reshape(-1), minlength=n_cand)
             dom_NxK = np.broadcast_to(dom_N[:, None], ids_NxK.shape)
             de_M = (dom_NxK * E + ids_NxK)[real_NxK]  # the routed experts' copies only
             self.counts_LxDxE[layer] += np.bincount(de_M, minlength=D * E).reshape(D, E)
@@ -249,6 +269,7 @@ class RoutingAccumulator:
                 self.track_LxTxE[layer, t] += np.bincount(ids_NxK[hit_NxK], minlength=E)
             if self.track_vocab:
                 np.add.at(self.tok_LxVxE[layer].reshape(-1), (tok_N[:, None] * E + ids_NxK)[real_NxK], 1)
+                np.add.at(self.tok_first_LxVxE[layer].reshape(-1), (tok_N * E + ids_NxK[:, 0])[first_real_N], 1)
 
     def finalize(self):
         """Metrics as a flat dict of numpy arrays (scalars as 0-d arrays), ready for np.savez.
@@ -258,8 +279,11 @@ class RoutingAccumulator:
         0 if no gates were given). Routed experts only: with zero experts each row sums to K (1) minus the zero
         experts' zero_share_LxD (zero_first_LxD), and zero_load_LxZ, zero_gate_share_LxD hold theirs.
         Load: load_LxE (top-k assignments), maxvio_L, dead_LxE (bool), over the routed experts. Locality:
-        loc_first_L, loc_any_L, loc_overlap_L (mean |A & B| / K), baseline_first/_any/_overlap (for top_k
-        and every candidate; per layer: baseline_*_L), n_pairs. coact_LxExE. Per layer: top_k_L, hash_routed_L.
+        loc_first_L, loc_any_L, loc_overlap_L (mean |A & B| / K), n_pairs; the uniform router's
+        baseline_first/_any/_overlap (for top_k and every candidate; per layer: baseline_*_L); the load-matched
+        null loadmatched_first_L, loadmatched_overlap_L; with track_vocab and no zero experts the token-identity
+        null tokennull_first_L, tokennull_overlap_L (no exact null of any-overlap: it needs the joint
+        distribution of the sets). coact_LxExE. Per layer: top_k_L, hash_routed_L.
         Tokens: track_ids_T, track_n_T, track_share_TxLxE (share of occurrences with e in top-k);
         with track_vocab also freq_ids_N, freq_n_N, freq_share_NxLxE, vocab_spec_LxE, vocab_spec_L,
         vocab_n_eligible, vocab_min_count, tok_n_V, tok_counts_LxVxE."""
@@ -289,6 +313,16 @@ class RoutingAccumulator:
             coact_LxExE=coactivation(self.pairs_LxExE, load_LxE),
             track_ids_T=self.track_ids_T, track_n_T=self.track_n_T, track_share_TxLxE=track_share_TxLxE,
         )
+        loadmatched = [load_matched_locality(first_C, load_C, k)
+                       for first_C, load_C, k in zip(self.cand_first_LxC, self.cand_load_LxC, self.K_L)]
+        out.update(loadmatched_first_L=np.asarray([m[0] for m in loadmatched]).reshape(self.L),
+                   loadmatched_overlap_L=np.asarray([m[1] for m in loadmatched]).reshape(self.L))
+        if self.track_vocab and not Z:  # the token tables count routed experts only
+            keys_P, counts_P = self.bigrams.merge()
+            null = [token_null_locality(self.tok_first_LxVxE[i], self.tok_LxVxE[i], self.tok_n_V, keys_P, counts_P,
+                                        self.V, int(self.K_L[i])) for i in range(self.L)]
+            out.update(tokennull_first_L=np.asarray([m[0] for m in null]).reshape(self.L),
+                       tokennull_overlap_L=np.asarray([m[1] for m in null]).reshape(self.L))
         if Z:
             out.update(zero_share_LxD=per_token(self.zero_LxDxZ.sum(-1)), zero_first_LxD=per_token(self.zero_first_LxD),
                        zero_gate_share_LxD=per_token(self.zero_gate_LxD), zero_load_LxZ=self.zero_LxDxZ.sum(1),
@@ -368,8 +402,19 @@ def to_jsonable(result, max_size=100_000):
     return out
 
 
+def _chance(result, measure, i, n_layers):
+    """'uniform u, load-matched x, token null y, step 0 z' for locality `measure` of layer i (those measured)."""
+    uniform = float(result.get(f"baseline_{measure}_L", [result[f"baseline_{measure}"]] * n_layers)[i])
+    parts = [f"uniform {uniform:.3f}"]
+    for key, name in ((f"loadmatched_{measure}_L", "load-matched"), (f"tokennull_{measure}_L", "token null"),
+                      (f"step0_loc_{measure}_L", "step 0")):
+        if key in result:
+            parts.append(f"{name} {float(result[key][i]):.3f}")
+    return ", ".join(parts)
+
+
 def summary_text(result, domain_names=None, n_top=3, layer=-1):
-    """A short terminal summary: per layer MaxVio, locality vs random, dead experts (with zero experts: their
+    """A short terminal summary: per layer MaxVio, locality beside its chance levels, dead experts (with zero experts: their
     share of the choices; a hash-routed layer says so), and per domain the n_top most specialized experts
     (highest top-k share) at `layer` (default the last)."""
     L, K, E = int(result["n_layers"]), int(result["top_k"]), int(result["n_experts"])
@@ -383,7 +428,7 @@ def summary_text(result, domain_names=None, n_top=3, layer=-1):
     head = f"top-{K}" if not per_layer_k else f"top-{'/'.join(str(int(k)) for k in k_L)} (per layer)"
     zero = f" + {Z} zero experts" if Z else ""
     uniform = "/".join(f"{int(k) / (E + Z):.3f}" for k in dict.fromkeys(np.asarray(k_L).tolist()) or [K])
-    lines = [f"{int(result['n_tokens'])} tokens, {L} MoE layers, {head} of {E} experts{zero} (uniform share "
+    lines = [f"{int(result['n_tokens']):,} tokens, {L} MoE layer{'s' * (L != 1)}, {head} of {E} experts{zero} (uniform share "
              f"{uniform})"]
     for i in range(L):
         dead = np.flatnonzero(result["dead_LxE"][i]).tolist()
@@ -395,9 +440,8 @@ def summary_text(result, domain_names=None, n_top=3, layer=-1):
         k_note = f" top-{int(k_L[i])}" if per_layer_k else ""
         lines.append(
             f"{name(i)}:{k_note} maxvio {result['maxvio_L'][i]:.2f}  first-choice locality "
-            f"{result['loc_first_L'][i]:.3f} (rand {float(result.get('baseline_first_L', [result['baseline_first']] * L)[i]):.3f})"
-            f"  any-overlap {result['loc_any_L'][i]:.3f} (rand "
-            f"{float(result.get('baseline_any_L', [result['baseline_any']] * L)[i]):.3f})  dead {dead or 'none'}{extra}")
+            f"{result['loc_first_L'][i]:.3f} ({_chance(result, 'first', i, L)})  any-overlap "
+            f"{result['loc_any_L'][i]:.3f} ({_chance(result, 'any', i, L)})  dead {dead or 'none'}{extra}")
     layer = layer % L
     share_DxE = result["share_LxDxE"][layer]
     for d, dom in enumerate(names):

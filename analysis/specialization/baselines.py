@@ -1,22 +1,30 @@
-"""What a specialization metric would read without specialization: the model at step 0, and a random router
-with the same load.
+"""What a specialization metric would read without specialization: two nulls (permutations of the trained
+routing) and the untrained router.
 
     record = route_record(run.model, run.config, max_tokens=4096)   # every analysed token's top-k, per layer
     trained = headline(accumulate(record))                         # {metric: value per MoE layer}
-    chance = headline(accumulate(record, rng=np.random.default_rng(0)))   # one random router
-    step0 = headline(accumulate(route_record(init_model(run), run.config, max_tokens=4096)))
+    chance = headline(accumulate(record, rng=np.random.default_rng(0)))   # one load-matched random router
+    null = headline(accumulate(record, rng=np.random.default_rng(0), within_tokens=True))   # token-identity null
+    model, source = untrained(run)                                 # step-0 checkpoint, or the initialization
+    step0 = headline(accumulate(route_record(model, run.config, max_tokens=4096)))
 
-Random router with the same load: each layer's top-k sets (ids with their gates) permuted across every
-analysed token. Each expert keeps exactly its load (MaxVio and dead experts unchanged) and each set of
-experts its frequency (co-activation unchanged), but which token, domain or neighbour gets which set is
-now chance. What a metric still reads under the permutation is what the load imbalance and the finite
-sample produce alone: a domain's favourite expert gets at least the busiest expert's load, and a token seen
-ten times has a favourite expert by luck.
+Load-matched null (the random router with the same load): each layer's top-k sets (ids with their gates)
+permuted across every analysed token. Each expert keeps exactly its load (MaxVio and dead experts unchanged)
+and each set of experts its frequency (co-activation unchanged), but which token, domain or neighbour gets
+which set is now chance. What a metric still reads under it is what the load imbalance and the finite sample
+produce alone: a domain's favourite expert gets at least the busiest expert's load, and a token seen ten
+times has a favourite expert by luck.
 
-Step 0: `init_model` rebuilds the model training started from (train/state.py initializes
-Transformer(cfg, nnx.Rngs(train.seed)) under jit, routing biases zero), so no step-0 checkpoint is needed. It
-answers a different question: how much of the structure (e.g. routing by token identity, which a random
-router embedding already gives) is there before any training.
+Token-identity null: the sets permuted among the occurrences of the same token id only. Each token keeps its
+distribution over experts (vocabulary specialization and the load are unchanged by construction), and each
+domain its token frequencies; what routing carries beyond the token id (context, position, domain) is gone.
+A metric above this null is specialization the token ids do not explain; a router that is a function of the
+token id reads exactly its null (tests/test_routing_nulls.py).
+
+Step 0 (`analysis.routing.step0.untrained`): the run's step-0 checkpoint if it has one, else the model
+training started from, rebuilt with the trainer's initializer and the run's seed (the trainer saves no step-0
+checkpoint). It answers a different question: how much of the structure (e.g. routing by token identity, which
+a random router embedding already gives) is there before any training.
 
 Shape key: L MoE layers, E experts, K top-k, D domains, N analysed tokens.
 """
@@ -29,7 +37,10 @@ from flax import nnx
 
 from analysis.routing import collect
 from analysis.routing.stats import RoutingAccumulator
-from moe import Transformer
+from analysis.routing.step0 import init_model, untrained
+
+__all__ = ["HEADLINE", "RoutingRecord", "accumulate", "headline", "init_model", "random_router", "route_record",
+           "token_null", "untrained"]
 
 # name -> what it measures (the plots' panel titles and the docs use these words).
 HEADLINE = {
@@ -53,14 +64,6 @@ class RoutingRecord:
     vocab_size: int
 
 
-def init_model(run) -> Transformer:
-    """The model of `run` at step 0: the same initializer and seed as training, under jit as in
-    train.state.init_state (eagerly, XLA would round a few initial values differently, by one ulp)."""
-    cfg, seed = run.model.cfg, run.config.train.seed
-    graphdef, state = jax.jit(lambda: nnx.split(Transformer(cfg, nnx.Rngs(seed))))()
-    return nnx.merge(graphdef, state)
-
-
 def route_record(model, config, split=None, max_tokens=None, batch_size=None) -> RoutingRecord:
     """Routes every domain of `split` (collect.batches: the same tokens for any model of this config)."""
     batch_size = batch_size or config.eval.batch_size
@@ -78,14 +81,16 @@ def route_record(model, config, split=None, max_tokens=None, batch_size=None) ->
     return RoutingRecord(kept, names, cfg.n_routed_experts, cfg.top_k, cfg.vocab_size)
 
 
-def _permuted(record: RoutingRecord, rng):
-    """Per layer, the valid tokens' (ids, gates) rows in a random order, cut back into the batches' slots."""
+def _permuted(record: RoutingRecord, rng, within_tokens=False):
+    """Per layer, the valid tokens' (ids, gates) rows in a random order, cut back into the batches' slots; with
+    within_tokens, each row moves only among the occurrences of its own token id."""
     n_layers = len(record.batches[0]["ids"]) if record.batches else 0
     out = [{"ids": [], "gates": []} for _ in record.batches]
+    tok_N = np.concatenate([b["tokens"][b["valid"]] for b in record.batches]) if record.batches else np.zeros(0)
     for layer in range(n_layers):
         ids_NxK = np.concatenate([b["ids"][layer][b["valid"]] for b in record.batches])
         gates_NxK = np.concatenate([b["gates"][layer][b["valid"]] for b in record.batches])
-        perm_N = rng.permutation(len(ids_NxK))
+        perm_N = _within(tok_N, rng) if within_tokens else rng.permutation(len(ids_NxK))
         ids_NxK, gates_NxK, start = ids_NxK[perm_N], gates_NxK[perm_N], 0
         for b, o in zip(record.batches, out):
             n = int(b["valid"].sum())
@@ -97,9 +102,20 @@ def _permuted(record: RoutingRecord, rng):
     return out
 
 
-def accumulate(record: RoutingRecord, rng=None, **acc_kwargs) -> dict:
-    """RoutingAccumulator.finalize() over the record; with `rng`, of the random router with the same load."""
-    routed = _permuted(record, rng) if rng is not None else record.batches
+def _within(tok_N, rng):
+    """A permutation of 0..N-1 that maps every position to a random position holding the same token id: the
+    positions sorted by id (stably) receive the same id's positions in a random order."""
+    by_id_N = np.argsort(tok_N, kind="stable")
+    shuffled_N = np.lexsort((rng.random(len(tok_N)), tok_N))
+    perm_N = np.empty(len(tok_N), np.int64)
+    perm_N[by_id_N] = shuffled_N
+    return perm_N
+
+
+def accumulate(record: RoutingRecord, rng=None, within_tokens=False, **acc_kwargs) -> dict:
+    """RoutingAccumulator.finalize() over the record; with `rng`, of a null: the load-matched random router, or
+    with within_tokens the token-identity null."""
+    routed = _permuted(record, rng, within_tokens) if rng is not None else record.batches
     n_layers = len(record.batches[0]["ids"]) if record.batches else 0
     acc = RoutingAccumulator(n_layers, record.n_experts, record.top_k, len(record.domain_names),
                              record.vocab_size, **acc_kwargs)
@@ -144,8 +160,14 @@ def headline(result) -> dict:
     return {k: out[k] for k in HEADLINE if k in out}
 
 
-def random_router(record: RoutingRecord, n_shuffles=20, seed=0) -> dict:
-    """{metric: [n_shuffles, L]} of `headline` under n_shuffles independent permutations."""
+def random_router(record: RoutingRecord, n_shuffles=20, seed=0, within_tokens=False) -> dict:
+    """{metric: [n_shuffles, L]} of `headline` under n_shuffles independent permutations: the load-matched null,
+    or with within_tokens the token-identity null."""
     rng = np.random.default_rng(seed)
-    runs = [headline(accumulate(record, rng=rng)) for _ in range(n_shuffles)]
+    runs = [headline(accumulate(record, rng=rng, within_tokens=within_tokens)) for _ in range(n_shuffles)]
     return {k: np.stack([r[k] for r in runs]) for k in runs[0]} if runs else {}
+
+
+def token_null(record: RoutingRecord, n_shuffles=20, seed=0) -> dict:
+    """{metric: [n_shuffles, L]} of `headline` under n_shuffles permutations within each token id's occurrences."""
+    return random_router(record, n_shuffles, seed, within_tokens=True)

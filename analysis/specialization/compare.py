@@ -1,5 +1,6 @@
 """Each headline routing metric of one or several runs of one config (seeds) beside the same metric for the
-model at step 0 and for a random router with the same load (baselines.py), with its interval over the runs.
+untrained router (step 0), the load-matched null and the token-identity null (baselines.py), with its interval
+over the runs.
 
     measured = [measure(run, split=None, max_tokens=4096, n_shuffles=20) for run in runs]
     doc = document(runs, measured, None, 4096, 20)    # specialization.json
@@ -13,6 +14,11 @@ from analysis.routing.stats import favourite_agreement, plain_json
 from analysis.specialization import baselines
 from plumbing.errors import UserError
 from rundir.config_layout import ADDED_KEYS
+from rundir.provenance import provenance
+
+# Metrics the token-identity null leaves unchanged by construction (it keeps every token's expert counts and
+# every expert's load): their null band is the trained value, and "above the null" cannot be asked of them.
+KEPT_BY_TOKEN_NULL = ("vocab_spec", "maxvio")
 
 # Keys that may differ between runs of "one config": the seed, and where and how often the run wrote files.
 FREE_KEYS = ("train.seed", "checkpoint.", "log.")
@@ -39,17 +45,20 @@ def check_same_config(runs):
 
 
 def measure(run, split, max_tokens, n_shuffles, batch_size=None):
-    """{"n_tokens": N, "trained": {metric: [L]}, "step0": {metric: [L]}, "random": {metric: [n_shuffles, L]}} for one run."""
+    """{"n_tokens": N, "trained": {metric: [L]}, "step0": {metric: [L]}, "random": {metric: [n_shuffles, L]},
+    "token_null": {metric: [n_shuffles, L]}, "step0_source": str, "favourite_vs_step0": ...} for one run."""
     record = baselines.route_record(run.model, run.config, split, max_tokens, batch_size)
     if not record.batches or not any(b["valid"].any() for b in record.batches):
         raise UserError(f"no tokens to analyse in split {split or run.config.data.eval_split!r}; check --split")
-    init = baselines.route_record(baselines.init_model(run), run.config, split, max_tokens, batch_size)
+    model0, source = baselines.untrained(run)
+    init = baselines.route_record(model0, run.config, split, max_tokens, batch_size)
     trained, step0 = baselines.accumulate(record), baselines.accumulate(init)
     agree_L, chance_L, n_ids = favourite_agreement(trained["tok_counts_LxVxE"], step0["tok_counts_LxVxE"],
                                                    trained["tok_n_V"], trained["vocab_min_count"])
     return {"n_tokens": int(trained["n_tokens"]), "trained": baselines.headline(trained),
-            "step0": baselines.headline(step0),
+            "step0": baselines.headline(step0), "step0_source": source,
             "random": baselines.random_router(record, n_shuffles, seed=run.config.train.seed),
+            "token_null": baselines.token_null(record, n_shuffles, seed=run.config.train.seed),
             "favourite_vs_step0": {"agree": agree_L, "chance": chance_L, "n_ids": n_ids}}
 
 
@@ -62,19 +71,34 @@ def interval(values_RxL):
             "n": n}
 
 
+def band(values_NxL):
+    """A null's band over every permutation of every run: mean and the 2.5%..97.5% quantiles."""
+    v = np.asarray(values_NxL, np.float64)
+    return {"mean": v.mean(0), "low": np.quantile(v, 0.025, 0), "high": np.quantile(v, 0.975, 0), "n": len(v)}
+
+
+def above(trained_RxL, band_high_L):
+    """Per run and layer: is the trained value above the null band's 97.5% quantile?"""
+    return np.asarray(trained_RxL, np.float64) > np.asarray(band_high_L, np.float64)[None]
+
+
 def aggregate(per_run):
-    """Per metric: trained and step-0 intervals over runs, random router over runs x shuffles."""
+    """Per metric: trained and step-0 intervals over runs; the load-matched ("random") and token-identity
+    ("token_null") nulls as bands over runs x shuffles, and per run and layer whether the trained value is above
+    each band (the token-identity null not asked of the metrics it keeps by construction)."""
     out = {}
     for name in per_run[0]["trained"]:
-        rand_NxL = np.concatenate([m["random"][name] for m in per_run])
+        trained_RxL = [m["trained"][name] for m in per_run]
+        rand, null = (band(np.concatenate([m[key][name] for m in per_run])) for key in ("random", "token_null"))
         out[name] = {"what": baselines.HEADLINE[name],
                      "trained": dict(interval([m["trained"][name] for m in per_run]),
                                      per_run=[m["trained"][name] for m in per_run]),
                      "step0": dict(interval([m["step0"][name] for m in per_run]),
                                    per_run=[m["step0"][name] for m in per_run]),
-                     # The band a random router spans: 2.5%..97.5% of every permutation of every run.
-                     "random": {"mean": rand_NxL.mean(0), "low": np.quantile(rand_NxL, 0.025, 0),
-                                "high": np.quantile(rand_NxL, 0.975, 0), "n": len(rand_NxL)}}
+                     "random": dict(rand, above=above(trained_RxL, rand["high"])),
+                     "token_null": dict(null, above=None if name in KEPT_BY_TOKEN_NULL
+                                        else above(trained_RxL, null["high"]),
+                                        kept_by_construction=name in KEPT_BY_TOKEN_NULL)}
     return out
 
 
@@ -88,15 +112,18 @@ def aggregate_agreement(per_run):
 
 
 def table(doc):
-    """One line per metric and layer: trained (range over runs), step 0, random router band."""
-    lines = [f"{len(doc['runs'])} run(s), {doc['n_tokens']} tokens each; random router: "
-             f"{doc['n_shuffles']} permutations per run (2.5-97.5% band)"]
+    """One line per metric and layer: trained (range over runs), step 0, the two null bands."""
+    lines = [f"{len(doc['runs'])} run(s), {doc['n_tokens']} tokens each; nulls: {doc['n_shuffles']} permutations "
+             f"per run (2.5-97.5% band); step 0: {'; '.join(sorted(set(doc['step0_source'])))}"]
     for name, m in doc["metrics"].items():
         for i, layer in enumerate(doc["layer_ids"]):
-            t, s, r = m["trained"], m["step0"], m["random"]
+            t, s, r, z = m["trained"], m["step0"], m["random"], m["token_null"]
             rng = f" [{t['min'][i]:.3f}, {t['max'][i]:.3f}]" if t["n"] > 1 else ""
+            null = ("= trained by construction" if z["kept_by_construction"]
+                    else f"{z['mean'][i]:.3f} [{z['low'][i]:.3f}, {z['high'][i]:.3f}]")
             lines.append(f"{name:>15} layer {layer}: trained {t['mean'][i]:.3f}{rng}  step 0 {s['mean'][i]:.3f}  "
-                         f"random {r['mean'][i]:.3f} [{r['low'][i]:.3f}, {r['high'][i]:.3f}]")
+                         f"load-matched null {r['mean'][i]:.3f} [{r['low'][i]:.3f}, {r['high'][i]:.3f}]  "
+                         f"token-identity null {null}")
     fav = doc["favourite_vs_step0"]
     for i, layer in enumerate(doc["layer_ids"]):
         lines.append(f"favourite expert = step 0's, layer {layer}: {fav['agree']['mean'][i]:.3f} of token ids "
@@ -108,6 +135,11 @@ def document(runs, per_run, split, max_tokens, n_shuffles):
     """specialization.json as plain JSON types: the runs, the settings and `aggregate(per_run)`."""
     ref = runs[0]
     return plain_json({"runs": [{"workdir": str(r.workdir), "step": r.step, "seed": r.config.train.seed} for r in runs],
+                   "step0_source": [m["step0_source"] for m in per_run],
+                   "nulls": {"random": "load-matched: top-k sets permuted across all analysed tokens",
+                             "token_null": "token identity kept: top-k sets permuted among the occurrences of "
+                                           "each token id"},
+                   "provenance": provenance(),
                    "split": split or ref.config.data.eval_split, "max_tokens": max_tokens,
                    "n_tokens": per_run[0]["n_tokens"], "n_shuffles": n_shuffles, "layer_ids": ref.moe_layer_ids,
                    "top_k": ref.model.cfg.top_k, "n_experts": ref.model.cfg.n_routed_experts,
