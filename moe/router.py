@@ -74,7 +74,7 @@ GROUP_SCORES = ("top2_sum", "max")
 ROUTERS = {r.name: r for r in (
     Router("sigmoid", score="sigmoid", selection="top_k", ranks="scores", gates="scores", norm_floor=0.0,
            gate_at="output", selection_bias=True, reads=TOP_K_FIELDS,
-           families=("deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "minimax_m2"),
+           families=("deepseek_v3", "glm4_moe", "glm4_moe_lite", "dots1", "minimax_m2", "hy_v3"),
            exports_as=("glm4_moe", "deepseek_v3"),
            about="DeepSeek-V3: sigmoid affinities, top-K of score + bias (group-limited), normalized gates x "
                  "routed_scaling_factor"),

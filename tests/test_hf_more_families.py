@@ -1,4 +1,4 @@
-"""HF import parity for ernie4_5_moe, dots1, hunyuan_v1_moe and minimax_m2: a tiny random transformers model of
+"""HF import parity for ernie4_5_moe, dots1, hunyuan_v1_moe, minimax_m2 and hy_v3: a tiny random transformers model of
 each, saved with save_pretrained, loads into our model with the same logits (fp32), the same expert ids in every
 MoE layer and the same KV-cached greedy tokens as transformers' `generate`; `analysis.routing --hf` runs on it;
 what transformers would compute differently from the checkpoint's authors, or what we do not reproduce, is refused
@@ -6,12 +6,14 @@ naming the field."""
 
 import json
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors.numpy import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 torch = pytest.importorskip("torch", reason="torch builds the reference models")
@@ -25,6 +27,7 @@ from analysis.routing import cli as routing  # noqa: E402
 from moe import param_counts  # noqa: E402
 from moe.decoding.generate import generate  # noqa: E402
 from moe.hf import HFImportError, load_hf_moe, model_config  # noqa: E402
+from moe.hf.tensors import read_tensors  # noqa: E402
 
 V, N_NEW = 320, 12  # V >= the test tokenizer's vocabulary
 TOKENS = np.random.RandomState(0).randint(2, V, (2, 12))
@@ -33,7 +36,8 @@ STACK = dict(vocab_size=V, hidden_size=32, num_attention_heads=4, num_key_value_
 
 # Each family with its distinguishing options on: ERNIE's interleaved RoPE, selection bias and MoE range with an
 # interval (layers 1, 3 MoE; 0, 2, 4 dense), dots1's groups, q/k norm and o bias, Hunyuan's NTK alpha, q/k norm
-# after RoPE and per-layer K, MiniMax's whole-projection q/k norms and partial RoPE.
+# after RoPE and per-layer K, MiniMax's whole-projection q/k norms and partial RoPE, Hy3's dense layers by
+# mlp_layer_types, the block's bias and router_scaling_factor.
 FAMILIES = {
     "ernie4_5_moe": lambda: transformers.Ernie4_5_MoeConfig(
         **STACK, num_hidden_layers=5, head_dim=12, intermediate_size=48, moe_intermediate_size=16, moe_num_experts=8,
@@ -51,6 +55,11 @@ FAMILIES = {
     "minimax_m2": lambda: transformers.MiniMaxM2Config(
         **STACK, intermediate_size=24, num_hidden_layers=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
         rope_parameters={"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5}),
+    "hy_v3": lambda: transformers.HYV3Config(
+        **STACK, head_dim=8, num_hidden_layers=4, intermediate_size=48, moe_intermediate_size=16, num_experts=8,
+        num_experts_per_tok=2, num_shared_experts=2, router_scaling_factor=2.826,
+        mlp_layer_types=["dense", "sparse", "dense", "sparse"],
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
 }
 
 
@@ -123,6 +132,24 @@ def test_each_family_maps_its_distinguishing_options(built):
     assert hunyuan.rope_theta == pytest.approx(500.0 * 10.0 ** (8 / 6))
     minimax = cfg("minimax_m2")
     assert (minimax.qk_norm, minimax.rope_dim, minimax.router) == ("full", 8, "sigmoid")
+    hy = cfg("hy_v3")
+    assert (hy.moe_layer_ids, hy.routed_scaling_factor, hy.shared_width) == ((1, 3), 2.826, 32)
+
+
+def test_hy3_mtp_layers_are_skipped(built, tmp_path):
+    """Hy3 stores its MTP layer after the last layer (transformers ignores it): with num_nextn_predict_layers it is
+    skipped, without it refused as a layer the config does not have."""
+    path = Path(built("hy_v3")["path"])
+    shutil.copytree(path, tmp_path / "hy", dirs_exist_ok=True)
+    sd = read_tensors(str(path))
+    extra = {"model.layers.4.eh_proj.weight": np.zeros((32, 64), np.float32),
+             "model.layers.4.input_layernorm.weight": np.ones(32, np.float32)}
+    save_file({**sd, **extra}, str(tmp_path / "hy" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(HFImportError, match="unexpected tensor.*model.layers.4"):
+        load_hf_moe(str(tmp_path / "hy"))
+    c = json.loads((path / "config.json").read_text())
+    (tmp_path / "hy" / "config.json").write_text(json.dumps(dict(c, num_nextn_predict_layers=1)))
+    assert load_hf_moe(str(tmp_path / "hy"))[0].cfg.n_layers == 4
 
 
 def test_routing_analysis_runs_on_each_family(family, tmp_path):
@@ -167,6 +194,13 @@ def _config(name, **changes):
      "rope_type"),
     ("minimax_m2", dict(use_qk_norm=False), "use_qk_norm"),
     ("minimax_m2", dict(scoring_func="softmax"), "scoring_func"),
+    ("hy_v3", dict(route_norm=False), "route_norm"),
+    ("hy_v3", dict(moe_router_enable_expert_bias=False), "moe_router_enable_expert_bias"),
+    ("hy_v3", dict(qk_norm="true"), "field 'qk_norm' is a string"),
+    ("hy_v3", dict(num_shared_experts=0), "num_shared_experts"),
+    ("hy_v3", dict(mlp_bias=True), "mlp_bias"),
+    ("hy_v3", dict(first_k_dense_replace=1), "first_k_dense_replace"),
+    ("hy_v3", dict(mlp_layer_types=["dense", "sparse"]), "mlp_layer_types"),
 ])
 def test_refused_configs_name_the_field(name, changes, field):
     with pytest.raises(HFImportError, match=field) as e:

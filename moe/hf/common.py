@@ -45,8 +45,9 @@ FIELD_TYPES = {
                      "num_mtp_layers", "max_position_embeddings", "original_max_position_embeddings",
                      "sliding_window", "moe_layer_freq", "index_topk", "index_n_heads", "index_head_dim",
                      "moe_num_experts", "moe_k", "moe_num_shared_experts", "moe_layer_start_index",
-                     "moe_layer_end_index", "moe_layer_interval", "max_window_layers", "rotary_dim"), INT),
-    **dict.fromkeys(("rms_norm_eps", "initializer_range", "routed_scaling_factor", "rope_theta",
+                     "moe_layer_end_index", "moe_layer_interval", "max_window_layers", "rotary_dim",
+                     "num_shared_experts"), INT),
+    **dict.fromkeys(("rms_norm_eps", "initializer_range", "routed_scaling_factor", "router_scaling_factor", "rope_theta",
                      "partial_rotary_factor", "clip_qkv", "moe_norm_min"), NUMBER),
     **dict.fromkeys(("tie_word_embeddings", "norm_topk_prob", "rope_interleave", "attention_bias", "mlp_bias",
                      "qkv_bias", "use_qk_norm", "use_sliding_window", "use_bias", "use_cla", "use_mixed_mlp_moe"),
@@ -56,10 +57,13 @@ FIELD_TYPES = {
     "mlp_only_layers": INTS, "mlp_layer_types": STRINGS, "layer_types": STRINGS,
 }
 INT_OR_INTS = "an integer or a list of integers"
-# A family's own types where they differ: Hunyuan's original config.json keeps per-layer lists (transformers
-# reads moe_topk per layer and ignores the other two; moe/hf/hunyuan_v1_moe.py refuses lists that disagree).
+# A family's own fields and types: Hunyuan's original config.json keeps per-layer lists (transformers reads
+# moe_topk per layer and ignores the other two; moe/hf/hunyuan_v1_moe.py refuses lists that disagree); Hy3's
+# switches transformers ignores (moe/hf/hy_v3.py refuses them off).
 FAMILY_FIELD_TYPES = {"hunyuan_v1_moe": {"moe_topk": INT_OR_INTS, "moe_intermediate_size": INT_OR_INTS,
-                                         "num_shared_expert": INT_OR_INTS}}
+                                         "num_shared_expert": INT_OR_INTS},
+                      "hy_v3": dict.fromkeys(("qk_norm", "route_norm", "moe_router_use_sigmoid",
+                                              "moe_router_enable_expert_bias"), BOOL)}
 ROPE_FIELD_TYPES = {  # inside rope_scaling / rope_parameters
     **dict.fromkeys(("rope_type", "type"), STRING), "original_max_position_embeddings": INT, "truncate": BOOL,
     **dict.fromkeys(("rope_theta", "factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",

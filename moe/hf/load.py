@@ -22,6 +22,7 @@ from moe.hf import (
     ernie4_5_moe,
     glm4_moe,
     hunyuan_v1_moe,
+    hy_v3,
     minimax_m2,
     mixtral,
     olmoe,
@@ -37,7 +38,7 @@ from moe.model import Transformer
 from moe.sharding import RULES
 
 FAMILIES = {t: m for m in (glm4_moe, qwen_moe, olmoe, mixtral, deepseek, ernie4_5_moe, dots1, hunyuan_v1_moe,
-                            minimax_m2) for t in m.MODEL_TYPES}
+                            minimax_m2, hy_v3) for t in m.MODEL_TYPES}
 # Multimodal wrappers whose text model is one of FAMILIES: model_type -> (its config, its tensors' names).
 NESTED = {"kimi_k25": (deepseek.kimi_k25_text, deepseek.k25_tensor_name)}
 # Known MoE families we cannot reproduce exactly: model_type -> (field, why).

@@ -56,7 +56,7 @@ def check_layers(n_layers: int, layout: Layout, names, where: str) -> None:
     one claiming fewer layers than stored never loads a truncated model."""
     stored = {}
     for k in names:
-        m = LAYER.match(k)
+        m = None if k.startswith(layout.ignored) else LAYER.match(k)
         if m:
             stored.setdefault(int(m.group(1)), k)
     mtp = mtp_depth(layout, names)
