@@ -199,3 +199,21 @@ def test_specialization_json_has_both_nulls_step0_source_and_provenance(tiny_run
     assert m["vocab_spec"]["token_null"]["low"] == pytest.approx(m["vocab_spec"]["trained"]["mean"])
     assert m["domain_mi_bits"]["token_null"]["above"] is not None and m["domain_mi_bits"]["token_null"]["n"] == 3
     assert "token-identity null" in compare.table(doc)
+
+
+def test_domain_share_nulls():
+    """The token-identity null of the domain shares is the mean share under permutations within token ids; it
+    equals the trained share for routing by token id and misses a domain shift the token ids do not explain."""
+    rng = np.random.default_rng(7)
+    domains, V, B, S = _two_domains(rng)
+    tokens = rng.integers(0, 12, (B, S)) + 4 * domains
+    for shift, equal in ((0, True), (4, False)):
+        first = (tokens + shift * domains) % 8
+        record = _record(tokens, domains, np.stack([first, (first + 3) % 8], -1), 8, V)
+        exact = baselines.accumulate(record)
+        draws = np.mean([baselines.accumulate(record, rng=rng, within_tokens=True)["share_LxDxE"]
+                         for _ in range(200)], 0)
+        np.testing.assert_allclose(exact["tokennull_share_LxDxE"], draws, atol=0.01)
+        np.testing.assert_allclose(exact["tokennull_share_LxDxE"].sum(-1), 2.0)
+        assert np.allclose(exact["tokennull_share_LxDxE"], exact["share_LxDxE"]) == equal
+        np.testing.assert_allclose(exact["loadmatched_share_LxE"][0], exact["load_LxE"][0] / exact["n_tokens"])

@@ -159,9 +159,13 @@ def test_domain_bars_share_the_y_axis_across_layers(data, tmp_path, figures):
     for layer in (0, 3):
         routing_plots.plot_domain_bars(two, layer, tmp_path / f"bars{layer}.png", DOMAINS[:2])
     ylims = {ax.get_ylim() for fig in figures for ax in fig.axes if ax.get_visible()}
-    assert len(ylims) == 1 and ylims.pop()[1] >= np.nanmax(two["share_LxDxE"])
-    line = figures[0].axes[0].get_lines()[0]
-    assert line.get_ydata()[0] == K / E and "uniform K/E" in line.get_label()
+    assert len(ylims) == 1 and ylims.pop()[1] >= max(np.nanmax(two["share_LxDxE"]),
+                                                     np.nanmax(two["tokennull_share_LxDxE"][:, :2]),
+                                                     np.nanmax(two["loadmatched_share_LxE"]))
+    lines = {line.get_label().split(" ")[0]: line for line in figures[0].axes[0].get_lines()}
+    assert lines["uniform"].get_ydata()[0] == K / E and "uniform K/E" in lines["uniform"].get_label()
+    # The token-identity null of every expert, and the load-matched one, are drawn inside the shared y axis.
+    np.testing.assert_allclose(lines["token-identity"].get_ydata(), data[0]["tokennull_share_LxDxE"][0, 0])
     assert figures[1].axes[0].get_title().startswith("layer 3 - religion")
 
 

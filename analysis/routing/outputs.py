@@ -19,8 +19,9 @@ def _layer_label(result, i):
 
 def write_json(a: Analysis, path, meta, maxvio_series):
     """routing.json: run metadata, per layer how it routes ("layers": routed_by top_k or hash, its K, the zero
-    experts' share of the choices and load), readable per-layer/domain shares (the routed experts'; beside them
-    the zero experts') and per-token distributions, then every small metric array of the accumulator under
+    experts' share of the choices and load), readable per-layer/domain shares (the routed experts', with the
+    share the domain's token mix predicts under the token-identity null; beside them the zero experts') and
+    per-token distributions, then every small metric array of the accumulator under
     "metrics" (NaN -> null); "locality": per layer each locality measure beside its chance levels, and
     "provenance" (commit, jax, machine)."""
     r = a.result
@@ -32,6 +33,7 @@ def write_json(a: Analysis, path, meta, maxvio_series):
             name: {"n_tokens": int(r["n_tokens_D"][d]),
                    "share": r["share_LxDxE"][i, d], "gate_share": r["gate_share_LxDxE"][i, d],
                    "first_choice_share": r["share_top1_LxDxE"][i, d]}
+            | ({"token_identity_null_share": r["tokennull_share_LxDxE"][i, d]} if "tokennull_share_LxDxE" in r else {})
             | ({"zero_expert_share": r["zero_share_LxD"][i, d], "zero_expert_gate_share": r["zero_gate_share_LxD"][i, d],
                 "zero_expert_first_choice_share": r["zero_first_LxD"][i, d]} if "zero_share_LxD" in r else {})
             for d, name in enumerate(a.domain_names)}

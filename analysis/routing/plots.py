@@ -57,7 +57,9 @@ def share_label(key, top_k):
 
 def plot_domain_bars(result, layer, path, domain_names=None, key="share_LxDxE"):
     """One bar chart per domain of its tokens' distribution over experts at `layer` (top-k share, sums to K),
-    with the uniform share K/E dashed. The y axis is the same for every layer (the maximum over all layers),
+    with the uniform share K/E dashed and, where the result has them, per expert the load-matched null (black
+    tick: the expert's share over all domains) and the token-identity null (purple: the share this domain's
+    token mix predicts; analysis.routing.stats). The y axis is the same for every layer (the maximum over all layers),
     so the files of different layers compare. key="share_top1_LxDxE" plots first choices (uniform 1/E)."""
     share_LxDxE = result[key]
     share_DxE = share_LxDxE[layer]
@@ -66,9 +68,25 @@ def plot_domain_bars(result, layer, path, domain_names=None, key="share_LxDxE"):
     k = 1 if "top1" in key or "norm" in key else int(result["top_k"])
     uniform = k / n_experts
     fig, axes = grid(n_domains, 3 if n_experts <= 24 else 2, max(4.0, 0.12 * n_experts + 1.5), 2.6)
-    ymax = np.nanmax(share_LxDxE) * 1.08 if np.isfinite(share_LxDxE).any() else 1.0
+    top1 = "_top1" if "top1" in key else ""
+    scale = 1.0 / int(result["top_k"]) if "norm" in key else 1.0
+    load_E = result.get(f"loadmatched_share{top1}_LxE")
+    null_DxE = result.get(f"tokennull_share{top1}_LxDxE")
+    drawn = [share_LxDxE, *([load_E * scale] if load_E is not None else []),
+             *([null_DxE[:, :n_domains] * scale] if null_DxE is not None else [])]  # one y axis fits them all
+    finite = [np.nanmax(t) for t in drawn if np.isfinite(t).any()]
+    ymax = max(finite) * 1.08 if finite else 1.0
+    x_E = np.arange(n_experts)
     for d, ax in enumerate(axes):
-        ax.bar(np.arange(n_experts), np.nan_to_num(share_DxE[d]), color="tab:blue", width=0.8)
+        ax.bar(x_E, np.nan_to_num(share_DxE[d]), color="tab:blue", width=0.8, label="this domain")
+        # The nulls per expert: its share over all domains (load-matched), and what this domain's token mix
+        # predicts if each token were routed as its id is everywhere (token-identity).
+        if load_E is not None:
+            ax.hlines(load_E[layer] * scale, x_E - 0.4, x_E + 0.4, color="black", linewidth=1.6,
+                      label="load-matched null: the expert's share over all domains")
+        if null_DxE is not None:
+            ax.plot(x_E, null_DxE[layer, d] * scale, "D", color="tab:purple", markersize=3.5, linestyle="none",
+                    label="token-identity null: this domain's tokens routed as over all domains")
         ax.axhline(uniform, **UNIFORM_STYLE, label=f"uniform {'K/E' if k > 1 else '1/E'} = {uniform:.3f}")
         ax.set_title(f"{_layer_name(result, layer)} - {names[d]} (n={count(result['n_tokens_D'][d])})", fontsize=9)
         ax.set_xlim(-0.6, n_experts - 0.4)
@@ -78,8 +96,9 @@ def plot_domain_bars(result, layer, path, domain_names=None, key="share_LxDxE"):
         ax.set_ylabel(share_label(key, int(result["top_k"])).replace(" (", "\n("), fontsize=8)
         ax.tick_params(axis="y", labelsize=7)
     # One legend for the figure, above the panels: inside one it would cover a bar.
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="upper right", fontsize=8, frameon=False)
-    return save(fig, path, rect=(0, 0, 1, 1 - 0.3 / fig.get_figheight()))
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", fontsize=8, frameon=False, ncol=2)
+    return save(fig, path, rect=(0, 0, 1, 1 - 0.2 * (1 + (len(labels) + 1) // 2) / fig.get_figheight()))
 
 
 def plot_domain_heatmaps(result, path, domain_names=None, layers=None, key="share_LxDxE"):

@@ -180,6 +180,7 @@ class RoutingAccumulator:
             self.tok_LxVxE = np.zeros((L, vocab_size, E), np.int32)
             self.tok_first_LxVxE = np.zeros((L, vocab_size, E), np.int32)
             self.bigrams = PairCounts()  # (previous id, id) of every locality pair: the token-identity null
+            self.tok_dom_VxD = np.zeros((vocab_size, n_domains), np.int64)  # occurrences per id and domain
 
     def _layer_k(self, layer, k):
         if not self.seen_K[layer] and not self.fixed_K:
@@ -223,6 +224,7 @@ class RoutingAccumulator:
         self.track_n_T += track_hit_NxT.sum(0)
         if self.track_vocab:
             self.tok_n_V += np.bincount(tok_N, minlength=self.V)
+            self.tok_dom_VxD += np.bincount(tok_N * self.D + dom_N, minlength=self.V * self.D).reshape(self.V, self.D)
         E, D = self.E, self.D
         for layer, routing in enumerate(layer_routing):
             ids_BxSxK = _ids_of(routing).astype(np.int64)
@@ -283,7 +285,9 @@ class RoutingAccumulator:
         baseline_first/_any/_overlap (for top_k and every candidate; per layer: baseline_*_L); the load-matched
         null loadmatched_first_L, loadmatched_overlap_L; with track_vocab and no zero experts the token-identity
         null tokennull_first_L, tokennull_overlap_L (no exact null of any-overlap: it needs the joint
-        distribution of the sets). coact_LxExE. Per layer: top_k_L, hash_routed_L.
+        distribution of the sets). Domain shares' nulls: loadmatched_share_LxE / _top1_LxE (each expert's share
+        over all domains) and, as the token-identity null, tokennull_share_LxDxE / _top1_LxDxE (the share a
+        domain's token mix alone predicts). coact_LxExE. Per layer: top_k_L, hash_routed_L.
         Tokens: track_ids_T, track_n_T, track_share_TxLxE (share of occurrences with e in top-k);
         with track_vocab also freq_ids_N, freq_n_N, freq_share_NxLxE, vocab_spec_LxE, vocab_spec_L,
         vocab_n_eligible, vocab_min_count, tok_n_V, tok_counts_LxVxE."""
@@ -313,6 +317,8 @@ class RoutingAccumulator:
             coact_LxExE=coactivation(self.pairs_LxExE, load_LxE),
             track_ids_T=self.track_ids_T, track_n_T=self.track_n_T, track_share_TxLxE=track_share_TxLxE,
         )
+        n_all = max(int(self.n_tokens_D.sum()), 1)
+        out.update(loadmatched_share_LxE=load_LxE / n_all, loadmatched_share_top1_LxE=self.cand_first_LxC[:, :self.E] / n_all)
         loadmatched = [load_matched_locality(first_C, load_C, k)
                        for first_C, load_C, k in zip(self.cand_first_LxC, self.cand_load_LxC, self.K_L)]
         out.update(loadmatched_first_L=np.asarray([m[0] for m in loadmatched]).reshape(self.L),
@@ -322,7 +328,9 @@ class RoutingAccumulator:
             null = [token_null_locality(self.tok_first_LxVxE[i], self.tok_LxVxE[i], self.tok_n_V, keys_P, counts_P,
                                         self.V, int(self.K_L[i])) for i in range(self.L)]
             out.update(tokennull_first_L=np.asarray([m[0] for m in null]).reshape(self.L),
-                       tokennull_overlap_L=np.asarray([m[1] for m in null]).reshape(self.L))
+                       tokennull_overlap_L=np.asarray([m[1] for m in null]).reshape(self.L),
+                       tokennull_share_LxDxE=self._token_null_share(self.tok_LxVxE),
+                       tokennull_share_top1_LxDxE=self._token_null_share(self.tok_first_LxVxE))
         if Z:
             out.update(zero_share_LxD=per_token(self.zero_LxDxZ.sum(-1)), zero_first_LxD=per_token(self.zero_first_LxD),
                        zero_gate_share_LxD=per_token(self.zero_gate_LxD), zero_load_LxZ=self.zero_LxDxZ.sum(1),
@@ -341,6 +349,16 @@ class RoutingAccumulator:
                 vocab_min_count=self.vocab_min_count,
                 tok_n_V=self.tok_n_V, tok_counts_LxVxE=self.tok_LxVxE)
         return {k: np.asarray(v) for k, v in out.items()}
+
+
+    def _token_null_share(self, tok_LxVxE):
+        """share[l, d, e] expected when the sets are permuted among each token id's occurrences: every token of
+        domain d routed as its id is over all domains, sum_v n(v, d) c(l, v, e) / n(v) / n(d)."""
+        seen_V = np.flatnonzero(self.tok_n_V)
+        mix_VxD = self.tok_dom_VxD[seen_V] / self.tok_n_V[seen_V, None]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.stack([mix_VxD.T @ tok_LxVxE[layer][seen_V].astype(np.float64) for layer in range(self.L)]) \
+                / np.where(self.n_tokens_D > 0, self.n_tokens_D, np.nan)[None, :, None]
 
 
 class SaturationAccumulator:
