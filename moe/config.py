@@ -105,6 +105,9 @@ class ModelConfig:
                                                     "hash layers: router 'hash', whatever model.router is)")
     layer_top_k: str = field("", doc="comma-separated top-k of each MoE layer of the main model, in order "
                                      "(Hunyuan's moe_topk list); '' = top_k in every layer (and the MTP blocks)")
+    max_keys: int = field(0, non_negative, doc="the most keys one query may attend to (0: no limit); longer inputs "
+                                               "are refused. DeepSeek-V3.2 / GLM-5's index_topk: up to it their "
+                                               "sparse attention keeps every key and is this dense attention")
     mtp_depth: int = field(0, between(0, MAX_LAYERS), doc="multi-token prediction modules (DeepSeek-V3, moe/mtp.py): module k "
                                                 "predicts the token k + 1 ahead; training only")
     init_std: float = field(0.02, positive, doc="std of the initial weights")

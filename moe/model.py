@@ -35,6 +35,7 @@ from moe.mla import MLA
 from moe.mtp import MTPModule, MTPOutput, mtp_forward
 from moe.nn import RMSNorm, param
 from moe.router import BalanceRows, Routing
+from plumbing.errors import UserError
 
 DEFAULT_EXECUTION = Execution()
 
@@ -256,6 +257,7 @@ class Transformer(nnx.Module):
         tokens' ids (hash routing)."""
         cfg = self.cfg
         B, L = tokens_BxL.shape
+        check_keys(cfg, L if cache is None else jax.tree.leaves(cache[0])[0].shape[1], cache is not None)
         offset = 0 if cache is None else cache_index
         q_idx_BxL = jnp.broadcast_to(offset + jnp.arange(L, dtype=jnp.int32), (B, L))
         if positions_BxL is None:
@@ -291,6 +293,15 @@ class Transformer(nnx.Module):
         B, L, D = x_BxLxD.shape
         logits_BxLxV = logits(self.final_norm(x_BxLxD).reshape(B * L, D), self.head()).reshape(B, L, -1)
         return ex.constrain(logits_BxLxV, ("batch", "length", "act_vocab"))
+
+
+def check_keys(cfg: ModelConfig, n_keys: int, cached: bool) -> None:
+    """A call whose queries may see more than cfg.max_keys keys (L tokens, or a cache of S slots) is refused."""
+    if cfg.max_keys and n_keys > cfg.max_keys:
+        what = f"a KV cache of {n_keys} slots" if cached else f"{n_keys} tokens per row"
+        raise UserError(f"{what} exceed model.max_keys={cfg.max_keys}: past it a query of this model (DeepSeek-V3.2 "
+                        "/ GLM-5's index_topk) attends to a sparse subset of keys, which is not implemented; use "
+                        f"sequences of at most {cfg.max_keys} tokens")
 
 
 def runs_of_equal_blocks(blocks) -> list[tuple[int, int]]:

@@ -301,7 +301,7 @@ def test_rope_parameters_read_as_transformers_reads_them():
     ("deepseek_v3", dict(rope_parameters=dict(YARN, attention_factor=1.2)), "attention_factor"),
     ("deepseek_v3", dict(rope_parameters={"rope_type": "default", "rope_theta": 500.0,
                                           "partial_rotary_factor": 0.5}), "partial_rotary_factor"),
-    ("deepseek_v3", dict(model_type="deepseek_v32", index_topk=64), "index_topk"),
+    ("deepseek_v3", dict(model_type="deepseek_v32", index_topk=0), "index_topk"),  # imported up to index_topk
     ("deepseek_v3", dict(index_topk=64, index_n_heads=2, index_head_dim=8), "index_topk"),
     ("deepseek_v3", dict(attention_bias=True), "attention_bias"),
     ("deepseek_v2_greedy", dict(mlp_bias=True), "mlp_bias"),

@@ -133,7 +133,7 @@ def _config_dict(name, **changes):
 
 
 @pytest.mark.parametrize("name,changes,field", [
-    ("glm4_moe", dict(model_type="deepseek_v32", index_topk=2048), "index_topk"),  # DeepSeek-V3.2 sparse attention
+    ("glm4_moe", dict(model_type="deepseek_v4", compress_rates=[4]), "compress_rates"),  # DeepSeek-V4's attention
     ("qwen2_moe", dict(use_sliding_window=True, sliding_window=8), "use_sliding_window"),
     ("qwen3_moe", dict(use_sliding_window=True, sliding_window=8), "use_sliding_window"),
     ("mixtral", dict(sliding_window=8), "sliding_window"),

@@ -18,6 +18,7 @@ import tokenizers
 from moe.config import ConfigError
 from moe.hf import (
     deepseek,
+    deepseek_dsa,
     dots1,
     ernie4_5_moe,
     glm4_moe,
@@ -38,15 +39,11 @@ from moe.model import Transformer
 from moe.sharding import RULES
 
 FAMILIES = {t: m for m in (glm4_moe, qwen_moe, olmoe, mixtral, deepseek, ernie4_5_moe, dots1, hunyuan_v1_moe,
-                            minimax_m2, hy_v3) for t in m.MODEL_TYPES}
+                            minimax_m2, hy_v3, deepseek_dsa) for t in m.MODEL_TYPES}
 # Multimodal wrappers whose text model is one of FAMILIES: model_type -> (its config, its tensors' names).
 NESTED = {"kimi_k25": (deepseek.kimi_k25_text, deepseek.k25_tensor_name)}
 # Known MoE families we cannot reproduce exactly: model_type -> (field, why).
 REFUSED = {
-    "deepseek_v32": ("index_topk", "DeepSeek-V3.2's sparse attention (a lightning indexer picks the keys) is not "
-                                   "implemented; deepseek_v3, its dense predecessor, is supported"),
-    "glm_moe_dsa": ("index_topk", "GLM's DeepSeek sparse attention (a lightning indexer picks the keys) is not "
-                                  "implemented"),
     "deepseek_v4": ("compress_rates", "DeepSeek-V4's compressed sparse attention, hyper-connections and hash routing "
                                       "are not implemented"),
 }
