@@ -75,6 +75,7 @@ def test_importance_cli_outputs(tiny_run, tmp_path):
     doc = json.loads((tmp_path / "importance.json").read_text())
     assert len(doc["zero_delta_LxE"][0]) == 8 and "layer 1" in doc["correlations"] and doc["provenance"]["jax"]
     assert doc["step0"]["stats"]["n_tokens"] == doc["stats"]["n_tokens"] > 0
+    assert doc["step0"]["source"] == "the run's initializer and seed"
     for name in ("importance.png", "super_experts.png"):
         assert (tmp_path / name).stat().st_size > 10_000
 

@@ -10,6 +10,7 @@ The tokens are `config`'s split (A's data; collect.batches), routed by each mode
 
 import numpy as np
 
+from analysis import hf_rows
 from analysis.compare import overlap, record, swap
 from plumbing.errors import UserError
 
@@ -24,11 +25,18 @@ def check_comparable(model_a, model_b) -> None:
 
 
 def compare_pair(model_a, model_b, config, tokenizer, split=None, max_tokens=2048, batch_size=None,
-                 shuffles: int = 20, rows_per_domain=None, gate_swap: bool = True, seed: int = 0, log=None) -> dict:
-    """Per MoE layer overlap.compare_layer of A and B on the same tokens, and (gate_swap) the swap both ways."""
+                 shuffles: int = 20, rows_per_domain=None, gate_swap: bool = True, seed: int = 0, log=None,
+                 rows=None, routing_rows=None) -> dict:
+    """Per MoE layer overlap.compare_layer of A and B on the same tokens, and (gate_swap) the swap both ways.
+    A HF directory has no run data: `routing_rows` (analysis.hf_rows.Rows) are then the routed tokens and `rows`
+    the gate swap's."""
     check_comparable(model_a, model_b)
-    rec_a = record.route_entropy(model_a, config, split, max_tokens, batch_size)
-    rec_b = record.route_entropy(model_b, config, split, max_tokens, batch_size)
+    if routing_rows is None:
+        rec_a = record.route_entropy(model_a, config, split, max_tokens, batch_size)
+        rec_b = record.route_entropy(model_b, config, split, max_tokens, batch_size)
+    else:
+        batches = hf_rows.routing_batches(routing_rows)
+        rec_a, rec_b = (record.route_batches(m, batches, routing_rows.domain_names) for m in (model_a, model_b))
     if not rec_a.batches or not sum(int(b["valid"].sum()) for b in rec_a.batches):
         raise UserError(f"no tokens to analyse in split {split or config.data.eval_split!r}; check --split")
     domains_N = record.flat_domains(rec_a)
@@ -43,6 +51,8 @@ def compare_pair(model_a, model_b, config, tokenizer, split=None, max_tokens=204
            "n_tokens_D": np.bincount(domains_N, minlength=len(rec_a.domain_names)), "n_experts": rec_a.n_experts,
            "top_k": rec_a.top_k, "shuffles": shuffles, "layers": layers}
     if gate_swap:
-        out["swap_b_into_a"] = swap.gate_swap(model_a, model_b, config, tokenizer, rows_per_domain, seed=seed, log=log)
-        out["swap_a_into_b"] = swap.gate_swap(model_b, model_a, config, tokenizer, rows_per_domain, seed=seed, log=log)
+        rows = rows or hf_rows.run_rows(config, rows_per_domain)
+        for key, into, other in (("swap_b_into_a", model_a, model_b), ("swap_a_into_b", model_b, model_a)):
+            out[key] = swap.gate_swap(into, other, config, tokenizer, seed=seed, log=log,
+                                      scorer=hf_rows.RowsScorer(into, rows, tokenizer))
     return out

@@ -56,15 +56,21 @@ def route_entropy(model, config, split=None, max_tokens=None, batch_size=None) -
     any model given the same config (collect.batches)."""
     batch_size = batch_size or config.eval.batch_size
     it, names = collect.batches(config, split, max_tokens, batch_size)
+    return route_batches(model, it, names, config.data.task == "prefix")
+
+
+def route_batches(model, batches, domain_names, prefix: bool = False) -> EntropyRecord:
+    """Routes the given batches (tokens, positions, segment_ids, domains, valid [B, L]; analysis.hf_rows'
+    routing_batches for a HF directory)."""
     graphdef, state = nnx.split(model)
-    route = make_route_fn(graphdef, config.data.task == "prefix")
+    route = make_route_fn(graphdef, prefix)
     kept = []
-    for batch in it:
-        layers = jax.device_get(route(state, *collect.route_args(batch, batch_size)))
+    for batch in batches:
+        layers = jax.device_get(route(state, *collect.route_args(batch, len(batch["tokens"]))))
         kept.append({"tokens": batch["tokens"], "domains": batch["domains"], "valid": batch["valid"],
                      "ids": [np.asarray(ids, np.int16) for ids, _ in layers],
                      "entropy": [np.asarray(h, np.float32) for _, h in layers]})
-    return EntropyRecord(kept, names, model.cfg.n_candidates, model.cfg.top_k)
+    return EntropyRecord(kept, list(domain_names), model.cfg.n_candidates, model.cfg.top_k)
 
 
 def flat(record: EntropyRecord, key: str, layer: int) -> np.ndarray:

@@ -8,7 +8,7 @@ the router's own, averaged over random draws, then per domain and per token-freq
     r["better_VxB"]                     # share of tokens whose loss the chosen route beats the draws' mean
 
 A token's change is (loss with the variant's routes) - (loss with the chosen routes), both on the trainer's
-validation rows (eval.rows_per_domain per domain; train.inputs), the variant's random routes drawn n_draws times
+validation rows (eval.rows_per_domain per domain; analysis/hf_rows.py), the variant's random routes drawn n_draws times
 and averaged. Positive: the router's choice helps this token. The permuted variant is load-matched random
 routing (each layer's chosen sets permuted across the batch's tokens, so every expert keeps its load): against it
 the router is informative beyond sending the right amount of traffic to each expert. Frequency buckets rank the
@@ -22,11 +22,10 @@ import math
 import jax
 import numpy as np
 
-from analysis.ablate.ablation import eval_batches
+from analysis import hf_rows
 from analysis.counterfactual import routes
 from moe import Execution
 from moe.model import split_model
-from train import inputs
 
 BUCKETS = ((1, 10), (11, 100), (101, 1000), (1001, math.inf))  # ranks of a token id by its count in the split
 
@@ -83,13 +82,13 @@ def token_table(delta_N, token_N, tokenizer, min_count: int = 5, n: int = 10) ->
 
 
 def counterfactual(model, config, tokenizer, rows_per_domain=None, n_draws: int = 4, seed: int = 0,
-                   log=None) -> dict:
-    """Every variant's per-token loss change on the validation rows (module docstring)."""
+                   log=None, rows=None) -> dict:
+    """Every variant's per-token loss change on the validation rows (module docstring); `rows`
+    (analysis.hf_rows.Rows) replace the run's (a HF directory's)."""
     cfg = model.cfg
     layer_ids = list(cfg.moe_layer_ids)
-    batches = eval_batches(config, rows_per_domain)
-    cache = inputs.token_cache_for(config.data, config.data.eval_split)
-    counts_V = np.bincount(np.asarray(cache.tokens, np.int64), minlength=cfg.vocab_size)[:cfg.vocab_size]
+    rows = rows or hf_rows.run_rows(config, rows_per_domain)
+    batches, counts_V = rows.batches, rows.counts_V
     graphdef, params, bias = split_model(model)
     loss = routes.make_route_loss(graphdef, Execution().resolved())
     todo = variants(layer_ids)
@@ -123,7 +122,7 @@ def counterfactual(model, config, tokenizer, rows_per_domain=None, n_draws: int 
             log(f"batch {bi + 1}/{len(batches)}: {len(todo)} variants x {n_draws} draws")
     flat = {k: np.concatenate(v) for k, v in kept.items()}
     delta_VxN = np.stack([np.concatenate(d) for d in delta_V])
-    names, n_dom = list(cache.domain_names), len(cache.domain_names)
+    names, n_dom = list(rows.domain_names), len(rows.domain_names)
     bucket_N = frequency_bucket(flat["token"], counts_V)
     one_N = np.zeros(len(bucket_N), np.int64)
     out = {"variants": [n for n, _ in todo], "modes": [m.tolist() for _, m in todo], "layer_ids": layer_ids,

@@ -6,15 +6,18 @@
 
 import numpy as np
 
+from analysis import hf_rows
 from analysis.ablate import ablation
 from analysis.importance import reap, relate
 
 
 def importance(model, config, tokenizer, rows_per_domain=None, layers=None, run_ablation: bool = True,
-               step0=None, factor: float = 10.0, log=None) -> dict:
+               step0=None, factor: float = 10.0, log=None, rows=None) -> dict:
     """REAP statistics (reap.expert_stats) of `model` and, with `step0` (the model at initialization), of it on the
-    same rows; the zeroing ablation of every expert of `layers` (default every MoE layer) and the correlations."""
-    batches = ablation.eval_batches(config, rows_per_domain)
+    same rows; the zeroing ablation of every expert of `layers` (default every MoE layer) and the correlations.
+    `rows` (analysis.hf_rows.Rows) replace the run's validation rows (a HF directory's)."""
+    rows = rows or hf_rows.run_rows(config, rows_per_domain)
+    batches = rows.batches
     stats = reap.expert_stats(model, batches)
     layer_ids = stats["layer_ids"]
     out = {"stats": stats, "factor": factor,
@@ -25,7 +28,8 @@ def importance(model, config, tokenizer, rows_per_domain=None, layers=None, run_
         out["step0"] = {"stats": s0, "outlier_ratio_LxE": relate.outlier_ratio(s0["max_act_LxE"]),
                         "super_experts": relate.super_experts(s0["max_act_LxE"], layer_ids, factor)}
     if run_ablation:
-        zero = ablation.ablate(model, config, tokenizer, layers, None, rows_per_domain, log=log, mode="zero")
+        zero = ablation.ablate(model, config, tokenizer, layers, None, rows_per_domain, log=log, mode="zero",
+                               scorer=hf_rows.RowsScorer(model, rows, tokenizer))
         delta = relate.zero_delta_LxE(zero, layer_ids, model.cfg.n_routed_experts)
         out.update(zero_delta_LxE=delta, zero_se_LxE=relate.zero_delta_LxE(
             dict(zero, delta_A=zero["se_A"]), layer_ids, model.cfg.n_routed_experts),

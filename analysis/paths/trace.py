@@ -6,6 +6,8 @@
 
 import numpy as np
 
+from analysis import hf_rows
+from analysis.compare.record import route_batches
 from analysis.paths import transitions
 from analysis.specialization.baselines import route_record
 from plumbing.errors import UserError
@@ -31,13 +33,17 @@ def paths_of(tokens_N, ids_LxNxK, layer_ids, n_experts: int, n_shuffles: int = 2
 
 
 def expert_paths(model, config, split=None, max_tokens=2048, batch_size=None, n_shuffles: int = 20,
-                 seed: int = 0) -> dict:
-    """Routes `split` (default the eval split; collect.batches) and measures every consecutive pair of MoE layers.
-    UserError for a model with fewer than two MoE layers (no path to follow)."""
+                 seed: int = 0, routing_rows=None) -> dict:
+    """Routes `split` (default the eval split; collect.batches) and measures every consecutive pair of MoE layers;
+    `routing_rows` (analysis.hf_rows.Rows, a HF directory's) are routed instead when given. UserError for a model
+    with fewer than two MoE layers (no path to follow)."""
     layer_ids = list(model.cfg.moe_layer_ids)
     if len(layer_ids) < 2:
         raise UserError(f"this model has {len(layer_ids)} MoE layer(s) ({layer_ids}); expert paths need at least two")
-    record = route_record(model, config, split, max_tokens, batch_size)
+    if routing_rows is None:
+        record = route_record(model, config, split, max_tokens, batch_size)
+    else:
+        record = route_batches(model, hf_rows.routing_batches(routing_rows), routing_rows.domain_names)
     tokens_N, ids = flat_record(record) if record.batches else (np.zeros(0, np.int64), [])
     if not len(tokens_N):
         raise UserError(f"no tokens to analyse in split {split or config.data.eval_split!r}; check --split")
