@@ -77,8 +77,11 @@ def test_readme_commands_run_as_written(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "runs/default/analysis/routing.json").is_file()
     assert (tmp_path / "runs/default/rank/rank.json").is_file()
     assert (tmp_path / "runs/default/loss_curves.png").is_file()
-    for name in ("specialization.json", "ablation.json", "dynamics.json"):
-        assert (tmp_path / "runs/default/analysis" / name).is_file(), name
+    # every result file says which software and machine made it (rundir.provenance)
+    results = [tmp_path / "runs/default/rank/rank.json"] + [tmp_path / "runs/default/analysis" / name for name in (
+        "routing.json", "specialization.json", "ablation.json", "dynamics.json")]
+    for path in results:
+        assert set(json.loads(path.read_text())["provenance"]) == {"commit", "jax", "machine"}, path
     assert (tmp_path / "exports/default/config.json").is_file()
     assert "In the beginning" in out
     # Every figure an analysis wrote names the run and checkpoint step it shows (analysis.figures.source).

@@ -60,6 +60,7 @@ def run(args, log=print):
     from analysis.figures import source_of
     from analysis.routing.stats import plain_json
     from rundir import open_run
+    from rundir.provenance import provenance
 
     check_out_dir(args.out, Path(args.workdir) / "analysis", create=False)
     run_ = open_run(args.workdir, args.step)
@@ -78,7 +79,7 @@ def run(args, log=print):
     if zero is not None:
         extra["zero_output"] = {k: zero[k] for k in ("delta_A", "se_A", "delta_AxD", "se_AxD", "delta_AxC")}
     doc = plain_json(dict(result, workdir=str(args.workdir), step=run_.step, mask_bias=ablation.MASK_BIAS,
-                          spearman={f"layer {k}": v for k, v in corr.items()}, **extra))
+                          spearman={f"layer {k}": v for k, v in corr.items()}, provenance=provenance(), **extra))
     (out / "ablation.json").write_text(json.dumps(doc, indent=1))
     with figures.source(source_of(args.workdir, run_.step)):
         plots.plot_importance_vs_share(result, out / "ablation_importance.png", zero=zero, controls=controls)

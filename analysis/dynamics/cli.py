@@ -46,6 +46,7 @@ def run(args, log=print):
     from analysis.dynamics import plots
     from analysis.dynamics.trajectory import training_series, trajectory
     from analysis.routing.stats import plain_json
+    from rundir.provenance import provenance
 
     check_out_dir(args.out, Path(args.workdir) / "analysis", create=False)
     traj = trajectory(args.workdir, args.final_step, args.split, args.max_tokens, args.batch_size,
@@ -54,7 +55,7 @@ def run(args, log=print):
     out = check_out_dir(args.out, Path(args.workdir) / "analysis")
     doc = plain_json(dict(traj, workdir=str(args.workdir), split=args.split, max_tokens=args.max_tokens,
                       training={k: {layer: {"steps": s, "values": v} for layer, (s, v) in ser.items()}
-                                for k, ser in series.items()}))
+                                for k, ser in series.items()}, provenance=provenance()))
     (out / "dynamics.json").write_text(json.dumps(doc, indent=1))
     with figures.source(f"{args.workdir}, steps {traj['steps'][0]}-{traj['final_step']}"):
         plots.plot_saturation(traj, out / "dynamics_saturation.png")

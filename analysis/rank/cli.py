@@ -25,11 +25,12 @@ def run_rank(workdir, sequences: int = 16, step=None, out=None, plots: bool = Tr
     from analysis.rank.attention import analyse, select_rows
     from analysis.rank.plots import plot_all
     from rundir import open_run
+    from rundir.provenance import provenance
     from train.inputs import eval_rows
 
     run = open_run(workdir, step)
     result = analyse(run.model, select_rows(eval_rows(run.config), sequences))
-    result.update(workdir=str(workdir), step=run.step)
+    result.update(workdir=str(workdir), step=run.step, provenance=provenance())
     if out is not None:
         out = check_out_dir(out, out)
         (out / "rank.json").write_text(json.dumps(result, indent=1))

@@ -26,6 +26,7 @@ from plumbing.args import ArgParser
 from plumbing.errors import UserError, exit_with, os_error
 from rundir import open_run
 from rundir.atomic import write_text
+from rundir.provenance import provenance
 from train.inputs import eval_rows
 
 MASKS = ("causal", "prefix")
@@ -178,6 +179,7 @@ def main(argv=None):
             raise UserError(f"--n must be a multiple of 16 (>= 16) and --heads >= 1, got {args.n}, {args.heads}")
         d_heads = tuple(d for d in (args.n // 2, args.n // 4, args.n // 8, args.n // 16))
         result = sweep(args.n, args.heads, d_heads)
+        result["provenance"] = provenance()
         result["trained"] = [measure_run(w.strip()) for w in args.workdirs.split(",") if w.strip()]
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
