@@ -16,17 +16,17 @@ def _swap_panel(ax, result, names_ab):
         d, se = np.asarray(r["delta_A"], float), np.asarray(r["se_A"], float)
         ax.barh(y + (j - (len(rows) - 1) / 2) * h, d, h, xerr=se, color=color, alpha=0.85, label=label,
                 error_kw={"ecolor": "0.3", "capsize": 2})
-        for yi, di in zip(y + (j - (len(rows) - 1) / 2) * h, d):
-            ax.annotate(f"{di:+.3g}", (di, yi), xytext=(3 if di >= 0 else -3, 0), textcoords="offset points",
-                        ha="left" if di >= 0 else "right", va="center", fontsize=7)
+        for yi, di, si in zip(y + (j - (len(rows) - 1) / 2) * h, d, np.nan_to_num(se)):
+            ax.annotate(f"{di:+.3g}", (di + (si if di >= 0 else -si), yi), xytext=(3 if di >= 0 else -3, 0),
+                        textcoords="offset points", ha="left" if di >= 0 else "right", va="center", fontsize=7)
     ax.set_yticks(y)
     ax.set_yticklabels(names, fontsize=8)
     ax.invert_yaxis()
     ax.axvline(0, color="black", linewidth=0.8)
     ax.set_xlabel("validation loss change (nats / token; bars: one s.e. over rows)", fontsize=8)
     ax.set_title("Gate swap: the other model's routers in each model", fontsize=9)
-    ax.legend(fontsize=7, loc="lower right")
-    ax.margins(x=0.3)
+    ax.legend(fontsize=7, loc="best")
+    ax.margins(x=0.3, y=0.12)
     ax.xaxis.set_major_locator(MaxNLocator(5))
     ax.grid(alpha=0.3, axis="x")
 
