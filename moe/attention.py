@@ -121,6 +121,15 @@ def rotate(cfg, x_BxLxHxDh, positions_BxL, rot_dim: int):
                 scale=yarn_attention_factor(cfg), interleave=cfg.rope_interleave)
 
 
+def query_scale(cfg, positions_BxL):
+    """Llama 4's query scale [B, L] (fp32), 1 + beta * ln(1 + floor(position / period)), or None when off: 1 below
+    the first period, growing in steps after (Mistral Small 4 scales its whole MLA query by it after RoPE)."""
+    if not cfg.query_scale_beta:
+        return None
+    steps_BxL = jnp.floor(positions_BxL.astype(jnp.float32) / cfg.query_scale_period)
+    return 1.0 + cfg.query_scale_beta * jnp.log1p(steps_BxL)
+
+
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN's attention temperature 0.1 * mscale * ln(factor) + 1 (1 when factor <= 1)."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0

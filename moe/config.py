@@ -76,6 +76,11 @@ class ModelConfig:
     yarn_beta_slow: float = field(1.0, doc="YaRN: rotations below which a frequency is interpolated")
     yarn_mscale: float = field(0.0, non_negative, doc="YaRN: mscale (0: unset)")
     yarn_mscale_all_dim: float = field(0.0, non_negative, doc="YaRN: mscale_all_dim (0: unset)")
+    # Llama-4's position-dependent query scale (Mistral Small 4): q *= 1 + beta * ln(1 + floor(position / period)).
+    query_scale_beta: float = field(0.0, non_negative, doc="beta of Llama 4's query scale 1 + beta ln(1 + "
+                                                           "floor(pos / query_scale_period)) (0: off; mla only)")
+    query_scale_period: int = field(0, non_negative, doc="the positions per step of that scale (Mistral Small 4: "
+                                                         "YaRN's original context)")
     # MoE (DeepSeek-V3).
     n_routed_experts: int = field(16, positive, doc="routed experts per MoE layer")
     n_shared_experts: int = field(1, non_negative, doc="shared experts, every token through each")
@@ -247,6 +252,8 @@ def validate(c: ModelConfig) -> None:
         fail("qk_norm_after_rope", "needs a q/k norm (model.qk_norm 'head' or 'full')")
     if c.qk_norm_after_rope and c.rope_interleave:  # interleaved RoPE returns its pairs permuted
         fail("qk_norm_after_rope", "is not implemented with model.rope_interleave")
+    if c.query_scale_beta and (c.query_scale_period < 1 or c.attention != "mla"):
+        fail("query_scale_beta", "needs model.query_scale_period >= 1 and attention 'mla'")
     _validate_mla(c, fail)
     _validate_yarn(c, fail)
     if c.shared_expert_gate and not c.n_shared_experts:

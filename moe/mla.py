@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from moe.attention import BlockInputs, attention, rotate, softmax_scale
+from moe.attention import BlockInputs, attention, query_scale, rotate, softmax_scale
 from moe.dispatch.execution import Execution
 from moe.nn import RMSNorm, matmul_rows, param
 
@@ -80,6 +80,10 @@ class MLA(nnx.Module):
         q_BxLxHxDq = ex.constrain(self._query(x_BxLxD), ("batch", "length", "act_heads", None))
         q_nope_BxLxHxDn = q_BxLxHxDq[..., :Dn]
         q_rope_BxLxHxDr = rotate(cfg, q_BxLxHxDq[..., Dn:], positions_BxL, cfg.qk_rope_head_dim)
+        scale_BxL = query_scale(cfg, positions_BxL)
+        if scale_BxL is not None:  # the whole query, after RoPE (Mistral Small 4)
+            scale_BxLx1x1 = scale_BxL[:, :, None, None].astype(q_BxLxHxDq.dtype)
+            q_nope_BxLxHxDn, q_rope_BxLxHxDr = q_nope_BxLxHxDn * scale_BxLx1x1, q_rope_BxLxHxDr * scale_BxLx1x1
         c_BxLxR, k_rope_BxLxDr = self._latent(x_BxLxD, positions_BxL)
         c_BxLxR = ex.constrain(c_BxLxR, ("batch", "length", "latent"))
         k_rope_BxLxDr = ex.constrain(k_rope_BxLxDr, ("batch", "length", "latent"))

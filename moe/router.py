@@ -84,7 +84,7 @@ ROUTERS = {r.name: r for r in (
     Router("softmax", score="softmax", selection="top_k", ranks="scores", gates="scores", norm_floor=1e-12,
            gate_at="output", selection_bias=True, reads=TOP_K_FIELDS,
            families=("deepseek_v2", "qwen2_moe", "qwen3_moe", "olmoe", "mixtral", "ernie4_5_moe", "qwen3_next",
-                     "hunyuan_v1_moe", "longcat_flash"), exports_as=(),
+                     "hunyuan_v1_moe", "longcat_flash", "mistral4"), exports_as=(),
            about="Mixtral, Qwen-MoE, OLMoE, DeepSeek-V2 (greedy, or group-limited with router_group_score='max'): "
                  "softmax over all E experts, then top-K; ERNIE 4.5 with a selection bias; Qwen3-Next with "
                  "shared_expert_gate; Hunyuan with layer_top_k; LongCat-Flash with n_zero_experts"),

@@ -11,11 +11,15 @@ import transformers
 from safetensors.numpy import save_file
 
 
-def random_hf(config, seed=0):
-    """The model of `config` in fp32, eval mode, with norm scales near 1, every other weight N(0, 0.3) and routing
-    biases (e_score_correction_bias) non-zero, so that they change which experts win."""
+def random_hf(config, seed=0, cls=None):
+    """The model of `config` (class `cls`, default the AutoModelForCausalLM one) in fp32, eval mode, with norm
+    scales near 1, every other weight N(0, 0.3) and routing biases (e_score_correction_bias) non-zero, so that they
+    change which experts win."""
     torch.manual_seed(seed)
-    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if cls is None:
+        hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    else:
+        hf = cls._from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
         for pname, p in hf.named_parameters():
             if "norm" in pname or "layernorm" in pname:

@@ -50,8 +50,11 @@ YARN = dict(rope_scaling_factor=40.0, rope_original_max_position=8, yarn_mscale=
     (dict(MLA_FIELDS, attn_out_bias=True), "model.attn_out_bias"),
     (dict(MLA_FIELDS, rope_fraction=0.5), "model.rope_fraction"),
     (dict(kv_lora_rank=16), "model.kv_lora_rank"),  # an MLA field while attention is gqa
-    (dict(rope_interleave=True), "model.rope_interleave"),
-    (dict(rope_interleave=1), "model.rope_interleave"),
+    (dict(rope_interleave=1), "model.rope_interleave"),  # interleaved RoPE itself is gqa's too (ERNIE 4.5)
+    (dict(qk_norm="head", qk_norm_after_rope=True, rope_interleave=True), "model.qk_norm_after_rope"),
+    (dict(qk_norm_after_rope=True), "model.qk_norm_after_rope"),  # without a q/k norm
+    (dict(query_scale_beta=0.1, query_scale_period=4), "model.query_scale_beta"),  # gqa
+    (dict(MLA_FIELDS, query_scale_beta=0.1), "model.query_scale_beta"),  # no period
     (dict(latent_norm_eps=1e-6), "model.latent_norm_eps"),  # an MLA field while attention is gqa
     (dict(MLA_FIELDS, latent_norm_eps=-1.0), "model.latent_norm_eps"),
     (dict(rope_scaling_factor=0.5), "model.rope_scaling_factor"),
