@@ -5,9 +5,9 @@ this process may use: what `analysis.routing --hf` decides its mode by.
     need = needs(stream, n_rows=..., seq_len=...)    # {"memory": bytes, "stream": bytes, ...}
 
 In memory (moe.hf.load_hf_moe): the import peaks near 1.2x the fp32 model's bytes (docs/hf_import.md, "Host
-memory"), MTP layers included. Streamed (moe/hf/stream.py): the largest block's weights as read (stored dtype; FP8
-as fp32), their fp32 copies inside the computation (a BF16 weight is cast where it is used), the hidden states of
-every analysed row, and one batch's activations. Both add the routing tables of the analysis
+memory"), MTP layers included. Streamed (moe/hf/stream.py): the largest block's weights as held (fp32; held as
+stored, their fp32 copies inside the computation too), the expert weights the CPU kernel gathers (KERNEL_GATHER),
+the hidden states of every analysed row, and one batch's activations. Both add the routing tables of the analysis
 (analysis.routing.stats: the L x V x E int32 token-by-expert counts dominate) and a fixed overhead (Python, JAX,
 XLA's CPU client: OVERHEAD, measured). These are estimates for choosing a mode; benchmarks/streamed_analysis.py
 measures the peak.
@@ -18,6 +18,12 @@ import os
 
 OVERHEAD = 1.0e9  # resident memory of a process that has imported jax and moe and compiled a block (measured ~0.8 GB)
 IMPORT_PEAK = 1.2  # the in-memory import's peak over the fp32 model's bytes (docs/hf_import.md)
+# XLA:CPU's grouped matmul (moe/dispatch/kernels/slab.py) runs the rows past each expert's slab in blocks of about a
+# quarter of the mean rows per expert, each block with its expert's weights gathered: with half the rows spilled,
+# about 2E blocks, twice the routed experts' fp32 bytes (measured: +4.1 GB for DeepSeek-V2-Lite's 2.2 GB of fp32
+# expert weights at 512 and 2,048 tokens a batch; benchmarks/streamed_analysis.py).
+KERNEL_GATHER = 2.0
+LOSS_CHUNKS = 8  # moe.dispatch.execution.Execution.loss_chunks' default: the streamed head's logits per chunk
 
 
 def memory_budget() -> int:
@@ -59,12 +65,12 @@ def routing_table_bytes(cfg) -> int:
 
 def activation_bytes(cfg, n_rows: int, seq_len: int, batch_size: int) -> int:
     """Streamed: every row's hidden state (fp32) before and after the block that runs, plus one batch's largest
-    activations (the attention scores of every head, fp32, the routed copies' hidden units, the logits of a
-    batch)."""
+    activations (the attention scores of every head, fp32, the routed copies' hidden units, the logits of one of
+    the LOSS_CHUNKS sequence chunks the head runs in: moe.lm_loss.cross_entropy)."""
     hidden = 2 * 4 * n_rows * seq_len * cfg.d_model
     attn = 4 * batch_size * cfg.n_heads * seq_len * seq_len * 2
     ffn = 4 * batch_size * seq_len * max(cfg.d_ff, cfg.top_k * cfg.moe_d_ff) * 3
-    logits = 4 * batch_size * seq_len * cfg.vocab_size * 2
+    logits = 4 * batch_size * -(-seq_len // LOSS_CHUNKS) * cfg.vocab_size * 2
     return hidden + max(attn, ffn, logits)
 
 
@@ -73,9 +79,9 @@ def needs(stream, n_rows: int, seq_len: int, batch_size: int) -> dict:
     cfg, files = stream.cfg, stream.files
     fp32_model = sum(4 * math.prod(s) for s in files.shapes.values())  # MTP layers too: the import holds them
     blocks = [f"blocks.{i}" for i in range(cfg.n_layers)]
-    # a block as read, plus the fp32 copies the computation makes of its weights
-    layer = max(stream.held_bytes(g) + 4 * stream.held_bytes(g) // max(_bytes_per_value(stream, g), 1)
-                for g in blocks)
+    # a block as held, the fp32 copies the computation makes of BF16 / F16 weights, the kernel's gathered experts
+    layer = max(stream.held_bytes(g) + (4 * _values(stream, g) if stream.held_bytes(g) < 4 * _values(stream, g) else 0)
+                + int(KERNEL_GATHER * 4 * _values(stream, g, experts_only=True)) for g in blocks)
     ends = max(stream.held_bytes(ends=("embed",)), stream.held_bytes(ends=stream.head_names()))
     tables, acts = routing_table_bytes(cfg), activation_bytes(cfg, n_rows, seq_len, batch_size)
     return {"memory": int(IMPORT_PEAK * fp32_model) + acts + tables + OVERHEAD,
@@ -83,11 +89,10 @@ def needs(stream, n_rows: int, seq_len: int, batch_size: int) -> dict:
             "largest_layer": max(stream.held_bytes(g) for g in blocks), "tables": tables, "activations": acts}
 
 
-def _bytes_per_value(stream, group: str) -> int:
-    """Bytes per value of the block as read (2 for BF16 / F16, 4 for fp32 and dequantized FP8; a mix rounds)."""
-    tensors = stream._tensors(group)
-    values = sum(math.prod(stream.files.shapes[n]) for n in tensors)
-    return max(1, round(stream.held_bytes(group) / max(values, 1)))
+def _values(stream, group: str, experts_only: bool = False) -> int:
+    """The number of values in the block's weights (or in its routed experts' only)."""
+    return sum(math.prod(stream.files.shapes[n]) for n in stream._tensors(group)
+               if not experts_only or (".experts." in n and "shared" not in n))
 
 
 def gb(n_bytes: float) -> str:

@@ -52,10 +52,10 @@ def _inspect(model, tokens):
     return logits, [(r.expert_ids, r.gates, r.scores) for r in aux.routing]
 
 
-def _assert_same(path, tokens=TOKENS):
+def _assert_same(path, tokens=TOKENS, keep_dtype=False):
     model, _ = load_hf_moe(path)
     want_logits, want = _inspect(model, tokens)
-    stream = streamed.LayerStream(path)
+    stream = streamed.LayerStream(path, keep_dtype=keep_dtype)
     logits, routing = streamed.inspect(stream, tokens)
     assert len(routing) == len(want) == model.cfg.n_moe_layers > 0
     for (ids, gates, scores), r in zip(want, routing):
@@ -75,14 +75,17 @@ def test_streamed_routing_and_logits_equal_the_in_memory_model(hf_dir, name):
 
 
 def test_a_bf16_checkpoint_is_held_as_stored_and_routes_as_its_fp32_import(hf_dir, tmp_path):
-    """A bf16 checkpoint streams in bf16 (half the bytes held) and routes exactly as the in-memory import, which
-    upcasts it to fp32: bf16 -> fp32 is exact and the block casts its weights where it uses them."""
+    """A bf16 checkpoint read in bf16 (half the bytes) routes exactly as the in-memory import, which upcasts it to
+    fp32, whether the stream holds it in fp32 or, with keep_dtype, in bf16 (the block casts its weights where it
+    uses them; bf16 -> fp32 is exact)."""
     src = hf_dir("mixtral")
     sd = read_tensors(src)
     save_file({k: v.astype(ml_dtypes.bfloat16) for k, v in sd.items()}, str(tmp_path / "model.safetensors"),
               metadata={"format": "pt"})
     shutil.copy(f"{src}/config.json", tmp_path / "config.json")
-    stream = _assert_same(str(tmp_path))
+    read = _assert_same(str(tmp_path)).files.bytes_read
+    assert sum(read.values()) == 2 * sum(v.size for v in sd.values())  # every tensor once, 2 bytes a value
+    stream = _assert_same(str(tmp_path), keep_dtype=True)
     block = stream.block(0)
     assert {np.dtype(x.dtype) for x in jax.tree.leaves(nnx.state(block, nnx.Param))} == {np.dtype(ml_dtypes.bfloat16)}
     assert stream.held_bytes("blocks.0") * 2 == sum(4 * np.prod(stream.files.shapes[n])

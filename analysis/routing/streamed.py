@@ -15,6 +15,7 @@ the same files with the same numbers (tests/test_routing_streamed.py).
 """
 
 import functools
+import gc
 import hashlib
 import json
 import os
@@ -129,16 +130,19 @@ def analyse(src, out: Path, flags: dict, split, max_tokens, tokens, n_samples=2,
     todo = range(store.done, len(stages))
     total = sum(stream.disk_bytes(g if g.startswith("blocks") else "", ends) for g, ends in (stages[s] for s in todo))
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="streamed analysis", disable=None if progress else True)
-    start, read0 = time.perf_counter(), stream.files.bytes_read.total()
+    start, read0, reading = time.perf_counter(), stream.files.bytes_read.total(), 0.0
     for s in todo:
         bar.set_description(f"layer {s}/{n}" if 0 < s <= n else stages[s][0])
+        t = time.perf_counter()
         if s == 0:
             ends = stream.ends("embed")
+            reading += time.perf_counter() - t
             bar.update(stream.disk_bytes(ends=("embed",)))
             store.finish(0, np.stack([np.asarray(layers.embed(ends, jnp.asarray(b["tokens"]), ex)) for b in batches]))
             del ends
         elif s <= n:
             hidden, block = store.hidden(), stream.block(s - 1, on_read=bar.update)
+            reading += time.perf_counter() - t
             new, routed = np.empty_like(hidden), {"expert_ids": [], "gates": [], "scores": []}
             for b in range(len(batches)):  # the hidden states before and after the block: two copies at most
                 out = layers.run_block(block, jnp.asarray(hidden[b]), inputs(b), ex)
@@ -148,6 +152,7 @@ def analyse(src, out: Path, flags: dict, split, max_tokens, tokens, n_samples=2,
                         v.append(np.asarray(getattr(out.routing, k)))
                 del out
             del block, hidden
+            gc.collect()  # a Module's graph holds cycles: free its weights before the next block is read
             routing = {f"layer_{s - 1}.npz": {k: np.stack(v) for k, v in routed.items()}} if routed["gates"] else {}
             store.finish(s, new, **routing)
             del new, routing
@@ -156,6 +161,7 @@ def analyse(src, out: Path, flags: dict, split, max_tokens, tokens, n_samples=2,
                                    total))
         else:
             ends = stream.ends(*stream.head_names())
+            reading += time.perf_counter() - t
             bar.update(stream.disk_bytes(ends=stream.head_names()))
             graphdef, state = nnx.split(ends)
             hidden = store.hidden()
@@ -174,7 +180,7 @@ def analyse(src, out: Path, flags: dict, split, max_tokens, tokens, n_samples=2,
     counted = np.stack([b["valid"] & (b["loss_mask"] > 0) for b in batches])
     info = {"mode": "stream", "layers": n, "layers_this_session": sum(1 for s in todo if 0 < s <= n),
             "tokens": n_tokens, "seconds": seconds, "seconds_per_1000_tokens": 1000 * seconds / max(n_tokens, 1),
-            "bytes_read": read, "read_MB_per_s": read / 1e6 / max(seconds, 1e-9),
+            "read_seconds": reading, "bytes_read": read, "read_MB_per_s": read / 1e6 / max(reading, 1e-9),
             "peak_memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "mean_token_loss": float(loss[counted].mean()) if counted.any() else None}
     return a, info
@@ -193,5 +199,5 @@ def report(info: dict) -> str:
     loss = f"; mean next-token loss {info['mean_token_loss']:.3f}" if info["mean_token_loss"] is not None else ""
     return (f"streamed {info['layers_this_session']} of {info['layers']} layers over {info['tokens']:,} tokens in "
             f"{info['seconds']:.0f} s ({info['seconds_per_1000_tokens']:.1f} s per 1,000 tokens); read "
-            f"{info['bytes_read'] / 1e9:.2f} GB at {info['read_MB_per_s']:.0f} MB/s; peak memory "
-            f"{info['peak_memory_bytes'] / 1e9:.2f} GB{loss}")
+            f"{info['bytes_read'] / 1e9:.2f} GB in {info['read_seconds']:.0f} s ({info['read_MB_per_s']:.0f} MB/s); "
+            f"peak memory {info['peak_memory_bytes'] / 1e9:.2f} GB{loss}")

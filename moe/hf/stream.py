@@ -4,9 +4,11 @@
     logits_BxLxV, routing = inspect(stream, tokens_BxL)     # = load_hf_moe(DIR)[0].inspect(tokens_BxL)
 
 Only one block's weights are in memory at a time: `stream.block(i)` reads layer i through the import's own mapping
-(moe.hf.weights.plan: the same tensors, shapes and checks) into the model's own `moe.model.Block`, in the
-checkpoint's dtype (BF16 / F16 as stored, each exact in fp32; block FP8 dequantized tile by tile as it is read,
-moe/hf/quant.py), and the caller drops it before reading the next. The ends of the model (embedding; final norm and
+(moe.hf.weights.plan: the same tensors, shapes and checks) into the model's own `moe.model.Block`, each tensor read
+in the checkpoint's dtype (BF16 / F16 bytes as stored; block FP8 dequantized tile by tile as it is read,
+moe/hf/quant.py) and held in fp32, the dtype the block computes in, one tensor converted at a time (keep_dtype: held
+as stored, half the bytes, but XLA:CPU then makes an fp32 copy of every weight inside the computation: more at the
+peak). The caller drops the block before reading the next. The ends of the model (embedding; final norm and
 LM head) are read when they are needed (`ends`) into `Ends`, which runs Transformer's own methods. So the streamed
 forward is the in-memory one reordered, not a second implementation: every layer of every row, then the next
 layer; attention over each row as it is (no KV cache). MTP layers are never read (transformers' forward runs
@@ -17,9 +19,9 @@ logits. The weights' values are the import's; the computation is the same jitted
 parameters cast to the activations' dtype inside it as the model always does (a BF16 weight cast to fp32 is the fp32
 weight the import holds).
 
-Memory: the largest block's weights as held (`held_bytes`: stored dtype, FP8 as fp32) plus the computation's
-temporaries (the weights cast to the compute dtype, the attention scores of a batch) plus the rows' hidden states;
-benchmarks/streamed_analysis.py measures it (docs/hf_import.md).
+Memory: the largest block's weights as held (`held_bytes`) plus the computation's temporaries (on CPU the slab
+kernel's gathered expert weights, the attention scores of a batch) plus the rows' hidden states;
+analysis/hf_memory.py estimates it and benchmarks/streamed_analysis.py measures it (docs/hf_import.md).
 """
 
 import dataclasses
@@ -37,9 +39,10 @@ from moe.nn import RMSNorm
 ENDS = ("embed", "final_norm.scale", "lm_head")
 
 
-class Ends(nnx.Module):
+class Ends(Transformer):
     """The model without its blocks: some of the embedding, the final norm and the LM head, and Transformer's own
-    methods over them (so embedding, block inputs and logits are computed by the model's code)."""
+    methods over them (so embedding, block inputs and logits are computed by the model's code; only those that need
+    no block may be called)."""
 
     def __init__(self, cfg, variables: dict):
         self.cfg = cfg
@@ -52,17 +55,14 @@ class Ends(nnx.Module):
         if "lm_head" in variables:
             self.lm_head = nnx.Param(variables["lm_head"])
 
-    block_inputs = Transformer.block_inputs
-    embed_tokens = Transformer.embed_tokens
-    head = Transformer.head
-    unembed = Transformer.unembed
-
 
 class LayerStream:
-    """A HF directory read one block at a time. `cfg`: the imported ModelConfig without MTP modules."""
+    """A HF directory read one block at a time. `cfg`: the imported ModelConfig without MTP modules. keep_dtype: hold
+    BF16 / F16 weights as stored (default: fp32, converted as each tensor is read)."""
 
-    def __init__(self, path_dir: str):
-        ck = open_checkpoint(path_dir, keep_dtype=True)
+    def __init__(self, path_dir: str, keep_dtype: bool = False):
+        ck = open_checkpoint(path_dir, keep_dtype=keep_dtype)
+        self.keep_dtype = keep_dtype
         self.cfg = dataclasses.replace(ck.cfg, mtp_depth=0)  # MTP layers: never read
         self.files, self.where = ck.files, ck.where
         self.groups: dict[str, list] = {}
@@ -80,7 +80,7 @@ class LayerStream:
         return sum(self.files.stored_bytes(n) for n in self._tensors(group, ends))
 
     def held_bytes(self, group: str = "", ends=()) -> int:
-        """Bytes in memory once read (the stored dtype; FP8 dequantized to fp32)."""
+        """Bytes in memory once read (fp32; with keep_dtype BF16 / F16 as stored)."""
         return sum(self.files.held_bytes(n) for n in self._tensors(group, ends))
 
     def block(self, i: int, on_read=lambda n_bytes: None) -> Block:
@@ -90,14 +90,14 @@ class LayerStream:
         for step in self.groups[f"blocks.{i}"]:
             before = self.files.bytes_read.total()
             for k, arr in read_step(step, self.files, self.where).items():
-                arrays[k[len(prefix):]] = jnp.asarray(held(arr, keep=True))
+                arrays[k[len(prefix):]] = jnp.asarray(held(arr, keep=self.keep_dtype))
                 del arr
             on_read(self.files.bytes_read.total() - before)
         return build_block(self.cfg, i, arrays)
 
     def ends(self, *names: str) -> Ends:
         """Ends holding the variables `names` (of ENDS that the model has); a tied model's head is its embedding."""
-        return Ends(self.cfg, {k: jnp.asarray(held(self._ends[k].read(self.files), keep=True))
+        return Ends(self.cfg, {k: jnp.asarray(held(self._ends[k].read(self.files), keep=self.keep_dtype))
                                for k in names if k in self._ends})
 
     def head_names(self) -> tuple[str, ...]:
