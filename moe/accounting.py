@@ -26,7 +26,7 @@ def attention_params(cfg: ModelConfig) -> tuple[int, int]:
     N, Dh = cfg.n_kv_heads, cfg.head_dim
     matmul = D * Dh * (2 * H + 2 * N)
     attn = matmul + cfg.qkv_bias * Dh * (H + 2 * N) + cfg.attn_out_bias * D
-    attn += {"none": 0, "head": 2 * Dh, "full": (H + N) * Dh}[cfg.qk_norm]
+    attn += {"none": 0, "head": 2 * Dh, "full": (H + N) * Dh, "weightless": 0}[cfg.qk_norm]
     return attn, matmul
 
 

@@ -44,6 +44,8 @@ class BlockInputs:
     # keys without reading the mask. False is right for any mask.
     causal: bool = struct.field(pytree_node=False, default=False)
     cache_index: jax.Array | int | None = None  # with a KV cache: this call's tokens occupy slots [i, i + L)
+    # With model.attention_chunk: `mask` and each query's keys in its own chunk only (the RoPE layers' mask).
+    chunked_mask: jax.Array | None = None
     # The tokens' ids [B, L]: what a hash-routed MoE layer routes by (DeepSeek-V4). An MTP module's blocks get the
     # main call's (t_i at position i). None: no layer may route by hash.
     token_ids_BxL: jax.Array | None = None
@@ -122,11 +124,12 @@ def rotate(cfg, x_BxLxHxDh, positions_BxL, rot_dim: int):
 
 
 def query_scale(cfg, positions_BxL):
-    """Llama 4's query scale [B, L] (fp32), 1 + beta * ln(1 + floor(position / period)), or None when off: 1 below
-    the first period, growing in steps after (Mistral Small 4 scales its whole MLA query by it after RoPE)."""
+    """Llama 4's query scale [B, L] (fp32), 1 + beta * ln(1 + floor((position + offset) / period)), or None when
+    off: 1 below the first period, growing in steps after (Mistral Small 4 scales its whole MLA query by it after
+    RoPE, Llama 4 the query of its NoPE layers)."""
     if not cfg.query_scale_beta:
         return None
-    steps_BxL = jnp.floor(positions_BxL.astype(jnp.float32) / cfg.query_scale_period)
+    steps_BxL = jnp.floor((positions_BxL.astype(jnp.float32) + cfg.query_scale_offset) / cfg.query_scale_period)
     return 1.0 + cfg.query_scale_beta * jnp.log1p(steps_BxL)
 
 
@@ -252,8 +255,26 @@ def attention(q_BxLxHxDk, k_BxSxNxDk, v_BxSxNxDv, mask_BxHxLxS, ex: Execution, *
     return out_BxLxNxGxDv.reshape(B, L, H, Dv), probs_BxHxLxS
 
 
+def chunk_mask(chunk: int, q_idx_BxQ, k_idx_BxK):
+    """[B, 1, Q, K]: key k in query q's chunk of `chunk` positions (Llama 4's chunked attention, chunks aligned to
+    slot 0); AND it with the causal mask."""
+    return (q_idx_BxQ[:, None, :, None] // chunk) == (k_idx_BxK[:, None, None, :] // chunk)
+
+
+class WeightlessRMSNorm(nnx.Module):
+    """x / rms(x) over the last axis (fp32), no scale: Llama 4's q/k norm."""
+
+    def __init__(self, eps: float):
+        self.eps = eps
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)).astype(x.dtype)
+
+
 class Attention(nnx.Module):
-    def __init__(self, cfg, rngs: nnx.Rngs):
+    def __init__(self, cfg, rngs: nnx.Rngs, layer: int | None = None):
+        """The attention of model layer `layer` (None: the default layer; model.nope_layers differ)."""
         D, H, N, Dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.wq = param(rngs, (D, H, Dh), ("embed", "heads", "head_dim"), cfg.init_std)
         self.wk = param(rngs, (D, N, Dh), ("embed", "kv_heads", "head_dim"), cfg.init_std)
@@ -266,14 +287,21 @@ class Attention(nnx.Module):
             self.bv = nnx.Param(jnp.zeros((N, Dh), jnp.float32), out_sharding=("kv_heads", "head_dim"))
         if cfg.attn_out_bias:
             self.bo = nnx.Param(jnp.zeros((D,), jnp.float32), out_sharding=("embed",))
-        if cfg.qk_norm != "none":
+        # static per layer: a NoPE layer (Llama 4) has no RoPE, no q/k norm and no chunking, and scales its query
+        self.use_rope = cfg.uses_rope(layer)
+        self.norm_qk = cfg.qk_norm != "none" and layer not in cfg.nope_layer_ids
+        if cfg.qk_norm in ("head", "full") and self.norm_qk:
             q_dim, k_dim = (Dh, Dh) if cfg.qk_norm == "head" else (H * Dh, N * Dh)
             self.q_norm = RMSNorm(q_dim, cfg.norm_eps)
             self.k_norm = RMSNorm(k_dim, cfg.norm_eps)
+        elif self.norm_qk:
+            self.q_norm = self.k_norm = WeightlessRMSNorm(cfg.norm_eps)
+        self.scale_query = bool(cfg.query_scale_beta) and not self.use_rope
+        self.chunked = bool(cfg.attention_chunk) and self.use_rope
         self.cfg = cfg
 
     def _qk_norm(self, norm, x_BxLxHxDh):
-        if self.cfg.qk_norm == "head":
+        if self.cfg.qk_norm in ("head", "weightless"):
             return norm(x_BxLxHxDh)
         B, L, H, Dh = x_BxLxHxDh.shape  # "full": one RMSNorm over all heads together (OLMoE)
         return norm(x_BxLxHxDh.reshape(B, L, H * Dh)).reshape(B, L, H, Dh)
@@ -301,16 +329,17 @@ class Attention(nnx.Module):
             q_BxLxHxDh = q_BxLxHxDh + self.bq[...].astype(dt)
             k_BxLxNxDh = k_BxLxNxDh + self.bk[...].astype(dt)
             v_BxLxNxDh = v_BxLxNxDh + self.bv[...].astype(dt)
-        norm_qk = cfg.qk_norm != "none"
-        if norm_qk and not cfg.qk_norm_after_rope:
+        if self.norm_qk and not cfg.qk_norm_after_rope:
             q_BxLxHxDh = self._qk_norm(self.q_norm, q_BxLxHxDh)
             k_BxLxNxDh = self._qk_norm(self.k_norm, k_BxLxNxDh)
-        if cfg.rope:
+        if self.use_rope:
             q_BxLxHxDh = rotate(cfg, q_BxLxHxDh, positions_BxL, cfg.rope_dim)
             k_BxLxNxDh = rotate(cfg, k_BxLxNxDh, positions_BxL, cfg.rope_dim)
-        if norm_qk and cfg.qk_norm_after_rope:  # Hunyuan: the rotated q and k are normed (and k cached so)
+        if self.norm_qk and cfg.qk_norm_after_rope:  # Hunyuan, Llama 4: the rotated q and k are normed (k cached so)
             q_BxLxHxDh = self._qk_norm(self.q_norm, q_BxLxHxDh)
             k_BxLxNxDh = self._qk_norm(self.k_norm, k_BxLxNxDh)
+        if self.scale_query:  # Llama 4's NoPE layers: attention temperature by position
+            q_BxLxHxDh = q_BxLxHxDh * query_scale(cfg, positions_BxL)[:, :, None, None].astype(q_BxLxHxDh.dtype)
         # q, k and v sharded alike (heads over tensor): cuDNN's partitioner requires identical shardings.
         q_BxLxHxDh = ex.constrain(q_BxLxHxDh, ("batch", "length", "act_heads", None))
         k_BxLxNxDh = ex.constrain(k_BxLxNxDh, ("batch", "length", "act_heads", None))
@@ -324,7 +353,8 @@ class Attention(nnx.Module):
             k_BxSxNxDh, v_BxSxNxDh = k_all.astype(dt), v_all.astype(dt)
         else:
             k_BxSxNxDh, v_BxSxNxDh = k_BxLxNxDh, v_BxLxNxDh
-        out_BxLxHxDh, probs_BxHxLxS = attention(q_BxLxHxDh, k_BxSxNxDh, v_BxSxNxDh, inputs.mask, ex,
+        mask = inputs.chunked_mask if self.chunked else inputs.mask
+        out_BxLxHxDh, probs_BxHxLxS = attention(q_BxLxHxDh, k_BxSxNxDh, v_BxSxNxDh, mask, ex,
                                                 causal=inputs.causal, cached=cache is not None,
                                                 return_probs=return_probs)
         out_BxLxD = matmul_rows(out_BxLxHxDh, self.wo[...].astype(dt), contract=2)

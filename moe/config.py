@@ -14,7 +14,7 @@ from plumbing.fields import at_least, between, check_fields, field, non_negative
 MAX_LAYERS = 4096
 
 MASK_MODES = ("causal", "prefix", "bidirectional", "mixed")
-QK_NORMS = ("none", "head", "full")
+QK_NORMS = ("none", "head", "full", "weightless")
 ATTENTIONS = ("gqa", "mla")
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 # YaRN's fields and their defaults: any other value needs rope_scaling_factor > 1.
@@ -49,9 +49,15 @@ class ModelConfig:
     qkv_bias: bool = field(False, doc="biases on the q/k/v projections (Qwen2-MoE, GLM-4.5 attention_bias)")
     attn_out_bias: bool = field(False, doc="bias on the output projection (OLMoE / Qwen3-MoE attention_bias)")
     qk_norm: str = field("none", one_of(*QK_NORMS), doc="RMSNorm of q and k before RoPE: none | head (each head's "
-                                                        "dims: Qwen3-MoE, GLM) | full (the whole projection: OLMoE)")
+                                                        "dims: Qwen3-MoE, GLM) | full (the whole projection: OLMoE) | "
+                                                        "weightless (each head's, no scale: Llama 4); not on "
+                                                        "nope_layers")
     qk_norm_after_rope: bool = field(False, doc="the q/k RMSNorm after RoPE instead of before (Hunyuan-A13B); the "
                                                 "cache holds the normed keys")
+    nope_layers: str = field("", doc="comma-separated layers without RoPE, q/k norm or chunking, whose query takes "
+                                     "the query scale instead (Llama 4's no_rope_layers zeros); '' = none")
+    attention_chunk: int = field(0, non_negative, doc="the other layers attend only within aligned chunks of this "
+                                                      "many positions (Llama 4's attention_chunk_size; 0: off)")
     attention: str = field("gqa", one_of(*ATTENTIONS),
                            doc="gqa (the fields above) | mla: DeepSeek-V2/V3 multi-head latent attention (moe/mla.py), "
                                "n_heads heads of the MLA fields below")
@@ -78,9 +84,11 @@ class ModelConfig:
     yarn_mscale_all_dim: float = field(0.0, non_negative, doc="YaRN: mscale_all_dim (0: unset)")
     # Llama-4's position-dependent query scale (Mistral Small 4): q *= 1 + beta * ln(1 + floor(position / period)).
     query_scale_beta: float = field(0.0, non_negative, doc="beta of Llama 4's query scale 1 + beta ln(1 + "
-                                                           "floor(pos / query_scale_period)) (0: off; mla only)")
+                                                           "floor((pos + query_scale_offset) / query_scale_period)) "
+                                                           "(0: off): every mla layer's query, gqa's nope_layers'")
     query_scale_period: int = field(0, non_negative, doc="the positions per step of that scale (Mistral Small 4: "
-                                                         "YaRN's original context)")
+                                                         "YaRN's original context; Llama 4: floor_scale)")
+    query_scale_offset: int = field(0, non_negative, doc="added to the position in that scale (Llama 4: 1)")
     # MoE (DeepSeek-V3).
     n_routed_experts: int = field(16, positive, doc="routed experts per MoE layer")
     n_shared_experts: int = field(1, non_negative, doc="shared experts, every token through each")
@@ -146,6 +154,14 @@ class ModelConfig:
     def train_load_layer_ids(self) -> tuple[int, ...]:
         """The rows of the train step's expert load and routing biases: the MoE layers, then the MTP modules'."""
         return self.moe_layer_ids + self.mtp_moe_layer_ids
+
+    @functools.cached_property
+    def nope_layer_ids(self) -> tuple[int, ...]:
+        return _layer_ids(self.nope_layers)
+
+    def uses_rope(self, layer: int | None) -> bool:
+        """Layer `layer` rotates q and k (None: the model's default)."""
+        return self.rope and layer not in self.nope_layer_ids
 
     @functools.cached_property
     def dense_layer_ids(self) -> tuple[int, ...]:
@@ -250,10 +266,22 @@ def validate(c: ModelConfig) -> None:
         fail("rope_fraction", f"int(head_dim * rope_fraction) = {c.rope_dim} rotated dims must be even and >= 2")
     if c.qk_norm_after_rope and c.qk_norm == "none":
         fail("qk_norm_after_rope", "needs a q/k norm (model.qk_norm 'head' or 'full')")
-    if c.qk_norm_after_rope and c.rope_interleave:  # interleaved RoPE returns its pairs permuted
-        fail("qk_norm_after_rope", "is not implemented with model.rope_interleave")
-    if c.query_scale_beta and (c.query_scale_period < 1 or c.attention != "mla"):
-        fail("query_scale_beta", "needs model.query_scale_period >= 1 and attention 'mla'")
+    if c.qk_norm_after_rope and c.rope_interleave and c.qk_norm != "weightless":  # RoPE returns pairs permuted
+        fail("qk_norm_after_rope", "with a scaled q/k norm is not implemented with model.rope_interleave")
+    try:
+        nope = _layer_ids(c.nope_layers)
+    except ValueError:
+        fail("nope_layers", f"must be comma-separated layer indices like '3,7', got {c.nope_layers!r}")
+    if any(not 0 <= i < c.n_layers for i in nope) or (nope and c.attention == "mla"):
+        fail("nope_layers", f"indices must lie in [0, n_layers) = [0, {c.n_layers}), with attention 'gqa'; got "
+                            f"{c.nope_layers!r}")
+    if nope and c.qk_norm in ("head", "full"):  # every layer's attention holds the same parameters
+        fail("nope_layers", f"with a scaled q/k norm (model.qk_norm={c.qk_norm!r}) is not implemented; Llama 4's is "
+                            "'weightless'")
+    if c.attention_chunk and c.attention == "mla":
+        fail("attention_chunk", "is implemented for attention 'gqa' only")
+    if c.query_scale_beta and (c.query_scale_period < 1 or (c.attention != "mla" and not c.nope_layer_ids)):
+        fail("query_scale_beta", "needs model.query_scale_period >= 1, and attention 'mla' or model.nope_layers")
     _validate_mla(c, fail)
     _validate_yarn(c, fail)
     if c.shared_expert_gate and not c.n_shared_experts:

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from moe.attention import Attention, BlockInputs, attention_mask
+from moe.attention import Attention, BlockInputs, attention_mask, chunk_mask
 from moe.config import ModelConfig
 from moe.dispatch import kernels
 from moe.dispatch.execution import Execution
@@ -50,7 +50,7 @@ class BlockOutput(NamedTuple):
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = MLA(cfg, rngs) if cfg.attention == "mla" else Attention(cfg, rngs)
+        self.attn = MLA(cfg, rngs) if cfg.attention == "mla" else Attention(cfg, rngs, layer)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.is_moe = cfg.is_moe_layer(layer)
         self.ffn = MoE(cfg, rngs, layer) if self.is_moe else MLP(cfg.d_model, cfg.d_ff, cfg, rngs)
@@ -268,7 +268,8 @@ class Transformer(nnx.Module):
                                   prefix_len_B=prefix_len_B, q_seg_BxQ=segment_ids_BxL,
                                   k_seg_BxK=segment_ids_BxL)
             # a causal mask hides every later key: kernels may skip them
-            return BlockInputs(positions_BxL, mask, valid_BxL, causal=cfg.mask == "causal", token_ids_BxL=tokens_BxL)
+            return BlockInputs(positions_BxL, mask, valid_BxL, causal=cfg.mask == "causal", token_ids_BxL=tokens_BxL,
+                               chunked_mask=self._chunked(mask, q_idx_BxL, q_idx_BxL))
         if segment_ids_BxL is not None:
             # The cache does not record the segment of the slots written earlier, so it cannot mask across
             # segments: decode one sequence per row.
@@ -278,7 +279,13 @@ class Transformer(nnx.Module):
         mask = attention_mask(cfg.mask, q_idx_BxL, k_idx_BxS, n_heads=cfg.n_heads, prefix_len_B=prefix_len_B,
                               k_valid_BxK=k_idx_BxS < offset + L)
         return BlockInputs(positions_BxL, mask, valid_BxL, causal=cfg.mask == "causal", cache_index=cache_index,
-                           token_ids_BxL=tokens_BxL)
+                           token_ids_BxL=tokens_BxL, chunked_mask=self._chunked(mask, q_idx_BxL, k_idx_BxS))
+
+    def _chunked(self, mask, q_idx_BxQ, k_idx_BxK):
+        """The mask of the chunked layers (model.attention_chunk), or None."""
+        if not self.cfg.attention_chunk:
+            return None
+        return mask & chunk_mask(self.cfg.attention_chunk, q_idx_BxQ, k_idx_BxK)
 
     def embed_tokens(self, tokens_BxL, ex: Execution = DEFAULT_EXECUTION):
         x_BxLxD = jnp.take(self.embed[...], tokens_BxL, axis=0).astype(jnp.dtype(ex.dtype))

@@ -46,7 +46,8 @@ ADDED_KEYS = {"eval.dispatch": "", "execution.loss_chunks": 8, "execution.scan_l
               "model.layer_top_k": "", "train.balance_loss_scope": "sequence", "train.router_z_loss_weight": 0.0,
               # imported families' attention options (Hunyuan-A13B)
               "model.qk_norm_after_rope": False, "model.max_keys": 0,
-              "model.query_scale_beta": 0.0, "model.query_scale_period": 0}
+              "model.query_scale_beta": 0.0, "model.query_scale_period": 0, "model.query_scale_offset": 0,
+              "model.nope_layers": "", "model.attention_chunk": 0}
 
 
 def up_to_date(config: dict) -> dict:

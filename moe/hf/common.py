@@ -46,15 +46,16 @@ FIELD_TYPES = {
                      "sliding_window", "moe_layer_freq", "index_topk", "index_n_heads", "index_head_dim",
                      "moe_num_experts", "moe_k", "moe_num_shared_experts", "moe_layer_start_index",
                      "moe_layer_end_index", "moe_layer_interval", "max_window_layers", "rotary_dim",
-                     "num_shared_experts"), INT),
+                     "num_shared_experts", "intermediate_size_mlp", "interleave_moe_layer_step",
+                     "no_rope_layer_interval", "attention_chunk_size", "floor_scale"), INT),
     **dict.fromkeys(("rms_norm_eps", "initializer_range", "routed_scaling_factor", "router_scaling_factor", "rope_theta",
-                     "partial_rotary_factor", "clip_qkv", "moe_norm_min"), NUMBER),
+                     "partial_rotary_factor", "clip_qkv", "moe_norm_min", "attn_scale"), NUMBER),
     **dict.fromkeys(("tie_word_embeddings", "norm_topk_prob", "rope_interleave", "attention_bias", "mlp_bias",
                      "qkv_bias", "use_qk_norm", "use_sliding_window", "use_bias", "use_cla", "use_mixed_mlp_moe"),
                     BOOL),
     **dict.fromkeys(("model_type", "hidden_act", "scoring_func", "topk_method"), STRING),
     **dict.fromkeys(("rope_scaling", "rope_parameters", "quantization_config", "text_config"), OBJECT),
-    "mlp_only_layers": INTS, "mlp_layer_types": STRINGS, "layer_types": STRINGS,
+    "mlp_only_layers": INTS, "moe_layers": INTS, "no_rope_layers": INTS, "mlp_layer_types": STRINGS, "layer_types": STRINGS,
 }
 INT_OR_INTS = "an integer or a list of integers"
 # A family's own fields and types: Hunyuan's original config.json keeps per-layer lists (transformers reads

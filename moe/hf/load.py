@@ -24,6 +24,7 @@ from moe.hf import (
     glm4_moe,
     hunyuan_v1_moe,
     hy_v3,
+    llama4,
     minimax_m2,
     mistral4,
     mixtral,
@@ -40,7 +41,8 @@ from moe.model import Transformer
 from moe.sharding import RULES
 
 FAMILIES = {t: m for m in (glm4_moe, qwen_moe, olmoe, mixtral, deepseek, ernie4_5_moe, dots1, hunyuan_v1_moe,
-                            minimax_m2, hy_v3, deepseek_dsa, mistral4) for t in m.MODEL_TYPES}
+                            minimax_m2, hy_v3, deepseek_dsa, mistral4,
+                            llama4) for t in m.MODEL_TYPES}
 # Multimodal wrappers whose text model is one of FAMILIES: model_type -> (its config, its tensors' names).
 NESTED = {"kimi_k25": (deepseek.kimi_k25_text, deepseek.k25_tensor_name)}
 # Known MoE families we cannot reproduce exactly: model_type -> (field, why).

@@ -24,6 +24,7 @@ class Piece:
     shape: tuple[int, ...]  # ours: hf_shape transposed by `perm`, then reshaped
     perm: tuple[int, ...] | None = None  # None: no transpose
     rows: int = 0  # the first row (axis -2) of the stored tensor (fused gate_up_proj: the up half starts at F)
+    cols: int = 0  # the first column (axis -1) likewise (Llama 4's [E, D, 2F] gate_up_proj: up from column F)
     stacked: bool = False
 
     def read(self, src) -> np.ndarray:
@@ -38,9 +39,10 @@ class Piece:
             for e, name in enumerate(self.names[1:], 1):
                 out[e] = src.read(name).T
             return out.reshape(self.shape)
-        if self.rows or tuple(src.shapes[self.names[0]]) != self.hf_shape:  # part of the rows only
+        if self.rows or self.cols or tuple(src.shapes[self.names[0]]) != self.hf_shape:  # part of the rows / columns
             rows = slice(self.rows, self.rows + self.hf_shape[-2])
-            arr = src.read_block(self.names[0], (slice(None),) * (len(self.hf_shape) - 2) + (rows, slice(None)))
+            cols = slice(self.cols, self.cols + self.hf_shape[-1])
+            arr = src.read_block(self.names[0], (slice(None),) * (len(self.hf_shape) - 2) + (rows, cols))
         else:
             arr = src.read(self.names[0])
         return (arr.transpose(self.perm) if self.perm else arr).reshape(self.shape)
@@ -65,6 +67,8 @@ class Piece:
             at = [slice(a, b) for a, b in box]
             if self.rows:  # the view starts at row `rows` of the stored tensor
                 at[-2] = slice(box[-2][0] + self.rows, box[-2][1] + self.rows)
+            if self.cols:  # ... and at column `cols`
+                at[-1] = slice(box[-1][0] + self.cols, box[-1][1] + self.cols)
             arr = src.read_block(self.names[0], tuple(at))
         if any(len(i) != b - a for i, (a, b) in zip(hf_idx, box)):  # not a range: pick the indices in the box
             arr = arr[np.ix_(*[i - a for i, (a, _) in zip(hf_idx, box)])]

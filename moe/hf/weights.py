@@ -33,6 +33,8 @@ class Layout:
     router: str = "gate.weight"  # the router weight under the MoE block (Hunyuan: gate.wg.weight)
     qk_norms: tuple[str, str] = ("q_norm", "k_norm")  # under self_attn (Hunyuan: query_layernorm, key_layernorm)
     ignored: tuple[str, ...] = ()  # name prefixes transformers' forward never reads (ERNIE's model.mtp_*)
+    dense: str = "mlp"  # the dense SwiGLU's module (Llama 4: feed_forward)
+    experts_in_out: bool = False  # fused experts stored [E, D, 2F] ([gate | up] columns) and [E, F, D] (Llama 4)
     # Where MTP layers would start (num_hidden_layers, when config.json has num_nextn_predict_layers): as many as
     # the weights hold become our MTP modules (mtp_depth); the rest of them are skipped, as HF's forward skips all.
     mtp_from: int | None = None
@@ -188,7 +190,7 @@ def plan(cfg: ModelConfig, layout: Layout, shapes: dict, where: str) -> list[Ste
             out[q + "attn.bv"] = take(a + "v_proj.bias", N * Dh, shape=(N, Dh))
         if cfg.attn_out_bias:
             out[q + "attn.bo"] = take(a + "o_proj.bias", D)
-        if cfg.qk_norm != "none":
+        if cfg.qk_norm in ("head", "full"):  # ("weightless": Llama 4's, nothing stored)
             whole = cfg.qk_norm == "full"  # OLMoE: one norm over all heads' q (k)
             qn, kn = layout.qk_norms
             out[q + "attn.q_norm.scale"] = take(f"{a}{qn}.weight", H * Dh if whole else Dh)
@@ -196,7 +198,7 @@ def plan(cfg: ModelConfig, layout: Layout, shapes: dict, where: str) -> list[Ste
         if not cfg.is_moe_layer(i):
             F = cfg.d_ff
             for w, n_out, n_in in (("gate", F, D), ("up", F, D), ("down", D, F)):
-                out[f"{q}ffn.w_{w}"] = linear(f"{p}mlp.{w}_proj.weight", n_out, n_in, n_in, n_out)
+                out[f"{q}ffn.w_{w}"] = linear(f"{p}{layout.dense}.{w}_proj.weight", n_out, n_in, n_in, n_out)
             steps.append(Step(group, out))
             return
         E = cfg.n_routed_experts
@@ -326,6 +328,12 @@ def _experts(cfg, layout, m, q, names, check, stacked):
                 f"{q}ffn.w_up": stacked([f"{m}experts.{e}.{up}.weight" for e in range(E)], D, F),
                 f"{q}ffn.w_down": stacked([f"{m}experts.{e}.{down}.weight" for e in range(E)], F, D)}
     gate_up, down_proj = m + "experts.gate_up_proj", m + "experts.down_proj"
+    if layout.experts_in_out:  # already our [E, in, out] layout, gate and up side by side
+        check(gate_up, (E, D, 2 * F))
+        check(down_proj, (E, F, D))
+        return {f"{q}ffn.w_gate": Piece((gate_up,), (E, D, F), (E, D, F)),
+                f"{q}ffn.w_up": Piece((gate_up,), (E, D, F), (E, D, F), cols=F),
+                f"{q}ffn.w_down": Piece((down_proj,), (E, F, D), (E, F, D))}
     check(gate_up, (E, 2 * F, D))
     check(down_proj, (E, D, F))
     return {f"{q}ffn.w_gate": Piece((gate_up,), (E, F, D), (E, D, F), perm=(0, 2, 1)),
