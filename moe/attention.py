@@ -119,6 +119,9 @@ def rotate(cfg, x_BxLxHxDh, positions_BxL, rot_dim: int):
     """`rope` as `cfg` asks: its theta, YaRN scaling and pair layout (rope_interleave)."""
     if cfg.rope_scaling_factor == 1.0:  # plain RoPE: the exact program of the unscaled model
         return rope(x_BxLxHxDh, positions_BxL, cfg.rope_theta, rot_dim, interleave=cfg.rope_interleave)
+    if cfg.rope_scaling == "llama3":
+        return rope(x_BxLxHxDh, positions_BxL, cfg.rope_theta, rot_dim,
+                    inv_freq_F=llama3_inv_frequencies(cfg, rot_dim), interleave=cfg.rope_interleave)
     return rope(x_BxLxHxDh, positions_BxL, cfg.rope_theta, rot_dim, inv_freq_F=yarn_inv_frequencies(cfg, rot_dim),
                 scale=yarn_attention_factor(cfg), interleave=cfg.rope_interleave)
 
@@ -150,10 +153,24 @@ def softmax_scale(cfg, head_dim: int) -> float:
     """The logits' scale 1/sqrt(head_dim), times DeepSeek's YaRN correction mscale(factor, mscale_all_dim)^2 (MLA
     only: HF's other families with YaRN keep 1/sqrt(head_dim))."""
     scale = head_dim ** (-0.5)
-    if cfg.attention == "mla" and cfg.rope_scaling_factor != 1.0 and cfg.yarn_mscale_all_dim:
+    if cfg.attention == "mla" and cfg.rope_scaling_factor != 1.0 and cfg.yarn_mscale_all_dim:  # (YaRN: mla)
         m = yarn_mscale(cfg.rope_scaling_factor, cfg.yarn_mscale_all_dim)
         scale = scale * m * m
     return scale
+
+
+def llama3_inv_frequencies(cfg, R: int) -> jax.Array:
+    """Llama 3.1's [F] inverse frequencies (transformers' _compute_llama3_parameters, fp32): wavelengths longer than
+    original / low_freq_factor divided by `factor`, shorter than original / high_freq_factor kept, a smooth ramp
+    between."""
+    f, original = cfg.rope_scaling_factor, cfg.rope_original_max_position
+    low, high = cfg.llama3_low_freq_factor, cfg.llama3_high_freq_factor
+    inv_F = 1.0 / (cfg.rope_theta ** (jnp.arange(0, R, 2, dtype=jnp.float32) / R))
+    wavelen_F = 2 * math.pi / inv_F
+    scaled_F = jnp.where(wavelen_F > original / low, inv_F / f, inv_F)
+    smooth_F = (original / wavelen_F - low) / (high - low)
+    medium_F = ~(wavelen_F < original / high) & ~(wavelen_F > original / low)
+    return jnp.where(medium_F, (1 - smooth_F) * scaled_F / f + smooth_F * scaled_F, scaled_F)
 
 
 def yarn_inv_frequencies(cfg, R: int) -> jax.Array:

@@ -77,6 +77,11 @@ class ModelConfig:
     # yarn_mscale_all_dim (0: unset, as HF's missing keys), and with mla the softmax scale by
     # mscale(factor, yarn_mscale_all_dim)^2 (DeepSeek-V3, Moonlight). See moe/attention.py.
     rope_scaling_factor: float = field(1.0, at_least(1), doc="YaRN's context extension factor (1.0: off)")
+    rope_scaling: str = field("yarn", one_of("yarn", "llama3"), doc="how rope_scaling_factor > 1 scales RoPE: yarn | "
+                                                                    "llama3 (Llama 3.1 / Llama 4 Scout: the slow "
+                                                                    "frequencies / factor, a smooth ramp between)")
+    llama3_low_freq_factor: float = field(1.0, positive, doc="llama3: wavelengths past original / it are slowed")
+    llama3_high_freq_factor: float = field(4.0, positive, doc="llama3: wavelengths below original / it are kept")
     rope_original_max_position: int = field(0, non_negative, doc="YaRN: the context length the model was trained on")
     yarn_beta_fast: float = field(32.0, doc="YaRN: rotations above which a frequency is kept")
     yarn_beta_slow: float = field(1.0, doc="YaRN: rotations below which a frequency is interpolated")
@@ -348,6 +353,19 @@ def _validate_mla(c: ModelConfig, fail) -> None:
 
 
 def _validate_yarn(c: ModelConfig, fail) -> None:
+    llama3 = {"rope_scaling": "yarn", "llama3_low_freq_factor": 1.0, "llama3_high_freq_factor": 4.0}
+    if c.rope_scaling == "llama3":
+        if c.rope_scaling_factor == 1 or c.attention == "mla" or not c.rope:
+            fail("rope_scaling", "llama3 needs model.rope_scaling_factor > 1, model.rope and attention 'gqa'")
+        for field, default in YARN_DEFAULTS.items():
+            if field != "rope_original_max_position" and getattr(c, field) != default:
+                fail(field, f"is a YaRN field; with model.rope_scaling='llama3' leave it at {default!r}")
+        if c.rope_original_max_position <= 0 or c.llama3_high_freq_factor <= c.llama3_low_freq_factor:
+            fail("llama3_high_freq_factor", "llama3 needs rope_original_max_position > 0 and high > low freq factor")
+        return
+    for field, default in llama3.items():
+        if getattr(c, field) != default:
+            fail(field, f"is a llama3 RoPE field; set model.rope_scaling='llama3' or leave it at {default!r}")
     if c.rope_scaling_factor == 1:
         for field, default in YARN_DEFAULTS.items():
             if getattr(c, field) != default:

@@ -23,10 +23,14 @@ transformers.utils.logging.set_verbosity_error()
 
 from analysis.routing import cli as routing  # noqa: E402
 from moe import param_counts  # noqa: E402
+from moe.attention import llama3_inv_frequencies  # noqa: E402
 from moe.decoding.generate import generate  # noqa: E402
 from moe.hf import HFImportError, load_hf_moe, model_config  # noqa: E402
 
 V, N_NEW = 320, 12
+# Scout's llama3 frequency scaling over a short original context, so that all three bands occur in 8 frequencies
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
 TOKENS = np.random.RandomState(0).randint(2, V, (2, 12))
 
 
@@ -36,7 +40,7 @@ def _config(**changes):
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
         interleave_moe_layer_step=2, no_rope_layer_interval=2, attention_chunk_size=4, floor_scale=2, attn_scale=0.1,
         max_position_embeddings=256, eos_token_id=None, bos_token_id=None, pad_token_id=None,
-        rope_parameters={"rope_type": "default", "rope_theta": 500.0}), **changes))
+        rope_parameters=dict(LLAMA3)), **changes))
 
 
 def _hf_forward(hf, tokens):
@@ -72,8 +76,8 @@ def llama4(tmp_path_factory):
 def test_logits_experts_and_greedy_tokens_match_transformers(llama4):
     model, _ = load_hf_moe(llama4["path"])
     cfg = model.cfg
-    assert (cfg.nope_layers, cfg.attention_chunk, cfg.qk_norm, cfg.moe_layer_ids, cfg.router) == \
-        ("1,3", 4, "weightless", (1, 3), "sigmoid_input")
+    assert (cfg.nope_layers, cfg.attention_chunk, cfg.qk_norm, cfg.moe_layer_ids, cfg.router, cfg.rope_scaling) == \
+        ("1,3", 4, "weightless", (1, 3), "sigmoid_input", "llama3")
     logits, ids = _forward(model, jnp.asarray(TOKENS))
     hf_logits, hf_ids = llama4["forward"]
     err = np.abs(np.asarray(logits) - hf_logits).max() / np.abs(hf_logits).max()
@@ -99,8 +103,7 @@ def test_routing_analysis_runs(llama4, tmp_path):
 
 
 @pytest.mark.parametrize("changes,field", [
-    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
-                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}), "rope_type"),
+    (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 5e5, "factor": 8.0}), "rope_type"),
     (dict(layer_types=["full_attention"] * 4), "layer_types"),
     (dict(no_rope_layers=[1, 0, 1]), "no_rope_layers"),
     (dict(moe_layers=["1"]), "field 'moe_layers' is a list"),
@@ -109,3 +112,16 @@ def test_refused_configs_name_the_field(changes, field):
     c = dict(_config().to_dict(), **changes)
     with pytest.raises(HFImportError, match=field):
         model_config(c)
+
+
+@pytest.mark.parametrize("dim,original", [(16, 64), (128, 8192)])  # the tiny model's; Scout's
+def test_llama3_frequencies_equal_transformers(dim, original):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = dict(LLAMA3, original_max_position_embeddings=original)
+    hf_cfg = _config(head_dim=dim, rope_parameters=rope)
+    theirs, scale = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
+    cfg = model_config(dict(hf_cfg.to_dict()))
+    ours = np.asarray(llama3_inv_frequencies(cfg, dim))
+    np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-6, atol=0)
+    assert scale == 1.0 and np.sum(ours != 1.0 / 500000.0 ** (np.arange(0, dim, 2) / dim)) > 0

@@ -68,7 +68,8 @@ FAMILY_FIELD_TYPES = {"hunyuan_v1_moe": {"moe_topk": INT_OR_INTS, "moe_intermedi
 ROPE_FIELD_TYPES = {  # inside rope_scaling / rope_parameters
     **dict.fromkeys(("rope_type", "type"), STRING), "original_max_position_embeddings": INT, "truncate": BOOL,
     **dict.fromkeys(("rope_theta", "factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
-                     "partial_rotary_factor", "llama_4_scaling_beta"), NUMBER),
+                     "partial_rotary_factor", "llama_4_scaling_beta", "low_freq_factor", "high_freq_factor"),
+                    NUMBER),
 }
 # Read without a default wherever they are read: null is refused rather than taken for "absent".
 REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",

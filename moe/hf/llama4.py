@@ -11,8 +11,8 @@ computes them.
              (attention_chunk) and norm q and k after RoPE by a weightless RMSNorm (use_qk_norm); the NoPE layers
              (nope_layers) attend causally over everything and scale the query by 1 + attn_scale
              ln(1 + floor((pos + 1) / floor_scale)) (attn_temperature_tuning: query_scale_*)
-Missing fields take Llama4TextConfig's defaults. Refused: RoPE scaling (Scout's llama3 frequencies are not
-implemented), layer_types that disagree with the chunked / NoPE layers, hidden_act other than silu. The multimodal
+RoPE default, or Scout's llama3 frequencies (rope_scaling "llama3"). Missing fields take Llama4TextConfig's
+defaults. Refused: other RoPE scalings, layer_types that disagree with the chunked / NoPE layers, hidden_act other than silu. The multimodal
 wrapper (`llama4`, text_config, names under language_model.) is not read: import the text model's checkpoint.
 """
 
@@ -25,8 +25,14 @@ MODEL_TYPES = ("llama4_text",)
 
 def model_config(c: dict, where: str) -> ModelConfig:
     rp = rope_parameters(dict(c, rope_theta=c.get("rope_theta") or 500000.0))  # Llama4TextConfig's default theta
-    if rp["rope_type"] != "default":
-        refuse(where, "rope_type", rp["rope_type"], "only default RoPE (Scout's llama3 scaling is not implemented)")
+    if rp["rope_type"] not in ("default", "llama3"):
+        refuse(where, "rope_type", rp["rope_type"], "only default RoPE and llama3 scaling (Scout's)")
+    scaling = {}
+    if rp["rope_type"] == "llama3":  # transformers' _compute_llama3_parameters reads these four
+        scaling = dict(rope_scaling="llama3", rope_scaling_factor=float(rp["factor"]),
+                       rope_original_max_position=int(rp["original_max_position_embeddings"]),
+                       llama3_low_freq_factor=float(rp["low_freq_factor"]),
+                       llama3_high_freq_factor=float(rp["high_freq_factor"]))
     n = c["num_hidden_layers"]
     interval = c.get("no_rope_layer_interval", 4)
     uses_rope = c.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n)]
@@ -46,7 +52,7 @@ def model_config(c: dict, where: str) -> ModelConfig:
     fields = stack_fields(c, where)
     fields["head_dim"] = c.get("head_dim", 128) or c["hidden_size"] // c["num_attention_heads"]
     return ModelConfig(
-        **fields, rope_theta=float(rp["rope_theta"]), rope_interleave=True, nope_layers=",".join(map(str, nope)),
+        **fields, **scaling, rope_theta=float(rp["rope_theta"]), rope_interleave=True, nope_layers=",".join(map(str, nope)),
         attention_chunk=chunk, qk_norm="weightless" if c.get("use_qk_norm", True) else "none",
         qk_norm_after_rope=bool(c.get("use_qk_norm", True)), query_scale_beta=float(c.get("attn_scale", 0.1)) if tuning
         else 0.0, query_scale_period=int(c.get("floor_scale", 8192)) if tuning else 0,
