@@ -26,7 +26,7 @@ def attention_params(cfg: ModelConfig) -> tuple[int, int]:
     N, Dh = cfg.n_kv_heads, cfg.head_dim
     matmul = D * Dh * (2 * H + 2 * N)
     attn = matmul + cfg.qkv_bias * Dh * (H + 2 * N) + cfg.attn_out_bias * D
-    attn += {"none": 0, "head": 2 * Dh, "full": (H + N) * Dh, "weightless": 0}[cfg.qk_norm]
+    attn += {"none": 0, "head": 2 * Dh, "full": (H + N) * Dh, "weightless": 0}[cfg.qk_norm] + cfg.attn_sinks * H
     return attn, matmul
 
 
@@ -42,7 +42,9 @@ def _ffn_params(cfg: ModelConfig, layer: int) -> tuple[int, int, int]:
     routed = round(cfg.moe_top_k(layer) * expert * cfg.n_routed_experts / cfg.n_candidates)  # = K x expert, Z = 0
     active = router + shared + routed
     total = router + shared + cfg.n_routed_experts * expert
-    return total + logit_bias, active + logit_bias, active - cfg.shared_expert_gate * D
+    bias = cfg.expert_bias * (2 * cfg.moe_d_ff + D)  # gpt-oss: per expert, beside its matmul weights
+    return (total + logit_bias + cfg.n_routed_experts * bias, active + logit_bias + cfg.moe_top_k(layer) * bias,
+            active - cfg.shared_expert_gate * D)
 
 
 def _blocks(cfg: ModelConfig) -> range:

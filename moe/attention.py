@@ -46,6 +46,8 @@ class BlockInputs:
     cache_index: jax.Array | int | None = None  # with a KV cache: this call's tokens occupy slots [i, i + L)
     # With model.attention_chunk: `mask` and each query's keys in its own chunk only (the RoPE layers' mask).
     chunked_mask: jax.Array | None = None
+    # With model.sliding_window: `mask` and each query's last sliding_window keys only (the sliding layers' mask).
+    sliding_mask: jax.Array | None = None
     # The tokens' ids [B, L]: what a hash-routed MoE layer routes by (DeepSeek-V4). An MTP module's blocks get the
     # main call's (t_i at position i). None: no layer may route by hash.
     token_ids_BxL: jax.Array | None = None
@@ -181,8 +183,10 @@ def yarn_inv_frequencies(cfg, R: int) -> jax.Array:
     def correction_dim(rotations):
         return (R * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
 
-    low = max(math.floor(correction_dim(cfg.yarn_beta_fast)), 0)
-    high = min(math.ceil(correction_dim(cfg.yarn_beta_slow)), R - 1)
+    low, high = correction_dim(cfg.yarn_beta_fast), correction_dim(cfg.yarn_beta_slow)
+    if getattr(cfg, "yarn_truncate", True):  # whole dims (transformers' default; gpt-oss sets truncate false)
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, R - 1)
     if low == high:
         high += 0.001  # no zero-width ramp
     ramp_F = jnp.clip((jnp.arange(R // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
@@ -200,9 +204,10 @@ def causal_blocks(L: int, max_blocks: int = 4, min_rows: int = 32) -> int:
 
 
 def softmax_attention(q_BxLxNxGxDh, k_BxSxNxDh, v_BxSxNxDh, mask_BxHxLxS, return_probs: bool = False,
-                      scale: float | None = None):
+                      scale: float | None = None, sinks_NxG=None):
     """softmax(q k^T * scale, masked) v with fp32 logits and softmax: (out [B,L,N,G,Dv], probs [B,N,G,L,S] if
-    return_probs else None). scale None: 1/sqrt(Dh). Values may be Dv wide, Dv != Dh (MLA).
+    return_probs else None). scale None: 1/sqrt(Dh). Values may be Dv wide, Dv != Dh (MLA). sinks [N, G] (gpt-oss):
+    one more logit per head in every denominator, unscaled and with no value (the probabilities sum below 1).
 
     Without probabilities the softmax's division is applied to the output ([.., Dh] per query) instead of the
     probabilities ([.., S] per query): exp(logits - max) v / sum(exp(logits - max)), the same function up to
@@ -220,6 +225,8 @@ def softmax_attention(q_BxLxNxGxDh, k_BxSxNxDh, v_BxSxNxDh, mask_BxHxLxS, return
         mask_BxNxGxLxS = mask_BxNxGxLxS.reshape(B, N, G, L, S)
     logits = jnp.where(mask_BxNxGxLxS, logits, jnp.finfo(jnp.float32).min)
     dt = q_BxLxNxGxDh.dtype
+    if sinks_NxG is not None:
+        return _with_sinks(logits, v_BxSxNxDh, sinks_NxG.astype(jnp.float32), return_probs, dt)
     if return_probs:
         probs = jax.nn.softmax(logits, axis=-1)  # fp32 softmax
         return jnp.einsum("bngls,bsnk->blngk", probs.astype(dt), v_BxSxNxDh), probs
@@ -230,8 +237,18 @@ def softmax_attention(q_BxLxNxGxDh, k_BxSxNxDh, v_BxSxNxDh, mask_BxHxLxS, return
     return (out / denom_BxLxNxGx1).astype(dt), None
 
 
+def _with_sinks(logits_BxNxGxLxS, v_BxSxNxDv, sinks_NxG, return_probs, dt):
+    """The plain softmax over [logits | sink] with the sink's column dropped (gpt-oss's eager attention), fp32."""
+    sink_1xNxGx1x1 = sinks_NxG[None, :, :, None, None]
+    top = jax.lax.stop_gradient(jnp.maximum(logits_BxNxGxLxS.max(-1, keepdims=True), sink_1xNxGx1x1))
+    unnormalized = jnp.exp(logits_BxNxGxLxS - top)
+    probs = unnormalized / (unnormalized.sum(-1, keepdims=True) + jnp.exp(sink_1xNxGx1x1 - top))
+    out = jnp.einsum("bngls,bsnk->blngk", probs.astype(dt), v_BxSxNxDv)
+    return out, probs if return_probs else None
+
+
 def attention(q_BxLxHxDk, k_BxSxNxDk, v_BxSxNxDv, mask_BxHxLxS, ex: Execution, *, causal: bool, cached: bool,
-              return_probs: bool, scale: float | None = None):
+              return_probs: bool, scale: float | None = None, sinks_H=None):
     """softmax(q k^T * scale, masked) v by `ex.attention_impl`: (out [B,L,H,Dv], probs [B,H,L,S] or None). Query
     head h reads kv head h // (H / N). scale None: 1/sqrt(Dk).
 
@@ -239,10 +256,11 @@ def attention(q_BxLxHxDk, k_BxSxNxDk, v_BxSxNxDv, mask_BxHxLxS, ex: Execution, *
     probabilities; keys narrower or wider than values (MLA) are zero-padded to one width there, which changes no
     q.k and no kept output column. "blockwise" runs the einsum path a block of queries at a time in a causal
     call, each block against the keys up to its last row only (`causal_blocks`). "einsum" is the reference.
-    causal: the caller's promise that the mask hides every key after its query.
+    causal: the caller's promise that the mask hides every key after its query. sinks [H] (gpt-oss): the einsum
+    and blockwise paths only.
     """
     Dk, Dv = q_BxLxHxDk.shape[-1], v_BxSxNxDv.shape[-1]
-    if ex.attention_impl in ("xla", "cudnn") and not cached and not return_probs:
+    if ex.attention_impl in ("xla", "cudnn") and not cached and not return_probs and sinks_H is None:
         impl = platform.attention_impl(ex.attention_impl, ex.platform or None)
         if Dk == Dv:
             return jax.nn.dot_product_attention(q_BxLxHxDk, k_BxSxNxDk, v_BxSxNxDv, scale=scale, mask=mask_BxHxLxS,
@@ -255,21 +273,28 @@ def attention(q_BxLxHxDk, k_BxSxNxDk, v_BxSxNxDv, mask_BxHxLxS, ex: Execution, *
     B, L, H, _ = q_BxLxHxDk.shape
     N = k_BxSxNxDk.shape[2]
     q_BxLxNxGxDk = q_BxLxHxDk.reshape(B, L, N, H // N, Dk)  # query head h uses kv head h // G
+    sinks_NxG = None if sinks_H is None else sinks_H.reshape(N, H // N)
     blockwise = ex.attention_impl == "blockwise" and causal and not cached and not return_probs
     n = causal_blocks(L) if blockwise else 1
     if n == 1:
         out_BxLxNxGxDv, probs = softmax_attention(q_BxLxNxGxDk, k_BxSxNxDk, v_BxSxNxDv, mask_BxHxLxS, return_probs,
-                                                  scale)
+                                                  scale, sinks_NxG)
     else:
         # A causal mask hides every key after a query: block i of C queries needs only keys [0, (i+1) C).
         C = L // n
         out_BxLxNxGxDv = jnp.concatenate([
             softmax_attention(q_BxLxNxGxDk[:, i * C:(i + 1) * C], k_BxSxNxDk[:, :(i + 1) * C],
                               v_BxSxNxDv[:, :(i + 1) * C], mask_BxHxLxS[:, :, i * C:(i + 1) * C, :(i + 1) * C],
-                              scale=scale)[0]
+                              scale=scale, sinks_NxG=sinks_NxG)[0]
             for i in range(n)], axis=1)
     probs_BxHxLxS = probs.reshape(B, H, L, -1) if return_probs else None
     return out_BxLxNxGxDv.reshape(B, L, H, Dv), probs_BxHxLxS
+
+
+def window_mask(window: int, q_idx_BxQ, k_idx_BxK):
+    """[B, 1, Q, K]: key k among query q's last `window` positions, q's own included (k > q - window); AND it with
+    the causal mask (gpt-oss's sliding layers)."""
+    return k_idx_BxK[:, None, None, :] > q_idx_BxQ[:, None, :, None] - window
 
 
 def chunk_mask(chunk: int, q_idx_BxQ, k_idx_BxK):
@@ -315,6 +340,9 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = WeightlessRMSNorm(cfg.norm_eps)
         self.scale_query = bool(cfg.query_scale_beta) and not self.use_rope
         self.chunked = bool(cfg.attention_chunk) and self.use_rope
+        self.sliding = layer in cfg.sliding_layer_ids
+        if cfg.attn_sinks:  # gpt-oss: one logit per query head
+            self.sinks = nnx.Param(jnp.zeros((H,), jnp.float32), out_sharding=("heads",))
         self.cfg = cfg
 
     def _qk_norm(self, norm, x_BxLxHxDh):
@@ -370,10 +398,11 @@ class Attention(nnx.Module):
             k_BxSxNxDh, v_BxSxNxDh = k_all.astype(dt), v_all.astype(dt)
         else:
             k_BxSxNxDh, v_BxSxNxDh = k_BxLxNxDh, v_BxLxNxDh
-        mask = inputs.chunked_mask if self.chunked else inputs.mask
+        mask = inputs.chunked_mask if self.chunked else inputs.sliding_mask if self.sliding else inputs.mask
         out_BxLxHxDh, probs_BxHxLxS = attention(q_BxLxHxDh, k_BxSxNxDh, v_BxSxNxDh, mask, ex,
                                                 causal=inputs.causal, cached=cache is not None,
-                                                return_probs=return_probs)
+                                                return_probs=return_probs,
+                                                sinks_H=self.sinks[...] if cfg.attn_sinks else None)
         out_BxLxD = matmul_rows(out_BxLxHxDh, self.wo[...].astype(dt), contract=2)
         return self._out_bias(out_BxLxD), new_cache, probs_BxHxLxS
 

@@ -19,7 +19,7 @@ ATTENTIONS = ("gqa", "mla")
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 # YaRN's fields and their defaults: any other value needs rope_scaling_factor > 1.
 YARN_DEFAULTS = {"rope_original_max_position": 0, "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_mscale": 0.0,
-                 "yarn_mscale_all_dim": 0.0}
+                 "yarn_mscale_all_dim": 0.0, "yarn_truncate": True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +58,11 @@ class ModelConfig:
                                      "the query scale instead (Llama 4's no_rope_layers zeros); '' = none")
     attention_chunk: int = field(0, non_negative, doc="the other layers attend only within aligned chunks of this "
                                                       "many positions (Llama 4's attention_chunk_size; 0: off)")
+    sliding_window: int = field(0, non_negative, doc="sliding_layers see only the last this many positions, "
+                                                     "their own included (gpt-oss: 128; 0: off)")
+    sliding_layers: str = field("", doc="comma-separated layers with that window (gpt-oss: the even ones)")
+    attn_sinks: bool = field(False, doc="a learned logit per query head in every softmax's denominator, with no "
+                                        "value (gpt-oss's sinks)")
     attention: str = field("gqa", one_of(*ATTENTIONS),
                            doc="gqa (the fields above) | mla: DeepSeek-V2/V3 multi-head latent attention (moe/mla.py), "
                                "n_heads heads of the MLA fields below")
@@ -87,6 +92,7 @@ class ModelConfig:
     yarn_beta_slow: float = field(1.0, doc="YaRN: rotations below which a frequency is interpolated")
     yarn_mscale: float = field(0.0, non_negative, doc="YaRN: mscale (0: unset)")
     yarn_mscale_all_dim: float = field(0.0, non_negative, doc="YaRN: mscale_all_dim (0: unset)")
+    yarn_truncate: bool = field(True, doc="YaRN: round the correction range to whole dims (false: gpt-oss)")
     # Llama-4's position-dependent query scale (Mistral Small 4): q *= 1 + beta * ln(1 + floor(position / period)).
     query_scale_beta: float = field(0.0, non_negative, doc="beta of Llama 4's query scale 1 + beta ln(1 + "
                                                            "floor((pos + query_scale_offset) / query_scale_period)) "
@@ -109,6 +115,15 @@ class ModelConfig:
     routed_scaling_factor: float = field(1.0, positive, doc="the gates are multiplied by it")
     norm_topk_prob: bool = field(True, doc="the chosen experts' gates are normalized to sum 1 (before the "
                                            "scaling factor; routers sigmoid and softmax, the others fix it)")
+    expert_act: str = field("swiglu", one_of("swiglu", "clamped_swiglu"),
+                            doc="the routed experts' activation: swiglu | clamped_swiglu (gpt-oss: (clamp(up, "
+                                "+-limit) + 1) * g sigmoid(alpha g), g = min(gate, limit), gate / up with biases)")
+    swiglu_limit: float = field(7.0, positive, doc="clamped_swiglu's limit")
+    swiglu_alpha: float = field(1.702, positive, doc="clamped_swiglu's alpha")
+    expert_bias: bool = field(False, doc="biases on the routed experts' gate, up and down projections (gpt-oss); the "
+                                         "down bias is weighted by the gate. With it or clamped_swiglu the experts "
+                                         "run the plain loop over experts (dispatch 'reference'), whatever "
+                                         "execution.dispatch says")
     shared_d_ff: int = field(0, non_negative, doc="width of the shared-expert SwiGLU (0: moe_d_ff x "
                                                   "n_shared_experts)")
     shared_expert_gate: bool = field(False, doc="Qwen2-MoE / Qwen3-Next: the shared output scaled by "
@@ -159,6 +174,10 @@ class ModelConfig:
     def train_load_layer_ids(self) -> tuple[int, ...]:
         """The rows of the train step's expert load and routing biases: the MoE layers, then the MTP modules'."""
         return self.moe_layer_ids + self.mtp_moe_layer_ids
+
+    @functools.cached_property
+    def sliding_layer_ids(self) -> tuple[int, ...]:
+        return _layer_ids(self.sliding_layers)
 
     @functools.cached_property
     def nope_layer_ids(self) -> tuple[int, ...]:
@@ -283,6 +302,18 @@ def validate(c: ModelConfig) -> None:
     if nope and c.qk_norm in ("head", "full"):  # every layer's attention holds the same parameters
         fail("nope_layers", f"with a scaled q/k norm (model.qk_norm={c.qk_norm!r}) is not implemented; Llama 4's is "
                             "'weightless'")
+    try:
+        sliding = _layer_ids(c.sliding_layers)
+    except ValueError:
+        fail("sliding_layers", f"must be comma-separated layer indices like '0,2', got {c.sliding_layers!r}")
+    if any(not 0 <= i < c.n_layers for i in sliding) or bool(sliding) != bool(c.sliding_window):
+        fail("sliding_layers", f"indices in [0, {c.n_layers}), given together with model.sliding_window; got "
+                               f"{c.sliding_layers!r} and {c.sliding_window}")
+    if (c.attn_sinks or sliding) and c.attention == "mla":
+        fail("attn_sinks" if c.attn_sinks else "sliding_layers", "is implemented for attention 'gqa' only")
+    if (c.expert_bias or c.expert_act != "swiglu") and (c.n_zero_experts or ROUTERS[c.router].gate_at == "input"):
+        fail("expert_bias" if c.expert_bias else "expert_act", "is implemented with gates on the expert output and "
+                                                               "no zero experts")
     if c.attention_chunk and c.attention == "mla":
         fail("attention_chunk", "is implemented for attention 'gqa' only")
     if c.query_scale_beta and (c.query_scale_period < 1 or (c.attention != "mla" and not c.nope_layer_ids)):

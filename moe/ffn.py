@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from moe import router
-from moe.dispatch import kernels, routed_experts
+from moe.dispatch import experts, kernels, routed_experts
 from moe.dispatch.execution import Execution
 from moe.nn import param
 from moe.router import Routing
@@ -67,6 +67,10 @@ class MoE(nnx.Module):
         self.shared = MLP(D, cfg.shared_width, cfg, rngs) if cfg.n_shared_experts else None
         if cfg.shared_expert_gate:  # Qwen2-MoE / Qwen3-Next: one scalar gate per token on the shared output
             self.shared_gate = param(rngs, (D,), ("embed",), cfg.init_std)
+        if cfg.expert_bias:  # gpt-oss: biases on each expert's gate, up and down projections
+            self.b_gate = nnx.Param(jnp.zeros((E, F), jnp.float32), out_sharding=("expert", "mlp"))
+            self.b_up = nnx.Param(jnp.zeros((E, F), jnp.float32), out_sharding=("expert", "mlp"))
+            self.b_down = nnx.Param(jnp.zeros((E, D), jnp.float32), out_sharding=("expert", "embed"))
         if cfg.router_logit_bias:  # gpt-oss: the router Linear's bias, trained (enters scores and gates)
             self.logit_bias = nnx.Param(jnp.zeros((Ec,), jnp.float32), out_sharding=(None,))
         self.cfg = cfg
@@ -96,8 +100,14 @@ class MoE(nnx.Module):
         ids_TxK, gates_TxK = kernels.saved(ids_TxK), kernels.saved(gates_TxK)
         dt = u_BxLxD.dtype
         w = [self.w_gate[...].astype(dt), self.w_up[...].astype(dt), self.w_down[...].astype(dt)]
-        routed_TxD, keep_TxK = routed_experts(ex, u_TxD, ids_TxK, gates_TxK, *w, group_size=L,
-                                              gate_input=r.gate_at == "input", zero_experts=cfg.n_zero_experts > 0)
+        if cfg.expert_bias or cfg.expert_act != "swiglu":  # gpt-oss's experts: the plain loop only
+            biases = [self.b_gate[...], self.b_up[...], self.b_down[...]] if cfg.expert_bias else None
+            clamp = (cfg.swiglu_limit, cfg.swiglu_alpha) if cfg.expert_act == "clamped_swiglu" else None
+            routed_TxD, keep_TxK = experts.reference(u_TxD, ids_TxK, gates_TxK, *w, biases=biases, clamp=clamp), None
+        else:
+            routed_TxD, keep_TxK = routed_experts(ex, u_TxD, ids_TxK, gates_TxK, *w, group_size=L,
+                                                  gate_input=r.gate_at == "input",
+                                                  zero_experts=cfg.n_zero_experts > 0)
         out_BxLxD = routed_TxD.reshape(B, L, D)
         if self.shared is not None:
             shared_BxLxD = self.shared(u_BxLxD, ex)

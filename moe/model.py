@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from moe.attention import Attention, BlockInputs, attention_mask, chunk_mask
+from moe.attention import Attention, BlockInputs, attention_mask, chunk_mask, window_mask
 from moe.config import ModelConfig
 from moe.dispatch import kernels
 from moe.dispatch.execution import Execution
@@ -269,7 +269,8 @@ class Transformer(nnx.Module):
                                   k_seg_BxK=segment_ids_BxL)
             # a causal mask hides every later key: kernels may skip them
             return BlockInputs(positions_BxL, mask, valid_BxL, causal=cfg.mask == "causal", token_ids_BxL=tokens_BxL,
-                               chunked_mask=self._chunked(mask, q_idx_BxL, q_idx_BxL))
+                               chunked_mask=self._chunked(mask, q_idx_BxL, q_idx_BxL),
+                               sliding_mask=self._sliding(mask, q_idx_BxL, q_idx_BxL))
         if segment_ids_BxL is not None:
             # The cache does not record the segment of the slots written earlier, so it cannot mask across
             # segments: decode one sequence per row.
@@ -279,7 +280,14 @@ class Transformer(nnx.Module):
         mask = attention_mask(cfg.mask, q_idx_BxL, k_idx_BxS, n_heads=cfg.n_heads, prefix_len_B=prefix_len_B,
                               k_valid_BxK=k_idx_BxS < offset + L)
         return BlockInputs(positions_BxL, mask, valid_BxL, causal=cfg.mask == "causal", cache_index=cache_index,
-                           token_ids_BxL=tokens_BxL, chunked_mask=self._chunked(mask, q_idx_BxL, k_idx_BxS))
+                           token_ids_BxL=tokens_BxL, chunked_mask=self._chunked(mask, q_idx_BxL, k_idx_BxS),
+                           sliding_mask=self._sliding(mask, q_idx_BxL, k_idx_BxS))
+
+    def _sliding(self, mask, q_idx_BxQ, k_idx_BxK):
+        """The mask of the sliding-window layers (model.sliding_window), or None."""
+        if not self.cfg.sliding_window:
+            return None
+        return mask & window_mask(self.cfg.sliding_window, q_idx_BxQ, k_idx_BxK)
 
     def _chunked(self, mask, q_idx_BxQ, k_idx_BxK):
         """The mask of the chunked layers (model.attention_chunk), or None."""

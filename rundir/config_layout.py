@@ -48,7 +48,10 @@ ADDED_KEYS = {"eval.dispatch": "", "execution.loss_chunks": 8, "execution.scan_l
               "model.qk_norm_after_rope": False, "model.max_keys": 0,
               "model.query_scale_beta": 0.0, "model.query_scale_period": 0, "model.query_scale_offset": 0,
               "model.nope_layers": "", "model.attention_chunk": 0, "model.rope_scaling": "yarn",
-              "model.llama3_low_freq_factor": 1.0, "model.llama3_high_freq_factor": 4.0}
+              "model.llama3_low_freq_factor": 1.0, "model.llama3_high_freq_factor": 4.0,
+              "model.sliding_window": 0, "model.sliding_layers": "", "model.attn_sinks": False,
+              "model.yarn_truncate": True, "model.expert_act": "swiglu", "model.swiglu_limit": 7.0,
+              "model.swiglu_alpha": 1.702, "model.expert_bias": False}
 
 
 def up_to_date(config: dict) -> dict:

@@ -22,21 +22,43 @@ from moe.dispatch import platform
 from moe.dispatch.kernels import grouped_swiglu_for, saved, swiglu
 
 
-def reference(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, gate_input: bool = False):
+def reference(x_TxD, ids_TxK, gates_TxK, w_gate_ExDxF, w_up_ExDxF, w_down_ExFxD, gate_input: bool = False,
+              biases=None, clamp=None):
     """Every expert on every token, weighted by its gate (0 where not chosen): g SwiGLU_e(x), or with gate_input
     SwiGLU_e(g x) (= 0 where not chosen: no biases). Zero experts (ids >= E) are not here: `zero_experts`. O(E)
-    compute: tests only."""
+    compute: tests, and the only path of gpt-oss's experts: `biases` (b_gate [E,F], b_up [E,F], b_down [E,D], the
+    down bias inside g (...)) and `clamp` (limit, alpha) for `clamped_swiglu`."""
     E = w_gate_ExDxF.shape[0]
     y_TxD = jnp.zeros(x_TxD.shape, jnp.float32)
     for e in range(E):
         g_T = jnp.where(ids_TxK == e, gates_TxK, 0.0).sum(-1)
-        if gate_input:
+        if biases is not None or clamp is not None:
+            out_TxD = _general_expert(x_TxD, w_gate_ExDxF[e], w_up_ExDxF[e], w_down_ExFxD[e],
+                                      None if biases is None else [b[e] for b in biases], clamp)
+            y_TxD = y_TxD + g_T[:, None] * out_TxD.astype(jnp.float32)
+        elif gate_input:
             out_TxD = swiglu(scale_input(x_TxD, g_T), w_gate_ExDxF[e], w_up_ExDxF[e], w_down_ExFxD[e])
             y_TxD = y_TxD + out_TxD.astype(jnp.float32)
         else:
             out_TxD = swiglu(x_TxD, w_gate_ExDxF[e], w_up_ExDxF[e], w_down_ExFxD[e])
             y_TxD = y_TxD + g_T[:, None] * out_TxD.astype(jnp.float32)
     return y_TxD.astype(x_TxD.dtype)
+
+
+def clamped_swiglu(a_xF, b_xF, limit: float, alpha: float):
+    """gpt-oss's activation: (clamp(up, -limit, limit) + 1) * g sigmoid(alpha g), g = min(gate, limit)."""
+    g_xF = jnp.minimum(a_xF, limit)
+    return (jnp.clip(b_xF, -limit, limit) + 1) * (g_xF * jax.nn.sigmoid(alpha * g_xF))
+
+
+def _general_expert(x_TxD, w_gate_DxF, w_up_DxF, w_down_FxD, biases, clamp):
+    """One expert with optional biases and the clamped activation (gpt-oss)."""
+    a_TxF, b_TxF = x_TxD @ w_gate_DxF, x_TxD @ w_up_DxF
+    if biases is not None:
+        a_TxF, b_TxF = a_TxF + biases[0].astype(a_TxF.dtype), b_TxF + biases[1].astype(b_TxF.dtype)
+    h_TxF = jax.nn.silu(a_TxF) * b_TxF if clamp is None else clamped_swiglu(a_TxF, b_TxF, *clamp)
+    out_TxD = h_TxF @ w_down_FxD
+    return out_TxD if biases is None else out_TxD + biases[2].astype(out_TxD.dtype)
 
 
 def scale_input(x_NxD, g_N):

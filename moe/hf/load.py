@@ -22,6 +22,7 @@ from moe.hf import (
     dots1,
     ernie4_5_moe,
     glm4_moe,
+    gpt_oss,
     hunyuan_v1_moe,
     hy_v3,
     llama4,
@@ -42,7 +43,7 @@ from moe.sharding import RULES
 
 FAMILIES = {t: m for m in (glm4_moe, qwen_moe, olmoe, mixtral, deepseek, ernie4_5_moe, dots1, hunyuan_v1_moe,
                             minimax_m2, hy_v3, deepseek_dsa, mistral4,
-                            llama4) for t in m.MODEL_TYPES}
+                            llama4, gpt_oss) for t in m.MODEL_TYPES}
 # Multimodal wrappers whose text model is one of FAMILIES: model_type -> (its config, its tensors' names).
 NESTED = {"kimi_k25": (deepseek.kimi_k25_text, deepseek.k25_tensor_name)}
 # Known MoE families we cannot reproduce exactly: model_type -> (field, why).

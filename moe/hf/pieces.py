@@ -25,6 +25,7 @@ class Piece:
     perm: tuple[int, ...] | None = None  # None: no transpose
     rows: int = 0  # the first row (axis -2) of the stored tensor (fused gate_up_proj: the up half starts at F)
     cols: int = 0  # the first column (axis -1) likewise (Llama 4's [E, D, 2F] gate_up_proj: up from column F)
+    step: int = 1  # ... and every step-th column from there (gpt-oss's interleaved gate / up columns: 2)
     stacked: bool = False
 
     def read(self, src) -> np.ndarray:
@@ -41,8 +42,9 @@ class Piece:
             return out.reshape(self.shape)
         if self.rows or self.cols or tuple(src.shapes[self.names[0]]) != self.hf_shape:  # part of the rows / columns
             rows = slice(self.rows, self.rows + self.hf_shape[-2])
-            cols = slice(self.cols, self.cols + self.hf_shape[-1])
+            cols = slice(self.cols, self.cols + self.step * (self.hf_shape[-1] - 1) + 1)
             arr = src.read_block(self.names[0], (slice(None),) * (len(self.hf_shape) - 2) + (rows, cols))
+            arr = arr[..., ::self.step] if self.step > 1 else arr
         else:
             arr = src.read(self.names[0])
         return (arr.transpose(self.perm) if self.perm else arr).reshape(self.shape)
@@ -59,6 +61,8 @@ class Piece:
         hf_idx = [None] * len(self.hf_shape)
         for j, dims in enumerate(_split_axes(t_shape, self.shape)):
             hf_idx[perm[j]] = _flat_indices([ranges[d] for d in dims], [self.shape[d] for d in dims])
+        if self.cols or self.step > 1:  # stored columns of the view's
+            hf_idx[-1] = self.cols + self.step * hf_idx[-1]
         box = [(int(i.min()), int(i.max()) + 1) for i in hf_idx]
         if self.stacked:  # axis 0 picks the experts, each read as its own [out, in] box
             inner = tuple(slice(a, b) for a, b in box[1:])
@@ -67,8 +71,6 @@ class Piece:
             at = [slice(a, b) for a, b in box]
             if self.rows:  # the view starts at row `rows` of the stored tensor
                 at[-2] = slice(box[-2][0] + self.rows, box[-2][1] + self.rows)
-            if self.cols:  # ... and at column `cols`
-                at[-1] = slice(box[-1][0] + self.cols, box[-1][1] + self.cols)
             arr = src.read_block(self.names[0], tuple(at))
         if any(len(i) != b - a for i, (a, b) in zip(hf_idx, box)):  # not a range: pick the indices in the box
             arr = arr[np.ix_(*[i - a for i, (a, _) in zip(hf_idx, box)])]

@@ -35,6 +35,8 @@ class Layout:
     ignored: tuple[str, ...] = ()  # name prefixes transformers' forward never reads (ERNIE's model.mtp_*)
     dense: str = "mlp"  # the dense SwiGLU's module (Llama 4: feed_forward)
     experts_in_out: bool = False  # fused experts stored [E, D, 2F] ([gate | up] columns) and [E, F, D] (Llama 4)
+    interleaved: bool = False  # ... with gate and up in alternate columns, gate first (gpt-oss)
+    router_bias: str = "router.bias"  # the router's logit bias under the MoE block (model.router_logit_bias)
     # Where MTP layers would start (num_hidden_layers, when config.json has num_nextn_predict_layers): as many as
     # the weights hold become our MTP modules (mtp_depth); the rest of them are skipped, as HF's forward skips all.
     mtp_from: int | None = None
@@ -190,6 +192,8 @@ def plan(cfg: ModelConfig, layout: Layout, shapes: dict, where: str) -> list[Ste
             out[q + "attn.bv"] = take(a + "v_proj.bias", N * Dh, shape=(N, Dh))
         if cfg.attn_out_bias:
             out[q + "attn.bo"] = take(a + "o_proj.bias", D)
+        if cfg.attn_sinks:
+            out[q + "attn.sinks"] = take(a + "sinks", H)
         if cfg.qk_norm in ("head", "full"):  # ("weightless": Llama 4's, nothing stored)
             whole = cfg.qk_norm == "full"  # OLMoE: one norm over all heads' q (k)
             qn, kn = layout.qk_norms
@@ -207,6 +211,8 @@ def plan(cfg: ModelConfig, layout: Layout, shapes: dict, where: str) -> list[Ste
         bias = m + (layout.routing_bias or "")
         stored = (1, E) if names.get(bias) == (1, E) else (E,)  # ERNIE stores [1, E]
         out[q + "ffn.bias"] = take(bias, *stored, shape=(E,)) if layout.routing_bias else Piece((), (E,), (E,))
+        if cfg.router_logit_bias:
+            out[q + "ffn.logit_bias"] = take(m + layout.router_bias, E)
         steps.append(Step(group, out))
         for k, piece in _experts(cfg, layout, m, q, names, check, stacked).items():
             steps.append(Step(group, {k: piece}))  # one [E, ...] array at a time
@@ -328,12 +334,20 @@ def _experts(cfg, layout, m, q, names, check, stacked):
                 f"{q}ffn.w_up": stacked([f"{m}experts.{e}.{up}.weight" for e in range(E)], D, F),
                 f"{q}ffn.w_down": stacked([f"{m}experts.{e}.{down}.weight" for e in range(E)], F, D)}
     gate_up, down_proj = m + "experts.gate_up_proj", m + "experts.down_proj"
-    if layout.experts_in_out:  # already our [E, in, out] layout, gate and up side by side
+    if layout.experts_in_out:  # already our [E, in, out] layout, gate and up side by side (or alternating)
         check(gate_up, (E, D, 2 * F))
         check(down_proj, (E, F, D))
-        return {f"{q}ffn.w_gate": Piece((gate_up,), (E, D, F), (E, D, F)),
-                f"{q}ffn.w_up": Piece((gate_up,), (E, D, F), (E, D, F), cols=F),
-                f"{q}ffn.w_down": Piece((down_proj,), (E, F, D), (E, F, D))}
+        up, step = (1, 2) if layout.interleaved else (F, 1)
+        out = {f"{q}ffn.w_gate": Piece((gate_up,), (E, D, F), (E, D, F), step=step),
+               f"{q}ffn.w_up": Piece((gate_up,), (E, D, F), (E, D, F), cols=up, step=step),
+               f"{q}ffn.w_down": Piece((down_proj,), (E, F, D), (E, F, D))}
+        if cfg.expert_bias:  # gpt-oss: [E, 2F] laid out as the columns above, and [E, D]
+            check(gate_up + "_bias", (E, 2 * F))
+            check(down_proj + "_bias", (E, D))
+            out.update({f"{q}ffn.b_gate": Piece((gate_up + "_bias",), (E, F), (E, F), step=step),
+                        f"{q}ffn.b_up": Piece((gate_up + "_bias",), (E, F), (E, F), cols=up, step=step),
+                        f"{q}ffn.b_down": Piece((down_proj + "_bias",), (E, D), (E, D))})
+        return out
     check(gate_up, (E, 2 * F, D))
     check(down_proj, (E, D, F))
     return {f"{q}ffn.w_gate": Piece((gate_up,), (E, F, D), (E, D, F), perm=(0, 2, 1)),
