@@ -64,6 +64,9 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
         ffn_total, ffn_active, _ = _ffn_params(cfg, i)
         total += attn + norms + ffn_total
         active += attn + norms + ffn_active
+    if cfg.dual_sublayers:  # LongCat-Flash: a second attention, two more norms and two dense SwiGLUs per layer
+        extra = cfg.n_layers * (attn + norms + 2 * 3 * D * cfg.d_ff)
+        total, active = total + extra, active + extra
     return {"total": total, "active": active}
 
 
@@ -73,6 +76,7 @@ def matmul_params_per_token(cfg: ModelConfig) -> int:
     D = cfg.d_model
     attn = attention_params(cfg)[1]
     blocks = sum(attn + _ffn_params(cfg, i)[2] for i in _blocks(cfg))
+    blocks += cfg.dual_sublayers * cfg.n_layers * (attn + 3 * D * cfg.d_ff * 2)  # LongCat-Flash's second sublayer
     return blocks + (1 + cfg.mtp_depth) * D * cfg.vocab_size + cfg.mtp_depth * 2 * D * D
 
 
@@ -95,4 +99,4 @@ def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: str = "float32") -> int:
     kv heads (gqa), or the kv latent and the shared roped key (mla)."""
     per_layer = (cfg.kv_lora_rank + cfg.qk_rope_head_dim if cfg.attention == "mla"
                  else 2 * cfg.n_kv_heads * cfg.head_dim)
-    return cfg.n_layers * per_layer * jnp.dtype(dtype).itemsize
+    return cfg.n_layers * (1 + cfg.dual_sublayers) * per_layer * jnp.dtype(dtype).itemsize

@@ -63,6 +63,8 @@ class ModelConfig:
     sliding_layers: str = field("", doc="comma-separated layers with that window (gpt-oss: the even ones)")
     attn_sinks: bool = field(False, doc="a learned logit per query head in every softmax's denominator, with no "
                                         "value (gpt-oss's sinks)")
+    dual_sublayers: bool = field(False, doc="LongCat-Flash's layer: two (attention, dense SwiGLU) sublayers and one "
+                                            "MoE fed by the first sublayer's normed input and added at the end")
     attention: str = field("gqa", one_of(*ATTENTIONS),
                            doc="gqa (the fields above) | mla: DeepSeek-V2/V3 multi-head latent attention (moe/mla.py), "
                                "n_heads heads of the MLA fields below")
@@ -74,6 +76,8 @@ class ModelConfig:
     v_head_dim: int = field(0, non_negative, doc="mla: per-head value dims")
     rope_interleave: bool = field(False, doc="RoPE on pairs (2i, 2i+1): DeepSeek checkpoints' layout (mla), ERNIE "
                                              "4.5's (gqa); false: rotate-half")
+    mla_lora_scale: bool = field(False, doc="mla: the query x sqrt(d_model / q_lora_rank) and the normed latent x "
+                                            "sqrt(d_model / kv_lora_rank), cached so (LongCat-Flash)")
     # DeepSeek's and transformers' code fix the latent norms' eps at 1e-6 whatever rms_norm_eps is (Moonlight,
     # GLM-4.7-Flash: 1e-5), so imports set it.
     latent_norm_eps: float = field(0.0, non_negative, doc="mla: eps of the query and kv latent RMSNorms (0: norm_eps)")
@@ -314,6 +318,10 @@ def validate(c: ModelConfig) -> None:
     if (c.expert_bias or c.expert_act != "swiglu") and (c.n_zero_experts or ROUTERS[c.router].gate_at == "input"):
         fail("expert_bias" if c.expert_bias else "expert_act", "is implemented with gates on the expert output and "
                                                                "no zero experts")
+    if c.mla_lora_scale and (c.attention != "mla" or not c.q_lora_rank):
+        fail("mla_lora_scale", "needs attention 'mla' with a query latent (q_lora_rank > 0)")
+    if c.dual_sublayers and (c.mtp_depth or c.first_k_dense or c.dense_layers or c.moe_layer_step != 1):
+        fail("dual_sublayers", "every layer holds a MoE and no MTP module (LongCat-Flash)")
     if c.attention_chunk and c.attention == "mla":
         fail("attention_chunk", "is implemented for attention 'gqa' only")
     if c.query_scale_beta and (c.query_scale_period < 1 or (c.attention != "mla" and not c.nope_layer_ids)):

@@ -66,6 +66,9 @@ class MLA(nnx.Module):
         self.wo = param(rngs, (H, Dv, D), ("heads", "head_dim", "embed"), cfg.out_init_std)
         self.cfg = cfg
         self.scale = softmax_scale(cfg, Dn + Dr)
+        # LongCat-Flash: the query and the normed latent (what the cache holds) scaled by sqrt(D / rank)
+        self.q_scale = (D / Q) ** 0.5 if cfg.mla_lora_scale else 1.0
+        self.kv_scale = (D / R) ** 0.5 if cfg.mla_lora_scale else 1.0
 
     def __call__(self, x_BxLxD, inputs: BlockInputs, ex: Execution, *, cache=None, return_probs: bool = False):
         """(out [B,L,D], new_cache or None, probs [B,H,L,S] or None): the signature of moe.attention.Attention.
@@ -107,7 +110,8 @@ class MLA(nnx.Module):
         dt = x_BxLxD.dtype
         if self.cfg.q_lora_rank:
             cq_BxLxQ = self.q_norm(matmul_rows(x_BxLxD, self.wq_a[...].astype(dt)))
-            return matmul_rows(cq_BxLxQ, self.wq_b[...].astype(dt))
+            q_BxLxHxDq = matmul_rows(cq_BxLxQ, self.wq_b[...].astype(dt))
+            return q_BxLxHxDq * self.q_scale if self.q_scale != 1.0 else q_BxLxHxDq
         return matmul_rows(x_BxLxD, self.wq[...].astype(dt))
 
     def _latent(self, x_BxLxD, positions_BxL):
@@ -115,7 +119,8 @@ class MLA(nnx.Module):
         R = self.cfg.kv_lora_rank
         kv_BxLxRr = matmul_rows(x_BxLxD, self.wkv_a[...].astype(x_BxLxD.dtype))
         k_rope_BxLx1xDr = rotate(self.cfg, kv_BxLxRr[:, :, None, R:], positions_BxL, self.cfg.qk_rope_head_dim)
-        return self.kv_norm(kv_BxLxRr[..., :R]), k_rope_BxLx1xDr[:, :, 0]
+        c_BxLxR = self.kv_norm(kv_BxLxRr[..., :R])
+        return c_BxLxR * self.kv_scale if self.kv_scale != 1.0 else c_BxLxR, k_rope_BxLx1xDr[:, :, 0]
 
     def _expanded(self, q_nope_BxLxHxDn, q_rope_BxLxHxDr, c_BxSxR, k_rope_BxSxDr, mask, ex, cached, return_probs,
                   causal):

@@ -75,6 +75,35 @@ class Block(nnx.Module):
         return self.ffn(self.ffn_norm(x_BxLxD), ex), None
 
 
+class DualBlock(nnx.Module):
+    """LongCat-Flash's layer (model.dual_sublayers): two pre-norm (attention, dense SwiGLU) sublayers, and a MoE on
+    the first SwiGLU's normed input whose output joins the residual after the second. Its cache is a pair."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs):
+        attn = lambda: MLA(cfg, rngs) if cfg.attention == "mla" else Attention(cfg, rngs, layer)
+        self.attn_norm = nnx.List([RMSNorm(cfg.d_model, cfg.norm_eps) for _ in range(2)])
+        self.attn = nnx.List([attn(), attn()])
+        self.ffn_norm = nnx.List([RMSNorm(cfg.d_model, cfg.norm_eps) for _ in range(2)])
+        self.mlp = nnx.List([MLP(cfg.d_model, cfg.d_ff, cfg, rngs) for _ in range(2)])
+        self.ffn = MoE(cfg, rngs, layer)
+        self.is_moe = True
+
+    def __call__(self, x_BxLxD, inputs: BlockInputs, ex: Execution, *, cache=None,
+                 attention_probs: bool = False) -> BlockOutput:
+        if attention_probs:
+            raise ValueError("attention probabilities of a dual-sublayer layer (LongCat-Flash) are not implemented")
+        caches = [None, None] if cache is None else list(cache)
+        for j in range(2):
+            h_BxLxD, caches[j], _ = self.attn[j](self.attn_norm[j](x_BxLxD), inputs, ex, cache=caches[j])
+            x_BxLxD = x_BxLxD + h_BxLxD
+            u_BxLxD = self.ffn_norm[j](x_BxLxD)
+            if j == 0:
+                moe_BxLxD, routing = self.ffn(u_BxLxD, inputs.valid_BxL, ex, inputs.token_ids_BxL)
+            x_BxLxD = x_BxLxD + self.mlp[j](u_BxLxD, ex)
+        x_BxLxD = ex.constrain(x_BxLxD + moe_BxLxD, ("batch", "length", "act_embed"))
+        return BlockOutput(x_BxLxD, routing, None if cache is None else caches)
+
+
 @struct.dataclass
 class Aux:
     """What a forward call returns beside its output, one field per quantity (read by attribute; `aux["name"]`
@@ -116,7 +145,8 @@ class Transformer(nnx.Module):
         # Build unsharded; training maps the logical `out_sharding` metadata onto its mesh (moe/sharding.py).
         with nnx.use_eager_sharding(False):
             self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std)
-            self.blocks = nnx.List([Block(cfg, i, rngs) for i in range(cfg.n_layers)])
+            layer = DualBlock if cfg.dual_sublayers else Block
+            self.blocks = nnx.List([layer(cfg, i, rngs) for i in range(cfg.n_layers)])
             self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
             if not cfg.tie_embeddings:
                 self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)

@@ -51,7 +51,8 @@ ADDED_KEYS = {"eval.dispatch": "", "execution.loss_chunks": 8, "execution.scan_l
               "model.llama3_low_freq_factor": 1.0, "model.llama3_high_freq_factor": 4.0,
               "model.sliding_window": 0, "model.sliding_layers": "", "model.attn_sinks": False,
               "model.yarn_truncate": True, "model.expert_act": "swiglu", "model.swiglu_limit": 7.0,
-              "model.swiglu_alpha": 1.702, "model.expert_bias": False}
+              "model.swiglu_alpha": 1.702, "model.expert_bias": False, "model.dual_sublayers": False,
+              "model.mla_lora_scale": False}
 
 
 def up_to_date(config: dict) -> dict:

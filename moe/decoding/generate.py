@@ -20,7 +20,10 @@ from moe.model import DEFAULT_EXECUTION, Transformer
 
 def init_cache(cfg, batch: int, max_len: int, dtype: str = "float32"):
     """One dict per layer: {"k", "v": [B,S,N,Dh]} (gqa), or {"latent": [B,S,R], "k_rope": [B,S,Dr]} (mla: the
-    normalized kv latent and the roped shared key, moe/mla.py); moe.accounting.kv_cache_bytes_per_token counts it."""
+    normalized kv latent and the roped shared key, moe/mla.py); moe.accounting.kv_cache_bytes_per_token counts it.
+    A dual-sublayer layer (LongCat-Flash) holds a pair of them."""
+    if cfg.dual_sublayers:
+        return [[layer_cache(cfg, batch, max_len, dtype) for _ in range(2)] for _ in range(cfg.n_layers)]
     return [layer_cache(cfg, batch, max_len, dtype) for _ in range(cfg.n_layers)]
 
 

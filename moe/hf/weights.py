@@ -176,10 +176,17 @@ def plan(cfg: ModelConfig, layout: Layout, shapes: dict, where: str) -> list[Ste
 
     def layer(p, q, i, group):
         """Block i from HF layer prefix p into our prefix q (a main block, or an MTP module's)."""
-        out = {q + "attn_norm.scale": take(p + "input_layernorm.weight", D),
-               q + "ffn_norm.scale": take(p + "post_attention_layernorm.weight", D)}
         a = p + "self_attn."
-        if cfg.attention == "mla":
+        out = {} if cfg.dual_sublayers else {q + "attn_norm.scale": take(p + "input_layernorm.weight", D),
+                                             q + "ffn_norm.scale": take(p + "post_attention_layernorm.weight", D)}
+        if cfg.dual_sublayers:  # LongCat-Flash: norms, MLA and dense SwiGLU in pairs, then the MoE below
+            for j in range(2):
+                out[f"{q}attn_norm.{j}.scale"] = take(f"{p}input_layernorm.{j}.weight", D)
+                out[f"{q}ffn_norm.{j}.scale"] = take(f"{p}post_attention_layernorm.{j}.weight", D)
+                out.update(_mla(cfg, f"{a}{j}.", f"{q}attn.{j}.", take, linear))
+                for w, n_out, n_in in (("gate", cfg.d_ff, D), ("up", cfg.d_ff, D), ("down", D, cfg.d_ff)):
+                    out[f"{q}mlp.{j}.w_{w}"] = linear(f"{p}mlps.{j}.{w}_proj.weight", n_out, n_in, n_in, n_out)
+        elif cfg.attention == "mla":
             out.update(_mla(cfg, a, q + "attn.", take, linear))
         else:
             out[q + "attn.wq"] = linear(a + "q_proj.weight", H * Dh, D, D, H, Dh)
@@ -205,14 +212,14 @@ def plan(cfg: ModelConfig, layout: Layout, shapes: dict, where: str) -> list[Ste
                 out[f"{q}ffn.w_{w}"] = linear(f"{p}{layout.dense}.{w}_proj.weight", n_out, n_in, n_in, n_out)
             steps.append(Step(group, out))
             return
-        E = cfg.n_routed_experts
+        Ec = cfg.n_candidates  # the router's outputs: routed experts, then zero experts (LongCat-Flash)
         m = p + next((name for name in layout.moe if f"{p}{name}.{layout.router}" in names), layout.moe[0]) + "."
-        out[q + "ffn.router"] = linear(m + layout.router, E, D, D, E)
+        out[q + "ffn.router"] = linear(m + layout.router, Ec, D, D, Ec)
         bias = m + (layout.routing_bias or "")
-        stored = (1, E) if names.get(bias) == (1, E) else (E,)  # ERNIE stores [1, E]
-        out[q + "ffn.bias"] = take(bias, *stored, shape=(E,)) if layout.routing_bias else Piece((), (E,), (E,))
+        stored = (1, Ec) if names.get(bias) == (1, Ec) else (Ec,)  # ERNIE stores [1, E]
+        out[q + "ffn.bias"] = take(bias, *stored, shape=(Ec,)) if layout.routing_bias else Piece((), (Ec,), (Ec,))
         if cfg.router_logit_bias:
-            out[q + "ffn.logit_bias"] = take(m + layout.router_bias, E)
+            out[q + "ffn.logit_bias"] = take(m + layout.router_bias, Ec)
         steps.append(Step(group, out))
         for k, piece in _experts(cfg, layout, m, q, names, check, stacked).items():
             steps.append(Step(group, {k: piece}))  # one [E, ...] array at a time

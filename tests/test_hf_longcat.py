@@ -1,0 +1,109 @@
+"""LongCat-Flash (`longcat_flash`): a tiny random LongcatFlashForCausalLM (two MLA + dense SwiGLU sublayers and a
+shortcut MoE per layer, LoRA-scaled MLA, a softmax router over 8 experts and 4 zero experts with a selection bias,
+top-3 unnormalized x 6) loads with transformers' logits, expert ids (zero experts included) and KV-cached greedy
+tokens, and analysis.routing --hf runs on it."""
+
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+torch = pytest.importorskip("torch", reason="torch builds the reference models")
+transformers = pytest.importorskip("transformers", reason="transformers builds the reference models")
+from tests.hf_random import hf_generate, random_hf, same_experts  # noqa: E402
+from tests.test_hf_more_families import _tokenizer  # noqa: E402
+
+transformers.utils.logging.disable_progress_bar()
+transformers.utils.logging.set_verbosity_error()
+
+from analysis.routing import cli as routing  # noqa: E402
+from moe import param_counts  # noqa: E402
+from moe.decoding.generate import generate  # noqa: E402
+from moe.hf import HFImportError, load_hf_moe, model_config  # noqa: E402
+
+V, N_NEW = 320, 12
+TOKENS = np.random.RandomState(0).randint(2, V, (2, 12))
+
+
+def _config(**changes):
+    return transformers.LongcatFlashConfig(**dict(dict(
+        vocab_size=V, hidden_size=64, num_layers=2, num_attention_heads=4, ffn_hidden_size=96, q_lora_rank=48,
+        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, head_dim=8, n_routed_experts=8,
+        zero_expert_num=4, moe_topk=3, expert_ffn_hidden_size=32, routed_scaling_factor=6.0, rms_norm_eps=1e-5,
+        max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+        eos_token_id=None, bos_token_id=None, pad_token_id=None), **changes))
+
+
+def _hf_forward(hf, tokens):
+    """(logits, per layer the chosen ids [B*L, K]): the router (`mlp.router`) returns (logits, weights, ids)."""
+    ids, hooks = [], []
+    for name, mod in hf.named_modules():
+        if name.endswith("mlp.router"):
+            hooks.append(mod.register_forward_hook(lambda _m, _i, out: ids.append(out[2].numpy())))
+    with torch.no_grad():
+        logits = hf(torch.tensor(tokens)).logits.float().numpy()
+    for h in hooks:
+        h.remove()
+    return logits, ids
+
+
+@nnx.jit
+def _forward(model, tokens):
+    logits, aux = model(tokens, return_routing=True)
+    return logits, [r["expert_ids"] for r in aux["routing"]]
+
+
+@pytest.fixture(scope="module")
+def longcat(tmp_path_factory):
+    hf = random_hf(_config())
+    path = tmp_path_factory.mktemp("longcat")
+    hf.save_pretrained(str(path))
+    return dict(path=str(path), forward=_hf_forward(hf, TOKENS), tokens=hf_generate(hf, TOKENS[:, :5], N_NEW),
+                n_params=sum(p.numel() for p in hf.parameters()))
+
+
+def test_logits_experts_and_greedy_tokens_match_transformers(longcat):
+    model, _ = load_hf_moe(longcat["path"])
+    cfg = model.cfg
+    assert (cfg.dual_sublayers, cfg.mla_lora_scale, cfg.n_zero_experts, cfg.n_layers) == (True, True, 4, 2)
+    logits, ids = _forward(model, jnp.asarray(TOKENS))
+    hf_logits, hf_ids = longcat["forward"]
+    err = np.abs(np.asarray(logits) - hf_logits).max() / np.abs(hf_logits).max()
+    print(f"longcat_flash: max |logit diff| / max |logit| = {err:.1e}; experts {same_experts(ids, hf_ids)}; "
+          f"zero-expert picks {int(sum((np.asarray(i) >= 8).sum() for i in ids))}")
+    assert err <= 1e-4
+    assert same_experts(ids, hf_ids) == [1.0, 1.0]
+    assert sum((np.asarray(i) >= 8).sum() for i in ids) > 0  # zero experts were chosen
+    ours = generate(model, jnp.asarray(TOKENS[:, :5]), jax.random.key(0), max_new_tokens=N_NEW, temperature=0.0)
+    np.testing.assert_array_equal(np.asarray(ours), longcat["tokens"])
+    # transformers counts the router's bias buffer out; ours is a RoutingBias, not a Param, either
+    assert param_counts(cfg)["total"] == sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) == \
+        longcat["n_params"]
+
+
+def test_routing_analysis_runs(longcat, tmp_path):
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(longcat["path"], hf_dir)
+    _tokenizer().save(str(hf_dir / "tokenizer.json"))
+    (tmp_path / "prose.txt").write_text("The quick brown fox jumps over the lazy dog, again and again.\n" * 10)
+    a, _ = routing.run(routing.parse_args([
+        "--hf", str(hf_dir), "--text", str(tmp_path / "prose.txt"), "--out", str(tmp_path / "out"), "--seq_len", "16",
+        "--batch_size", "4", "--no_progress"]), log=lambda *_: None)
+    doc = json.loads((tmp_path / "out" / "routing.json").read_text())
+    assert doc["model_type"] == "longcat_flash" and doc["layer_ids"] == [0, 1] and a.n_tokens > 0
+
+
+@pytest.mark.parametrize("changes,field", [
+    (dict(router_bias=True), "router_bias"),
+    (dict(mla_scale_q_lora=False), "mla_scale_q_lora"),
+    (dict(zero_expert_type="zero"), "zero_expert_type"),
+    (dict(head_dim=16), "head_dim"),
+])
+def test_refused_configs_name_the_field(changes, field):
+    c = dict(_config().to_dict(), **changes)
+    with pytest.raises(HFImportError, match=field):
+        model_config(c)
