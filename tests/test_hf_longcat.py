@@ -102,6 +102,7 @@ def test_routing_analysis_runs(longcat, tmp_path):
     (dict(mla_scale_q_lora=False), "mla_scale_q_lora"),
     (dict(zero_expert_type="zero"), "zero_expert_type"),
     (dict(head_dim=16), "head_dim"),
+    (dict(mla_scale_kv_lora="false"), "field 'mla_scale_kv_lora' is a string"),
 ])
 def test_refused_configs_name_the_field(changes, field):
     c = dict(_config().to_dict(), **changes)

@@ -62,11 +62,13 @@ FIELD_TYPES = {
 INT_OR_INTS = "an integer or a list of integers"
 # A family's own fields and types: Hunyuan's original config.json keeps per-layer lists (transformers reads
 # moe_topk per layer and ignores the other two; moe/hf/hunyuan_v1_moe.py refuses lists that disagree); Hy3's
-# switches transformers ignores (moe/hf/hy_v3.py refuses them off).
+# switches transformers ignores (moe/hf/hy_v3.py refuses them off), and LongCat-Flash's.
 FAMILY_FIELD_TYPES = {"hunyuan_v1_moe": {"moe_topk": INT_OR_INTS, "moe_intermediate_size": INT_OR_INTS,
                                          "num_shared_expert": INT_OR_INTS},
                       "hy_v3": dict.fromkeys(("qk_norm", "route_norm", "moe_router_use_sigmoid",
-                                              "moe_router_enable_expert_bias"), BOOL)}
+                                              "moe_router_enable_expert_bias"), BOOL),
+                      "longcat_flash": {**dict.fromkeys(("router_bias", "mla_scale_q_lora", "mla_scale_kv_lora"), BOOL),
+                                        "zero_expert_type": STRING}}
 ROPE_FIELD_TYPES = {  # inside rope_scaling / rope_parameters
     **dict.fromkeys(("rope_type", "type"), STRING), "original_max_position_embeddings": INT, "truncate": BOOL,
     **dict.fromkeys(("rope_theta", "factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
