@@ -108,3 +108,20 @@ def test_refused_configs_name_the_field(changes, field):
     c = dict(_config().to_dict(), **changes)
     with pytest.raises(HFImportError, match=field):
         model_config(c)
+
+
+@pytest.mark.parametrize("changes,field", [
+    (dict(dual_sublayers=True), "dual_sublayers"), (dict(mla_lora_scale=True), "mla_lora_scale"),
+    (dict(query_scale_beta=0.1, query_scale_period=4), "query_scale_beta"),
+    (dict(expert_act="clamped_swiglu"), "expert_act"),
+])
+def test_exports_refuse_the_imported_families_features(changes, field):
+    """An export writes deepseek_v3 / glm4_moe, which have none of these: refused naming the field."""
+    from moe.config import ModelConfig
+    from moe.hf.write import unsupported_features
+
+    mla = dict(attention="mla", q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4,
+               v_head_dim=8, n_heads=2, n_kv_heads=2, d_model=32, n_routed_experts=4, top_k=2, first_k_dense=0)
+    assert any(field in f for f in unsupported_features(ModelConfig(**mla, **changes)))
+    gqa = dict(sliding_window=4, sliding_layers="0", attn_sinks=True)
+    assert {"model.sliding_window=4", "model.attn_sinks=True"} <= set(unsupported_features(ModelConfig(**gqa)))

@@ -69,7 +69,8 @@ def glm4_moe_unsupported_features(cfg: ModelConfig) -> list[str]:
     # Options for imported families (moe.hf/); the Glm4Moe config this export writes has none of them.
     defaults = ModelConfig()
     for field in ("moe_layer_step", "dense_layers", "rope_fraction", "qkv_bias", "attn_out_bias", "qk_norm",
-                  "qk_norm_after_rope",
+                  "qk_norm_after_rope", "nope_layers", "attention_chunk", "query_scale_beta", "sliding_window",
+                  "attn_sinks", "expert_act", "expert_bias", "dual_sublayers",
                   "router_group_score", "shared_d_ff", "shared_expert_gate", "attention", "rope_interleave",
                   "rope_scaling_factor"):
         if getattr(cfg, field) != getattr(defaults, field):

@@ -63,7 +63,9 @@ def unsupported_features(cfg: ModelConfig) -> list[str]:
         if cfg.shared_width != cfg.moe_d_ff * cfg.n_shared_experts:
             out.append(f"model.shared_d_ff={cfg.shared_d_ff!r} (deepseek_v3's shared experts are "
                        "moe_d_ff x n_shared_experts wide)")
-    for field, plain in (("qk_norm", "none"), ("qkv_bias", False), ("attn_out_bias", False), ("rope_fraction", 1.0)):
+    for field, plain in (("qk_norm", "none"), ("qkv_bias", False), ("attn_out_bias", False), ("rope_fraction", 1.0),
+                         ("query_scale_beta", 0.0), ("mla_lora_scale", False), ("dual_sublayers", False),
+                         ("expert_act", "swiglu"), ("expert_bias", False), ("yarn_truncate", True)):
         if getattr(cfg, field) != plain:  # moe.config refuses these with mla today; kept for a future relaxation
             out.append(f"model.{field}={getattr(cfg, field)!r}")
     return out
