@@ -103,6 +103,12 @@ class DualBlock(nnx.Module):
         x_BxLxD = ex.constrain(x_BxLxD + moe_BxLxD, ("batch", "length", "act_embed"))
         return BlockOutput(x_BxLxD, routing, None if cache is None else caches)
 
+    def attend(self, *_, **__):
+        raise UserError("this analysis reads one attention and one FFN branch per layer; LongCat-Flash's layers "
+                        "(model.dual_sublayers) have two of each: not implemented (analysis.routing works)")
+
+    feed_forward = attend
+
 
 @struct.dataclass
 class Aux:
