@@ -146,7 +146,7 @@ def test_adding_mtp_keeps_the_main_model_and_its_outputs():
 def test_mtp_needs_the_causal_mask():
     with pytest.raises(ConfigError, match="model.mtp_depth: multi-token prediction needs mask 'causal'"):
         ModelConfig(**{**TINY, "mtp_depth": 1, "mask": "prefix"})
-    with pytest.raises(ConfigError, match="model.mtp_depth: must be >= 0"):
+    with pytest.raises(ConfigError, match=r"model.mtp_depth: must be in \[0, 4096\], got -1"):
         ModelConfig(**{**TINY, "mtp_depth": -1})
 
 
