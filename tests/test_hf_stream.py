@@ -1,6 +1,6 @@
 """The layer-streamed forward (moe/hf/stream.py) equals the in-memory import's: on tiny random transformers models
-of several families (MLA with an MTP layer, tied embeddings, Mixtral's block_sparse_moe, a bf16 checkpoint, block
-FP8), the same expert ids, gates, scores and logits, with one block's weights in memory at a time."""
+of several families (MLA with an MTP layer, tied embeddings, Mixtral's block_sparse_moe, gpt-oss's sinks,
+LongCat-Flash's dual sublayers, a bf16 checkpoint, block FP8), the same expert ids, gates, scores and logits, with one block's weights in memory at a time."""
 
 import json
 import shutil
@@ -19,12 +19,14 @@ transformers.utils.logging.disable_progress_bar()
 from moe.hf import load_hf_moe  # noqa: E402
 from moe.hf import stream as streamed  # noqa: E402
 from moe.hf.tensors import read_tensors  # noqa: E402
-from tests import test_hf_deepseek, test_hf_families  # noqa: E402
+from tests import test_hf_deepseek, test_hf_families, test_hf_gpt_oss, test_hf_longcat  # noqa: E402
 from tests.hf_random import random_hf, write_fp8  # noqa: E402
 
 CONFIGS = {"deepseek_v3": test_hf_deepseek.FAMILIES["deepseek_v3"],  # MLA, YaRN, a dense layer, an MTP layer
            "qwen3_moe": test_hf_families.FAMILIES["qwen3_moe"],  # tied head, interleaved dense layers, q/k norms
-           "mixtral": test_hf_families.FAMILIES["mixtral"]}  # block_sparse_moe, w1/w2/w3
+           "mixtral": test_hf_families.FAMILIES["mixtral"],  # block_sparse_moe, w1/w2/w3
+           "gpt_oss": test_hf_gpt_oss._config,  # attention sinks, sliding layers, expert biases
+           "longcat_flash": test_hf_longcat._config}  # DualBlock: two sublayers and a shortcut MoE
 TOKENS = np.random.RandomState(1).randint(2, 128, (3, 10))
 
 

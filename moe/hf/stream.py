@@ -33,7 +33,7 @@ from flax import nnx
 
 from moe.hf.load import open_checkpoint
 from moe.hf.weights import held, plan, read_step
-from moe.model import DEFAULT_EXECUTION, Block, Transformer
+from moe.model import DEFAULT_EXECUTION, Block, DualBlock, Transformer
 from moe.nn import RMSNorm
 
 ENDS = ("embed", "final_norm.scale", "lm_head")
@@ -106,10 +106,11 @@ class LayerStream:
 
 
 def build_block(cfg, i: int, arrays: dict) -> Block:
-    """moe.model.Block i of `cfg` holding `arrays` (its variables by their path inside the block); each must have the
+    """moe.model.Block (DualBlock for dual_sublayers) i of `cfg` holding `arrays` (its variables by their path inside the block); each must have the
     block's shape (ValueError naming it otherwise), in any float dtype the computation casts from."""
+    layer = DualBlock if cfg.dual_sublayers else Block  # as Transformer picks its blocks
     with nnx.use_eager_sharding(False):  # as Transformer builds its blocks: unsharded
-        graphdef, state = nnx.split(nnx.eval_shape(lambda: Block(cfg, i, nnx.Rngs(0))))
+        graphdef, state = nnx.split(nnx.eval_shape(lambda: layer(cfg, i, nnx.Rngs(0))))
     filled = []
     for path, var in nnx.to_flat_state(state):
         k = ".".join(map(str, path))
