@@ -22,17 +22,15 @@ jitted, and writes into --out (default WORKDIR/analysis):
 and prints a short summary. Bad input (no checkpoint, unknown step, a non-MoE layer): one line, exit 2.
 """
 
-import dataclasses
 from pathlib import Path
 
-from analysis import figures, hf_source
-from analysis.figures import source_of
-from analysis.routing import collect
-from analysis.routing.outputs import summary, write_outputs, write_run_outputs
+from analysis.hf_args import check_routing_flags
+from analysis.routing import DEFAULT_TOKENS
 from plumbing.args import ArgParser, check_out_dir, run_cli
 from plumbing.errors import UserError
-from rundir import open_run
-from rundir.run_config import MeshConfig
+
+# The analysis itself loads in run() and run_hf(), not when the command reads its flags (--help answers at once).
+MESH_AXES = ("data", "fsdp", "expert", "tensor")  # rundir.run_config.MeshConfig's fields
 
 
 def parse_args(argv):
@@ -52,7 +50,7 @@ def parse_args(argv):
     p.add_argument("--layer", type=int, default=None,
                    help="model layer index (an MoE layer) for the per-domain bar charts (default: the last)")
     p.add_argument("--token", action="extend", nargs="+", default=None, metavar="TEXT",
-                   help=f"token text to track, repeatable (default: {list(collect.DEFAULT_TOKENS)})")
+                   help=f"token text to track, repeatable (default: {list(DEFAULT_TOKENS)})")
     p.add_argument("--compare_step", type=int, default=None,
                    help="earlier checkpoint for router saturation (same tokens routed by both)")
     p.add_argument("--batch_size", type=int, default=None, help="rows per batch (default: eval.batch_size)")
@@ -65,10 +63,10 @@ def parse_args(argv):
     p.add_argument("--memory_gb", type=float, default=None,
                    help="with --hf: host memory the analysis may use, GB; a model that does not fit in it is streamed "
                         "one layer at a time (default: what the machine and its cgroup have available)")
-    for f in dataclasses.fields(MeshConfig):
-        p.add_argument(f"--mesh.{f.name}", dest=f"mesh_{f.name}", type=int, default=None, metavar="N",
-                       help=f"with --hf: {f.metadata.get('doc', f.name)} (as training's --config.mesh.{f.name}); any "
-                            "--mesh.* imports the model sharded over all devices")
+    for axis in MESH_AXES:
+        p.add_argument(f"--mesh.{axis}", dest=f"mesh_{axis}", type=int, default=None, metavar="N",
+                       help=f"with --hf: devices on the mesh's {axis} axis, as training's --config.mesh.{axis} "
+                            "(-1: the remaining devices); any --mesh.* imports the model sharded over all devices")
     args = p.parse_args(argv)
     for name in ("max_tokens", "batch_size"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -79,7 +77,7 @@ def parse_args(argv):
         except UnicodeEncodeError:  # bytes the locale could not decode arrive as surrogates
             raise UserError(f"--token {text.encode('utf-8', 'surrogateescape')!r} is not UTF-8 text; pass the "
                             "token as UTF-8") from None
-    hf_source.check_args(args)
+    check_routing_flags(args)
     return args
 
 
@@ -87,12 +85,18 @@ def run(args, log=print):
     """Everything the CLI does; returns (Analysis, output directory)."""
     if args.hf is not None:
         return run_hf(args, log)
+    from analysis import figures
+    from analysis.figures import source_of
+    from analysis.routing import collect
+    from analysis.routing.outputs import summary, write_run_outputs
+    from rundir import open_run
+
     check_out_dir(args.out, Path(args.workdir) / "analysis", create=False)
     run_ = open_run(args.workdir, args.step)
     layer = collect.check_layer(run_, args.layer)
     compare = open_run(args.workdir, args.compare_step) if args.compare_step is not None else None
     a = collect.analyse(run_, split=args.split, max_tokens=args.max_tokens,
-                        tokens=args.token or collect.DEFAULT_TOKENS, compare_run=compare,
+                        tokens=args.token or DEFAULT_TOKENS, compare_run=compare,
                         batch_size=args.batch_size, n_samples=args.samples, n_frequent=args.n_frequent,
                         progress=not args.no_progress)
     for note in a.token_notes:
@@ -111,6 +115,10 @@ def run(args, log=print):
 def run_hf(args, log=print):
     """`run` for --hf: the same outputs, over --text files or the bundled corpus (no steps, no training series): in
     memory, layer-streamed when the model does not fit (--memory_gb), or on a mesh (--mesh.*)."""
+    from analysis import figures, hf_source
+    from analysis.routing import collect
+    from analysis.routing.outputs import summary, write_outputs
+
     check_out_dir(args.out, None, create=False)
     mesh_cfg = _mesh_config(args)
     seq_len, batch_size = args.seq_len or 256, args.batch_size or 16
@@ -128,7 +136,7 @@ def run_hf(args, log=print):
         if mode["mode"] == "memory":
             src.run.model = hf_source.open_model(args.hf)[0]
     layer = collect.check_layer(src.run, args.layer)
-    kw = dict(tokens=args.token or collect.DEFAULT_TOKENS, n_samples=args.samples, n_frequent=args.n_frequent,
+    kw = dict(tokens=args.token or DEFAULT_TOKENS, n_samples=args.samples, n_frequent=args.n_frequent,
               progress=not args.no_progress)
     if mode["mode"] == "mesh":
         a = sharded.analyse(src, mesh, src.split, args.max_tokens, **kw)
@@ -161,8 +169,9 @@ def run_hf(args, log=print):
 
 def _mesh_config(args):
     """The --mesh.* flags as a MeshConfig (unset axes: MeshConfig's defaults), or None without any."""
-    given = {f.name: getattr(args, f"mesh_{f.name}") for f in dataclasses.fields(MeshConfig)
-             if getattr(args, f"mesh_{f.name}", None) is not None}
+    from rundir.run_config import MeshConfig
+
+    given = {a: getattr(args, f"mesh_{a}") for a in MESH_AXES if getattr(args, f"mesh_{a}", None) is not None}
     if not given:
         return None
     try:

@@ -20,15 +20,11 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm  # text bar: tqdm.auto warns in a notebook without ipywidgets
 
+from analysis.routing import DEFAULT_TOKENS
 from analysis.routing.stats import RoutingAccumulator, SaturationAccumulator
 from plumbing.errors import UserError
 from rundir import Run
 from train import inputs
-
-# Punctuation, function words and the newline, frequent in the bundled corpus (routing.json n over its whole
-# validation split: "\n" 6,620, "," 6,109, " the" 5,333, "." 5,205, " of" 3,354, ":" 923; "what" was 3), so a
-# --max_tokens sample still has enough occurrences for a share per expert.
-DEFAULT_TOKENS = (".", ",", ":", " the", " of", "\n")
 
 
 @dataclasses.dataclass
