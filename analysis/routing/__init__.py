@@ -5,6 +5,7 @@
   outputs.py      routing.json, routing.npz, the PNGs and tokens.html of an analysis, and its summary
   plots.py        one function per PNG; scales.py their colour scales relative to chance
   tokens_html.py  tokens.html: sample texts coloured by first-choice expert
+  hf_flags.py     the flag combinations the command allows (checked before anything heavy loads)
 
 Importing the package imports none of these: stats.py and collect.py load without matplotlib.
 """

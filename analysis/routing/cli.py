@@ -24,8 +24,8 @@ and prints a short summary. Bad input (no checkpoint, unknown step, a non-MoE la
 
 from pathlib import Path
 
-from analysis.hf_args import check_routing_flags
 from analysis.routing import DEFAULT_TOKENS
+from analysis.routing.hf_flags import check_routing_flags
 from plumbing.args import ArgParser, check_out_dir, run_cli
 from plumbing.errors import UserError
 
