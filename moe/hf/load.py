@@ -1,9 +1,8 @@
 """`load_hf_moe(DIR)`: a HuggingFace MoE directory -> (our moe.Transformer, tokenizers.Tokenizer or None).
 
-Dispatches on config.json `model_type` (FAMILIES: glm4_moe, qwen2_moe, qwen3_moe, olmoe, mixtral, and with
-multi-head latent attention deepseek_v2, deepseek_v3, kimi_k2, glm4_moe_lite; kimi_k25's text model through its
-`text_config`); each family module maps config.json to a ModelConfig that reproduces HF's forward exactly and says
-where its tensors live. Every field a family reads is type-checked first (common.check_field_types), and a
+Dispatches on config.json `model_type` (FAMILIES: one module per family, each listing its MODEL_TYPES; NESTED:
+multimodal wrappers read through their `text_config`; docs/hf_import.md tabulates them all); each family module
+maps config.json to a ModelConfig that reproduces HF's forward exactly and says where its tensors live. Every field a family reads is type-checked first (common.check_field_types), and a
 `quantization_config` must be DeepSeek's block FP8 (quant.quantization; its weights are dequantized on load).
 Params are fp32 (the checkpoint's dtype is upcast). With a mesh, every variable is placed straight into its sharded
 array, each process reading only the slices its devices hold (moe/hf/sharded.py); `open_checkpoint` is what the
