@@ -8,6 +8,7 @@ import ml_dtypes
 import numpy as np
 import torch
 import transformers
+from flax import nnx
 from safetensors.numpy import save_file
 
 
@@ -32,18 +33,26 @@ def random_hf(config, seed=0, cls=None):
     return hf
 
 
-def hf_forward(hf, tokens):
+def hf_forward(hf, tokens, routers=("mlp.gate", "block_sparse_moe.gate"), chosen=lambda out: out[2]):
     """(logits [B, L, V] fp32, per MoE layer the chosen expert ids [B*L, K]) from transformers; the ids are read by
-    a forward hook on each router (`mlp.gate`, `block_sparse_moe.gate`), which returns them third."""
+    a forward hook on each router module (named ending in one of `routers`), `chosen(its output)`: most families'
+    routers return them third."""
     ids, hooks = [], []
     for name, mod in hf.named_modules():
-        if name.endswith("mlp.gate") or name.endswith("block_sparse_moe.gate"):
-            hooks.append(mod.register_forward_hook(lambda _m, _i, out: ids.append(out[2].numpy())))
+        if name.endswith(tuple(routers)):
+            hooks.append(mod.register_forward_hook(lambda _m, _i, out: ids.append(np.asarray(chosen(out)))))
     with torch.no_grad():
         logits = hf(torch.tensor(tokens)).logits.float().numpy()
     for h in hooks:
         h.remove()
     return logits, ids
+
+
+@nnx.jit
+def ours_forward(model, tokens):
+    """Our (logits, per MoE layer the chosen expert ids [B, L, K]), one compiled program per model shape."""
+    logits, aux = model(tokens, return_routing=True)
+    return logits, [r["expert_ids"] for r in aux["routing"]]
 
 
 def hf_generate(hf, prompt, n_new):

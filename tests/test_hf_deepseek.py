@@ -19,7 +19,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 torch = pytest.importorskip("torch", reason="torch builds the reference models")
 transformers = pytest.importorskip("transformers", reason="transformers builds the reference models")
-from tests.hf_random import random_hf  # noqa: E402
+from tests.hf_random import hf_forward, ours_forward, random_hf  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()  # save_pretrained's bar on stderr
 
@@ -70,19 +70,6 @@ def _random_hf(name, seed=0):
     return random_hf(FAMILIES[name](), seed)
 
 
-def _hf_forward(hf, tokens):
-    """(logits, per MoE layer the chosen expert ids [B*L, K]), ids read by a hook on each router (mlp.gate)."""
-    ids, hooks = [], []
-    for name, mod in hf.named_modules():
-        if name.endswith("mlp.gate"):
-            hooks.append(mod.register_forward_hook(lambda _m, _i, out: ids.append(out[2].numpy())))
-    with torch.no_grad():
-        logits = hf(torch.tensor(tokens)).logits.float().numpy()
-    for h in hooks:
-        h.remove()
-    return logits, ids
-
-
 def _hf_generate(hf, prompt):
     with torch.no_grad():
         out = hf.generate(torch.tensor(prompt), attention_mask=torch.ones_like(torch.tensor(prompt)),
@@ -109,12 +96,6 @@ def _add_mtp_layer(path, sd, n_layers):
     return sorted(extra)
 
 
-@nnx.jit
-def _forward(model, tokens):
-    logits, aux = model(tokens, return_routing=True)
-    return logits, [r["expert_ids"] for r in aux["routing"]]
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """name -> dict(path, hf logits, hf expert ids, hf greedy tokens, our model, hf parameter count); once per
@@ -129,7 +110,7 @@ def built(tmp_path_factory):
             mtp = []
             if hf.config.to_dict().get("num_nextn_predict_layers"):
                 mtp = _add_mtp_layer(path, read_tensors(str(path)), hf.config.num_hidden_layers)
-            logits, ids = _hf_forward(hf, TOKENS)
+            logits, ids = hf_forward(hf, TOKENS)
             model, tokenizer = load_hf_moe(str(path))
             assert tokenizer is None  # save_pretrained of a bare model writes no tokenizer
             cache[name] = dict(path=str(path), logits=logits, ids=ids, tokens=_hf_generate(hf, TOKENS[:, :5]),
@@ -147,7 +128,7 @@ def family(request, built):
 def test_logits_and_expert_ids_match(family):
     name, f = family
     model = f["model"]
-    ours, our_ids = _forward(model, jnp.asarray(TOKENS))
+    ours, our_ids = ours_forward(model, jnp.asarray(TOKENS))
     scale = np.abs(f["logits"]).max()
     err = np.abs(np.asarray(ours) - f["logits"]).max() / scale
     assert len(our_ids) == len(f["ids"]) == model.cfg.n_moe_layers > 0

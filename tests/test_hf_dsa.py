@@ -11,11 +11,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 torch = pytest.importorskip("torch", reason="torch builds the reference models")
 transformers = pytest.importorskip("transformers", reason="transformers builds the reference models")
-from tests.hf_random import hf_forward, hf_generate, random_hf, same_experts  # noqa: E402
+from tests.hf_random import hf_forward, hf_generate, ours_forward, random_hf, same_experts  # noqa: E402
 from tests.test_hf_more_families import _tokenizer  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()
@@ -43,12 +42,6 @@ FAMILIES = {
 }
 
 
-@nnx.jit
-def _forward(model, tokens):
-    logits, aux = model(tokens, return_routing=True)
-    return logits, [r["expert_ids"] for r in aux["routing"]]
-
-
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory):
     name = request.param
@@ -61,7 +54,7 @@ def family(request, tmp_path_factory):
 def test_logits_experts_and_greedy_tokens_match_transformers_up_to_index_topk(family):
     model, _ = load_hf_moe(family["path"])
     assert (model.cfg.attention, model.cfg.max_keys, model.cfg.rope_interleave) == ("mla", TOP, True)
-    logits, ids = _forward(model, jnp.asarray(TOKENS))
+    logits, ids = ours_forward(model, jnp.asarray(TOKENS))
     hf_logits, hf_ids = family["forward"]
     err = np.abs(np.asarray(logits) - hf_logits).max() / np.abs(hf_logits).max()
     print(f"{family['name']}: max |logit diff| / max |logit| = {err:.1e}; experts {same_experts(ids, hf_ids)}")

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 torch = pytest.importorskip("torch", reason="torch builds the reference models")
 transformers = pytest.importorskip("transformers", reason="transformers builds the reference models")
-from tests.hf_random import random_hf  # noqa: E402
+from tests.hf_random import hf_forward, ours_forward, random_hf  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()  # save_pretrained's bar on stderr
 
@@ -64,25 +64,6 @@ def _random_hf(name, seed=0):
     return random_hf(FAMILIES[name](), seed)
 
 
-def _hf_forward(hf, tokens):
-    """(logits, per MoE layer the chosen expert ids [B*L, K]) from transformers, ids read by a hook on each router."""
-    ids, hooks = [], []
-    for name, mod in hf.named_modules():
-        if name.endswith("mlp.gate") or name.endswith("block_sparse_moe.gate"):
-            hooks.append(mod.register_forward_hook(lambda _m, _i, out: ids.append(out[2].numpy())))
-    with torch.no_grad():
-        logits = hf(torch.tensor(tokens)).logits.float().numpy()
-    for h in hooks:
-        h.remove()
-    return logits, ids
-
-
-@nnx.jit
-def _forward(model, tokens):
-    logits, aux = model(tokens, return_routing=True)
-    return logits, [r["expert_ids"] for r in aux["routing"]]
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """name -> (name, HF directory, HF logits, HF expert ids); each family built once per module, on first use."""
@@ -93,7 +74,7 @@ def built(tmp_path_factory):
             hf = _random_hf(name)
             path = tmp_path_factory.mktemp(name)
             hf.save_pretrained(str(path))
-            cache[name] = (name, str(path), *_hf_forward(hf, TOKENS))
+            cache[name] = (name, str(path), *hf_forward(hf, TOKENS))
         return cache[name]
 
     return get
@@ -108,7 +89,7 @@ def test_logits_and_expert_ids_match(family):
     name, path, hf_logits, hf_ids = family
     model, tokenizer = load_hf_moe(path)
     assert tokenizer is None  # save_pretrained of a bare model writes no tokenizer
-    ours, our_ids = _forward(model, jnp.asarray(TOKENS))
+    ours, our_ids = ours_forward(model, jnp.asarray(TOKENS))
     ours = np.asarray(ours)
     scale = np.abs(hf_logits).max()
     err = np.abs(ours - hf_logits).max() / scale
@@ -201,9 +182,9 @@ def test_a_tied_config_with_a_different_stored_head_loads_as_transformers_does(b
         save_file({**sd, "lm_head.weight": head}, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
         assert np.array_equal(hf.lm_head.weight.detach().numpy(), head)  # what transformers computes with
-        hf_logits, _ = _hf_forward(hf, TOKENS)
+        hf_logits, _ = hf_forward(hf, TOKENS)
         model, _ = load_hf_moe(str(tmp_path))
-        ours = np.asarray(_forward(model, jnp.asarray(TOKENS))[0])
+        ours = np.asarray(ours_forward(model, jnp.asarray(TOKENS))[0])
         assert model.cfg.tie_embeddings == tied
         np.testing.assert_allclose(ours, hf_logits, atol=1e-4 * np.abs(hf_logits).max())
     c, where = read_config(path)  # the lower-level mapping, told the model is tied, refuses the differing head

@@ -14,7 +14,7 @@ from flax import nnx
 
 torch = pytest.importorskip("torch", reason="torch builds the reference models")
 transformers = pytest.importorskip("transformers", reason="transformers builds the reference models")
-from tests.hf_random import hf_generate, random_hf, same_experts  # noqa: E402
+from tests.hf_random import hf_forward, hf_generate, ours_forward, random_hf, same_experts  # noqa: E402
 from tests.test_hf_more_families import _tokenizer  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()
@@ -41,31 +41,12 @@ def _config(**changes):
         pad_token_id=None), **changes))
 
 
-def _hf_forward(hf, tokens):
-    """(logits, per layer the chosen ids [B*L, K]): gpt-oss's router returns (logits, scores, ids)."""
-    ids, hooks = [], []
-    for name, mod in hf.named_modules():
-        if name.endswith("mlp.router"):
-            hooks.append(mod.register_forward_hook(lambda _m, _i, out: ids.append(out[2].numpy())))
-    with torch.no_grad():
-        logits = hf(torch.tensor(tokens)).logits.float().numpy()
-    for h in hooks:
-        h.remove()
-    return logits, ids
-
-
-@nnx.jit
-def _forward(model, tokens):
-    logits, aux = model(tokens, return_routing=True)
-    return logits, [r["expert_ids"] for r in aux["routing"]]
-
-
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory):
     hf = random_hf(_config())
     path = tmp_path_factory.mktemp("gpt_oss")
     hf.save_pretrained(str(path))
-    return dict(path=str(path), forward=_hf_forward(hf, TOKENS), tokens=hf_generate(hf, TOKENS[:, :5], N_NEW),
+    return dict(path=str(path), forward=hf_forward(hf, TOKENS, routers=("mlp.router",)), tokens=hf_generate(hf, TOKENS[:, :5], N_NEW),
                 n_params=sum(p.numel() for p in hf.parameters()))
 
 
@@ -74,7 +55,7 @@ def test_logits_experts_and_greedy_tokens_match_transformers(gpt_oss):
     cfg = model.cfg
     assert (cfg.sliding_layers, cfg.sliding_window, cfg.attn_sinks, cfg.router, cfg.expert_act, cfg.yarn_truncate) == \
         ("0,2", 4, True, "topk_softmax", "clamped_swiglu", False)
-    logits, ids = _forward(model, jnp.asarray(TOKENS))
+    logits, ids = ours_forward(model, jnp.asarray(TOKENS))
     hf_logits, hf_ids = gpt_oss["forward"]
     err = np.abs(np.asarray(logits) - hf_logits).max() / np.abs(hf_logits).max()
     print(f"gpt_oss: max |logit diff| / max |logit| = {err:.1e}; experts {same_experts(ids, hf_ids)}")

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from flax import nnx
 from safetensors.numpy import save_file
 
 from moe.attention import yarn_inv_frequencies
@@ -28,7 +27,7 @@ torch = pytest.importorskip("torch", reason="torch builds the reference models")
 transformers = pytest.importorskip("transformers", reason="transformers builds the reference models")
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
-from tests.hf_random import hf_forward, hf_generate, random_hf, same_experts, write_fp8  # noqa: E402
+from tests.hf_random import hf_forward, hf_generate, ours_forward, random_hf, same_experts, write_fp8  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()  # the K2.5 vision tower is not in the checkpoint: a long report
@@ -70,12 +69,6 @@ def as_deepseek_v3(kimi: dict):
     return transformers.DeepseekV3Config(**{k: v for k, v in kimi.items() if k not in skip})
 
 
-@nnx.jit
-def _forward(model, tokens):
-    logits, aux = model(tokens, return_routing=True)
-    return logits, [r["expert_ids"] for r in aux["routing"]]
-
-
 @pytest.fixture(scope="module")
 def kimi(tmp_path_factory):
     """Kimi-K2 as shipped (FP8), and transformers (DeepseekV3ForCausalLM) on the dequantized weights."""
@@ -107,7 +100,7 @@ def test_kimi_k2_logits_experts_and_greedy_tokens_match_transformers(kimi):
         ("mla", "sigmoid", 1, 1, 2.827)
     assert (cfg.rope_scaling_factor, cfg.rope_original_max_position, cfg.yarn_beta_fast, cfg.yarn_beta_slow,
             cfg.yarn_mscale_all_dim, cfg.rope_theta) == (64.0, 4096, 1.0, 1.0, 1.0, 50000.0)
-    logits, ids = _forward(model, jnp.asarray(TOKENS))
+    logits, ids = ours_forward(model, jnp.asarray(TOKENS))
     hf_logits, hf_ids = kimi["hf"]
     err = np.abs(np.asarray(logits) - hf_logits).max() / np.abs(hf_logits).max()
     print(f"kimi_k2 (FP8): max |logit diff| / max |logit| = {err:.1e} (scale {np.abs(hf_logits).max():.1f}); "
@@ -160,12 +153,12 @@ def test_kimi_k25_text_model_matches_transformers_kimi_k25(kimi, tmp_path, store
         hf_logits = reference(input_ids=torch.tensor(TOKENS)).logits.numpy()
     model, _ = load_hf_moe(str(tmp_path / "k25"))
     assert model.cfg.tie_embeddings == (not stored_head)
-    logits, _ = _forward(model, jnp.asarray(TOKENS))
+    logits, _ = ours_forward(model, jnp.asarray(TOKENS))
     err = np.abs(np.asarray(logits) - hf_logits).max() / np.abs(hf_logits).max()
     print(f"kimi_k25 (FP8, head {'stored' if stored_head else 'tied'}): max |logit diff| / max |logit| = {err:.1e}")
     assert err < 1e-5, err
     if stored_head:
-        np.testing.assert_allclose(np.asarray(logits), np.asarray(_forward(kimi["model"], jnp.asarray(TOKENS))[0]),
+        np.testing.assert_allclose(np.asarray(logits), np.asarray(ours_forward(kimi["model"], jnp.asarray(TOKENS))[0]),
                                    rtol=0, atol=1e-5 * np.abs(hf_logits).max())
 
 

@@ -15,7 +15,7 @@ from flax import nnx
 
 torch = pytest.importorskip("torch", reason="torch builds the reference models")
 transformers = pytest.importorskip("transformers", reason="transformers builds the reference models")
-from tests.hf_random import hf_generate, random_hf, same_experts  # noqa: E402
+from tests.hf_random import hf_forward, hf_generate, ours_forward, random_hf, same_experts  # noqa: E402
 from tests.test_hf_more_families import _tokenizer  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()
@@ -43,25 +43,9 @@ def _config(**changes):
         rope_parameters=dict(LLAMA3)), **changes))
 
 
-def _hf_forward(hf, tokens):
-    """(logits, per MoE layer the chosen ids [B*L, K]): Llama 4's router returns (scores, logits); the ids are the
-    top-k of the logits."""
-    ids, hooks = [], []
-    k = hf.config.num_experts_per_tok
-    for name, mod in hf.named_modules():
-        if name.endswith("feed_forward.router"):
-            hooks.append(mod.register_forward_hook(lambda _m, _i, out: ids.append(torch.topk(out[1], k).indices.numpy())))
-    with torch.no_grad():
-        logits = hf(torch.tensor(tokens)).logits.float().numpy()
-    for h in hooks:
-        h.remove()
-    return logits, ids
-
-
-@nnx.jit
-def _forward(model, tokens):
-    logits, aux = model(tokens, return_routing=True)
-    return logits, [r["expert_ids"] for r in aux["routing"]]
+def _top_k_of_logits(hf):
+    """Llama 4's router returns (scores, logits): the chosen ids are the top-k of the logits."""
+    return lambda out: torch.topk(out[1], hf.config.num_experts_per_tok).indices
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +53,7 @@ def llama4(tmp_path_factory):
     hf = random_hf(_config(), cls=transformers.Llama4ForCausalLM)
     path = tmp_path_factory.mktemp("llama4")
     hf.save_pretrained(str(path))
-    return dict(path=str(path), forward=_hf_forward(hf, TOKENS), tokens=hf_generate(hf, TOKENS[:, :5], N_NEW),
+    return dict(path=str(path), forward=hf_forward(hf, TOKENS, routers=("feed_forward.router",), chosen=_top_k_of_logits(hf)), tokens=hf_generate(hf, TOKENS[:, :5], N_NEW),
                 n_params=sum(p.numel() for p in hf.parameters()))
 
 
@@ -78,7 +62,7 @@ def test_logits_experts_and_greedy_tokens_match_transformers(llama4):
     cfg = model.cfg
     assert (cfg.nope_layers, cfg.attention_chunk, cfg.qk_norm, cfg.moe_layer_ids, cfg.router, cfg.rope_scaling) == \
         ("1,3", 4, "weightless", (1, 3), "sigmoid_input", "llama3")
-    logits, ids = _forward(model, jnp.asarray(TOKENS))
+    logits, ids = ours_forward(model, jnp.asarray(TOKENS))
     hf_logits, hf_ids = llama4["forward"]
     err = np.abs(np.asarray(logits) - hf_logits).max() / np.abs(hf_logits).max()
     print(f"llama4_text: max |logit diff| / max |logit| = {err:.1e}; experts {same_experts(ids, hf_ids)}")

@@ -14,7 +14,7 @@ from flax import nnx
 
 torch = pytest.importorskip("torch", reason="torch builds the reference models")
 transformers = pytest.importorskip("transformers", reason="transformers builds the reference models")
-from tests.hf_random import hf_generate, random_hf, same_experts  # noqa: E402
+from tests.hf_random import hf_forward, hf_generate, ours_forward, random_hf, same_experts  # noqa: E402
 from tests.test_hf_more_families import _tokenizer  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()
@@ -38,31 +38,12 @@ def _config(**changes):
         eos_token_id=None, bos_token_id=None, pad_token_id=None), **changes))
 
 
-def _hf_forward(hf, tokens):
-    """(logits, per layer the chosen ids [B*L, K]): the router (`mlp.router`) returns (logits, weights, ids)."""
-    ids, hooks = [], []
-    for name, mod in hf.named_modules():
-        if name.endswith("mlp.router"):
-            hooks.append(mod.register_forward_hook(lambda _m, _i, out: ids.append(out[2].numpy())))
-    with torch.no_grad():
-        logits = hf(torch.tensor(tokens)).logits.float().numpy()
-    for h in hooks:
-        h.remove()
-    return logits, ids
-
-
-@nnx.jit
-def _forward(model, tokens):
-    logits, aux = model(tokens, return_routing=True)
-    return logits, [r["expert_ids"] for r in aux["routing"]]
-
-
 @pytest.fixture(scope="module")
 def longcat(tmp_path_factory):
     hf = random_hf(_config())
     path = tmp_path_factory.mktemp("longcat")
     hf.save_pretrained(str(path))
-    return dict(path=str(path), forward=_hf_forward(hf, TOKENS), tokens=hf_generate(hf, TOKENS[:, :5], N_NEW),
+    return dict(path=str(path), forward=hf_forward(hf, TOKENS, routers=("mlp.router",)), tokens=hf_generate(hf, TOKENS[:, :5], N_NEW),
                 n_params=sum(p.numel() for p in hf.parameters()))
 
 
@@ -70,7 +51,7 @@ def test_logits_experts_and_greedy_tokens_match_transformers(longcat):
     model, _ = load_hf_moe(longcat["path"])
     cfg = model.cfg
     assert (cfg.dual_sublayers, cfg.mla_lora_scale, cfg.n_zero_experts, cfg.n_layers) == (True, True, 4, 2)
-    logits, ids = _forward(model, jnp.asarray(TOKENS))
+    logits, ids = ours_forward(model, jnp.asarray(TOKENS))
     hf_logits, hf_ids = longcat["forward"]
     err = np.abs(np.asarray(logits) - hf_logits).max() / np.abs(hf_logits).max()
     print(f"longcat_flash: max |logit diff| / max |logit| = {err:.1e}; experts {same_experts(ids, hf_ids)}; "

@@ -14,7 +14,7 @@ from flax import nnx
 
 torch = pytest.importorskip("torch", reason="torch builds the reference models")
 transformers = pytest.importorskip("transformers", reason="transformers builds the reference models")
-from tests.hf_random import hf_forward, hf_generate, random_hf, same_experts  # noqa: E402
+from tests.hf_random import hf_forward, hf_generate, ours_forward, random_hf, same_experts  # noqa: E402
 from tests.test_hf_more_families import _tokenizer  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()
@@ -40,12 +40,6 @@ def _config(**changes):
         bos_token_id=None, pad_token_id=None), **changes))
 
 
-@nnx.jit
-def _forward(model, tokens):
-    logits, aux = model(tokens, return_routing=True)
-    return logits, [r["expert_ids"] for r in aux["routing"]]
-
-
 @pytest.fixture(scope="module")
 def mistral4(tmp_path_factory):
     hf = random_hf(_config(), cls=transformers.Mistral4ForCausalLM)
@@ -59,7 +53,7 @@ def test_logits_experts_and_greedy_tokens_match_transformers(mistral4):
     cfg = model.cfg
     assert (cfg.attention, cfg.router, cfg.query_scale_beta, cfg.query_scale_period, cfg.rope_scaling_factor) == \
         ("mla", "softmax", 0.1, 4, 128.0)
-    logits, ids = _forward(model, jnp.asarray(TOKENS))
+    logits, ids = ours_forward(model, jnp.asarray(TOKENS))
     hf_logits, hf_ids = mistral4["forward"]
     err = np.abs(np.asarray(logits) - hf_logits).max() / np.abs(hf_logits).max()
     print(f"mistral4: max |logit diff| / max |logit| = {err:.1e}; experts {same_experts(ids, hf_ids)}")

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 torch = pytest.importorskip("torch", reason="torch builds the reference models")
 transformers = pytest.importorskip("transformers", reason="transformers builds the reference models")
-from tests.hf_random import hf_forward, hf_generate, random_hf, same_experts  # noqa: E402
+from tests.hf_random import hf_forward, hf_generate, ours_forward, random_hf, same_experts  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()  # Hunyuan's rope `alpha` is reported as an unknown key
@@ -63,12 +63,6 @@ FAMILIES = {
 }
 
 
-@nnx.jit
-def _forward(model, tokens):
-    logits, aux = model(tokens, return_routing=True)
-    return logits, [r["expert_ids"] for r in aux["routing"]]
-
-
 def _tokenizer():
     """A byte-level BPE of < V tokens."""
     tok = Tokenizer(models.BPE())
@@ -104,7 +98,7 @@ def family(request, built):
 
 def test_logits_experts_and_greedy_tokens_match_transformers(family):
     model, _ = load_hf_moe(family["path"])
-    logits, ids = _forward(model, jnp.asarray(TOKENS))
+    logits, ids = ours_forward(model, jnp.asarray(TOKENS))
     hf_logits, hf_ids = family["forward"]
     err = np.abs(np.asarray(logits) - hf_logits).max() / np.abs(hf_logits).max()
     agree = same_experts(ids, hf_ids)

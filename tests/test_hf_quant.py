@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from flax import nnx
 from safetensors.numpy import save_file
 
 from moe.hf import HFImportError, load_model, model_config
@@ -27,6 +26,7 @@ transformers = pytest.importorskip("transformers", reason="transformers builds t
 from tests.hf_random import (  # noqa: E402
     deepseek_rule,
     hf_forward,
+    ours_forward,
     quantized_linear,
     random_hf,
     same_experts,
@@ -67,12 +67,6 @@ def fp8(tmp_path_factory):
     return dict(path=root / "fp8", config=config, sd=sd, meant=meant, hf=hf_forward(reference, TOKENS))
 
 
-@nnx.jit
-def _forward(model, tokens):
-    logits, aux = model(tokens, return_routing=True)
-    return logits, [r["expert_ids"] for r in aux["routing"]]
-
-
 def test_fp8_checkpoint_dequantizes_by_deepseeks_rule_and_matches_transformers(fp8):
     edges = [k for k, v in fp8["sd"].items() if quantized_linear(k, v) and v.shape[0] % BLOCK[0]
              and v.shape[1] % BLOCK[1]]
@@ -89,7 +83,7 @@ def test_fp8_checkpoint_dequantizes_by_deepseeks_rule_and_matches_transformers(f
     assert not np.allclose(fp8["meant"]["model.layers.1.self_attn.o_proj.weight"],
                            fp8["sd"]["model.layers.1.self_attn.o_proj.weight"], atol=1e-3)
     # (b) logits and (c) chosen experts equal transformers' on the same dequantized weights
-    logits, ids = _forward(model, jnp.asarray(TOKENS))
+    logits, ids = ours_forward(model, jnp.asarray(TOKENS))
     hf_logits, hf_ids = fp8["hf"]
     err = np.abs(np.asarray(logits) - hf_logits).max() / np.abs(hf_logits).max()
     print(f"FP8 deepseek_v3: max |logit diff| / max |logit| = {err:.1e} (scale {np.abs(hf_logits).max():.1f}); "
