@@ -30,7 +30,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # in-process here, would change them after the first computation (train/host_memory.py; tests/test_host_memory.py
 # sets it per subprocess).
 os.environ.setdefault("MOE_KEEP_FREED_MEMORY", "0")
-# Identical programs compiled again in the same session (several train.loop.run calls) hit this cache. The process
+# Identical programs compiled again by the processes the tests start (train, the analyses) hit this cache. The process
 # that makes it removes it at exit (xdist workers and subprocesses inherit the variable and share it), so repeated
 # runs do not pile caches up in the temp dir.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
@@ -39,10 +39,17 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
-import pytest  # noqa: E402  (after XLA_FLAGS on purpose)
+import jax  # noqa: E402  (after XLA_FLAGS on purpose)
+import pytest  # noqa: E402
 
 from configs.tiny import get_config  # noqa: E402
-from train.loop import run  # noqa: E402  (imports jax: after XLA_FLAGS)
+from train.loop import run  # noqa: E402
+
+# The test processes themselves compile without the persistent cache (the processes they start still share it):
+# in long-lived xdist workers, XLA:CPU's executable.serialize() for a cache write crashed the worker (a segfault
+# and an abort, in two of three clean-clone runs), and pytest-xdist then hung. rundir.compile_cache.enable leaves
+# the cache off when it is switched off here.
+jax.config.update("jax_enable_compilation_cache", False)
 
 
 def tiny_config(**overrides):
