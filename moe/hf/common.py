@@ -237,3 +237,19 @@ def stack_fields(c: dict, where: str) -> dict:
 def dense_layer_text(layers) -> str:
     """Qwen's mlp_only_layers list -> our `dense_layers` string."""
     return ",".join(str(int(i)) for i in sorted(set(layers or [])))
+
+
+def dense_placement(c: dict, where: str) -> dict:
+    """first_k_dense and dense_layers from `mlp_layer_types` (default: layer 0 dense, the rest sparse), as
+    transformers places them (GLM-4.7-Flash, Hy3); a `first_k_dense_replace` that disagrees is refused."""
+    n = c["num_hidden_layers"]
+    types = c.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n - 1)
+    if len(types) != n or set(types) - {"dense", "sparse"}:
+        refuse(where, "mlp_layer_types", types, f"expected {n} entries, each 'dense' or 'sparse'")
+    leading = next((i for i, t in enumerate(types) if t != "dense"), n)
+    k = c.get("first_k_dense_replace")
+    if k is not None and types != ["dense"] * k + ["sparse"] * (n - k):
+        refuse(where, "first_k_dense_replace", k, f"transformers ignores it and places dense layers by "
+                                                  f"mlp_layer_types {types}; make the two agree")
+    later = [i for i in range(leading, n) if types[i] == "dense"]
+    return dict(first_k_dense=leading, dense_layers=",".join(map(str, later)))

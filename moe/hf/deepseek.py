@@ -29,7 +29,7 @@ transformers' class defaults (DEFAULTS), which differ per family. Quantized weig
 """
 
 from moe.config import ModelConfig
-from moe.hf.common import field, n_experts, refuse, stack_fields, yarn_rope_fields
+from moe.hf.common import dense_placement, field, n_experts, refuse, stack_fields, yarn_rope_fields
 from moe.hf.weights import Layout
 
 MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe_lite")
@@ -90,17 +90,7 @@ def _dense_layers(c: dict, where: str, kind: str) -> dict:
     dense layers plus any later ones (dense_layers)."""
     if kind != "glm4_moe_lite":
         return dict(first_k_dense=field(c, "first_k_dense_replace", default=DEFAULTS[kind]["first_k_dense_replace"]))
-    n = c["num_hidden_layers"]
-    types = c.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n - 1)
-    if len(types) != n or set(types) - {"dense", "sparse"}:
-        refuse(where, "mlp_layer_types", types, f"expected {n} entries, each 'dense' or 'sparse'")
-    leading = next((i for i, t in enumerate(types) if t != "dense"), n)
-    k = c.get("first_k_dense_replace")
-    if k is not None and types != ["dense"] * k + ["sparse"] * (n - k):
-        refuse(where, "first_k_dense_replace", k, f"transformers ignores it and places dense layers by "
-                                                  f"mlp_layer_types {types}; make the two agree")
-    later = [i for i in range(leading, n) if types[i] == "dense"]
-    return dict(first_k_dense=leading, dense_layers=",".join(map(str, later)))
+    return dense_placement(c, where)
 
 
 def kimi_k25_text(c: dict, where: str) -> dict:

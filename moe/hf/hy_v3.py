@@ -14,7 +14,7 @@ partial RoPE.
 """
 
 from moe.config import ModelConfig
-from moe.hf.common import field, n_experts, refuse, rope_parameters, stack_fields
+from moe.hf.common import dense_placement, field, n_experts, refuse, rope_parameters, stack_fields
 from moe.hf.weights import Layout
 
 MODEL_TYPES = ("hy_v3",)
@@ -35,20 +35,10 @@ def model_config(c: dict, where: str) -> ModelConfig:
     shared = c.get("num_shared_experts", 1)
     if not shared:
         refuse(where, "num_shared_experts", shared, "transformers then builds a shared expert of intermediate_size")
-    n = c["num_hidden_layers"]
-    types = c.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n - 1)
-    if len(types) != n or set(types) - {"dense", "sparse"}:
-        refuse(where, "mlp_layer_types", types, f"expected {n} entries, each 'dense' or 'sparse'")
-    leading = next((i for i, t in enumerate(types) if t != "dense"), n)
-    k = c.get("first_k_dense_replace")
-    if k is not None and types != ["dense"] * k + ["sparse"] * (n - k):
-        refuse(where, "first_k_dense_replace", k, f"transformers ignores it and places dense layers by "
-                                                  f"mlp_layer_types {types}; make the two agree")
     bias = bool(c.get("attention_bias", False))
     return ModelConfig(
         **dict(stack_fields(c, where), head_dim=c.get("head_dim") or 128), rope_theta=float(rp["rope_theta"]),
-        d_ff=c["intermediate_size"], first_k_dense=leading,
-        dense_layers=",".join(str(i) for i in range(leading, n) if types[i] == "dense"),
+        d_ff=c["intermediate_size"], **dense_placement(c, where),
         n_routed_experts=n_experts(c), n_shared_experts=shared, top_k=c["num_experts_per_tok"],
         moe_d_ff=c["moe_intermediate_size"], norm_topk_prob=True, router="sigmoid",
         routed_scaling_factor=float(field(c, "router_scaling_factor", default=2.826)), qkv_bias=bias,
