@@ -2,10 +2,12 @@
 
 import atexit
 import fcntl
+import gc
 import importlib.metadata
 import os
 import shutil
 import tempfile
+import warnings
 
 # The suite is dominated by compiling tiny programs: LLVM at -O0 compiles them faster and runs them a little
 # slower (tests compare programs built with the same flags; subprocesses inherit them). The SIGTERM test
@@ -45,11 +47,41 @@ import pytest  # noqa: E402
 from configs.tiny import get_config  # noqa: E402
 from train.loop import run  # noqa: E402
 
-# The test processes themselves compile without the persistent cache (the processes they start still share it):
-# in long-lived xdist workers, XLA:CPU's executable.serialize() for a cache write crashed the worker (a segfault
-# and an abort, in two of three clean-clone runs), and pytest-xdist then hung. rundir.compile_cache.enable leaves
-# the cache off when it is switched off here.
+# The test processes themselves compile without the persistent cache (the processes they start still share it);
+# rundir.compile_cache.enable leaves the cache off when it is switched off here.
 jax.config.update("jax_enable_compilation_cache", False)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_compiled_programs():
+    """Drop JAX's compiled programs after each test file. Each XLA:CPU executable holds ~25-30 memory mappings
+    (its code and data sections) for as long as a jit cache keeps it, and the kernel allows a process 65,530
+    (vm.max_map_count): a long-lived xdist worker that kept every file's programs passed 42,000 mappings after 19
+    files, and at the limit LLVM's mmap fails ("Cannot allocate memory") and XLA segfaults mid-compile (or
+    mid-serialize). A file's programs are rarely reused by the next file, so this costs little."""
+    yield
+    jax.clear_caches()
+    gc.collect()
+    if MAX_MAPS and _mappings() > MAX_MAPS // 2:
+        warnings.warn(f"this test process holds {_mappings():,} memory mappings after a test file, over half the "
+                      f"kernel's limit of {MAX_MAPS:,}: something keeps compiled programs alive across files "
+                      f"(a module-level Compiled object, a cache of jitted closures)")
+
+
+def _read_int(path):
+    try:
+        with open(path) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 0  # not Linux: no limit to watch
+
+
+MAX_MAPS = _read_int("/proc/sys/vm/max_map_count")
+
+
+def _mappings():
+    with open("/proc/self/maps") as f:
+        return sum(1 for _ in f)
 
 
 def tiny_config(**overrides):
