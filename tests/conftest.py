@@ -65,7 +65,7 @@ def release_compiled_programs():
     if MAX_MAPS and _mappings() > MAX_MAPS // 2:
         warnings.warn(f"this test process holds {_mappings():,} memory mappings after a test file, over half the "
                       f"kernel's limit of {MAX_MAPS:,}: something keeps compiled programs alive across files "
-                      f"(a module-level Compiled object, a cache of jitted closures)")
+                      f"(a module-level Compiled object, a cache of jitted closures)", stacklevel=1)
 
 
 def _read_int(path):
