@@ -1,7 +1,6 @@
 """A checkpoint write that hits a file-size limit (EFBIG, `ulimit -f`) is treated like a full disk: one line on
 stderr, exit 2, no traceback, the last complete checkpoint kept, and the run resumes once the limit is raised."""
 
-import resource
 import shutil
 import subprocess
 import sys
@@ -23,9 +22,11 @@ def _train(workdir, steps, limit=None):
     cmd = [sys.executable, "-m", "train", f"--config={ROOT / 'configs' / 'tiny.py'}", f"--workdir={workdir}",
            f"--config.train.steps={steps}", "--config.log.progress=False", "--config.log.peak_flops=1e12",
            "--config.log.tensorboard=False"]
+    if limit:  # set by the shell that execs the run: no Python in a child forked from this multithreaded process
+        assert limit % 1024 == 0
+        cmd = ["bash", "-c", f"ulimit -f {limit // 1024} && exec \"$@\"", "bash", *cmd]
     # Python ignores SIGXFSZ, so a write past the limit fails with EFBIG instead of killing the process.
-    preexec = (lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))) if limit else None
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, preexec_fn=preexec)
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
 def test_storage_errors_are_recognised_through_wrappers():
