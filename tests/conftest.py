@@ -101,17 +101,6 @@ def tiny_config(**overrides):
     return c
 
 
-def pipeline_config(**overrides):
-    """tiny_config for the end-to-end tests of a pipeline around the model (studies, reports): the routed experts
-    by ragged_dot, which compiles in a fraction of slab's time at these shapes (slab compiles its seven layouts'
-    forward and backward passes: over half of a study's end-to-end test). The kernels are
-    tested on their own (slab sees only rows, whatever the model or mask around it), and the trainer's tests, the
-    sharded step, decoding, the layer scan and the README's commands keep the default; the encoder-decoder's
-    backward pass through slab, which only the study's test trained through, has a test of its own
-    (tests/test_encdec.py)."""
-    return tiny_config(**{"execution.grouped_matmul": "ragged_dot", **overrides})
-
-
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
     """A trained tiny run (configs/tiny.py, 20 steps, checkpoints at 10 and 20), shared by the whole session and

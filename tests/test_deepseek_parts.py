@@ -40,9 +40,9 @@ def test_arms_take_away_one_part_each():
 
 @pytest.mark.slow  # trains 3 arms x 2 seeds of a tiny model for 2 steps
 def test_study_end_to_end_and_cached(tmp_path):
-    from tests.conftest import pipeline_config
+    from tests.conftest import tiny_config
 
-    base = pipeline_config(**{"model.attention": "mla", "model.kv_lora_rank": 16, "model.qk_nope_head_dim": 8,
+    base = tiny_config(**{"model.attention": "mla", "model.kv_lora_rank": 16, "model.qk_nope_head_dim": 8,
                               "model.qk_rope_head_dim": 8, "model.v_head_dim": 8, "model.mtp_depth": 1,
                               "eval.rows_per_domain": 2, "checkpoint.every": 100, "data.seq_len": 32})
     logs = []

@@ -126,7 +126,7 @@ def test_decoder_self_attention_runs_blockwise_and_equals_einsum():
 
 def test_slab_gradients_through_the_encoder_decoder_equal_ragged_dots():
     """The experts' default CPU kernel (slab, its VJP written by hand) in the encoder-decoder's backward pass, which
-    the study's end-to-end test no longer trains through (tests/conftest.py's pipeline_config): logits and every
+    the study's end-to-end test does not train through (configs/tiny.py runs ragged_dot): logits and every
     gradient equal ragged_dot's, padded source rows included."""
     cfg = ModelConfig(**{**TINY, "n_layers": 2})
     graphdef, state = nnx.split(EncoderDecoder(cfg, nnx.Rngs(0), n_encoder_layers=2))  # an MoE block in each

@@ -121,12 +121,12 @@ def test_bad_flags_are_one_line_errors(flags, msg, capsys):
 
 @pytest.mark.slow  # trains the four cells x 2 seeds of a tiny model for 2 steps (seeds share compiled programs)
 def test_two_by_two_end_to_end_and_cached(tmp_path, monkeypatch):
-    from tests.conftest import pipeline_config
+    from tests.conftest import tiny_config
     from train.inputs import eval_rows
 
     # the final loss on eval.rows_per_domain windows per domain, not on all ~8,000 32-token validation windows
     monkeypatch.setattr(encdec_study, "all_rows", eval_rows)
-    base = pipeline_config(**{"data.task": "prefix", "data.windows": True, "data.tokenizer": "tokenizer_1k.json",
+    base = tiny_config(**{"data.task": "prefix", "data.windows": True, "data.tokenizer": "tokenizer_1k.json",
                           "model.vocab_size": 1024, "model.first_k_dense": 0, "data.seq_len": 32,
                           "eval.every": 1, "eval.rows_per_domain": 2, "eval.output_only": True, "log.every": 1})
     logs = []

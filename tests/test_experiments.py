@@ -9,7 +9,7 @@ import pytest
 from experiments.masks_round1.report import bootstrap_ci
 from experiments.masks_round1.runner import Interrupted, compare_masks, fingerprint, parse_flags, variant_name
 from plumbing.errors import UserError
-from tests.conftest import pipeline_config, tiny_config
+from tests.conftest import tiny_config
 
 
 def test_bootstrap_ci():
@@ -70,7 +70,7 @@ def test_parse_flags():
 
 
 def _config():
-    return pipeline_config(**{"data.task": "prefix", "data.seq_len": 32, "eval.rows_per_domain": 1,
+    return tiny_config(**{"data.task": "prefix", "data.seq_len": 32, "eval.rows_per_domain": 1,
                           "train.warmup_steps": 1, "model.n_layers": 2})
 
 

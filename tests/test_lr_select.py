@@ -51,7 +51,7 @@ def test_select_runs_the_held_out_seed_only_and_writes_the_selection(tmp_path):
 def test_encdec_comparison_seeds_run_at_their_cells_chosen_rate(tmp_path, monkeypatch):
     """The runner's wiring, with training replaced by a loss that depends on the cell, the rate and the seed: the
     sweep sees only the held-out seed, every comparison run gets its cell's chosen rate, the report shows it."""
-    from tests.conftest import pipeline_config
+    from tests.conftest import tiny_config
 
     best = {"decoder_P": 6e-3, "decoder_2P": 1.5e-3, "encdec_P": 3e-3, "encdec_2P": 1.5e-3}
     trained = []
@@ -68,7 +68,7 @@ def test_encdec_comparison_seeds_run_at_their_cells_chosen_rate(tmp_path, monkey
                 "val_curve": [[2, loss]], "train_curve": [[2, loss]]}
 
     monkeypatch.setattr(encdec_study, "train_cell", fake_train)
-    base = pipeline_config(**{"data.task": "prefix", "data.windows": True, "data.tokenizer": "tokenizer_1k.json",
+    base = tiny_config(**{"data.task": "prefix", "data.windows": True, "data.tokenizer": "tokenizer_1k.json",
                               "model.vocab_size": 1024, "model.first_k_dense": 0, "data.seq_len": 32})
     grid = (1.5e-3, 3e-3, 6e-3)
     report = encdec_study.run_study(base, 2, 2, tmp_path, "causal", log=lambda *_: None, lr_grid=grid)

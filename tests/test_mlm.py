@@ -83,12 +83,12 @@ def test_mlm_compare_bad_flags(capsys):
 def test_mlm_compare_end_to_end(tmp_path, monkeypatch):
     from experiments.mlm import runner as mlm_compare
     from experiments.mlm.runner import compare
-    from tests.conftest import pipeline_config
+    from tests.conftest import tiny_config
     from train.inputs import eval_rows
 
     monkeypatch.setattr(mlm_compare, "all_rows", eval_rows)  # final loss on the curve's rows, not every window
 
-    base = pipeline_config(**{"data.task": "mlm", "model.mask": "bidirectional", "data.tokenizer": "tokenizer_1k.json",
+    base = tiny_config(**{"data.task": "mlm", "model.mask": "bidirectional", "data.tokenizer": "tokenizer_1k.json",
                           "model.vocab_size": 1025, "data.seq_len": 32, "eval.rows_per_domain": 2,
                           "checkpoint.every": 100})
     text = compare(base, 2, 2, tmp_path, log=lambda *a: None).read_text()

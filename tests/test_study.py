@@ -268,12 +268,12 @@ def test_token_weighted_equals_the_pooled_loss(rows):
 @pytest.mark.slow  # trains 2 arms x 2 seeds of the tiny model for 2 steps, probes 3 windows per domain
 def test_study_end_to_end_and_cached(tmp_path, monkeypatch):
     from experiments.common import rows as study_rows
-    from tests.conftest import pipeline_config
+    from tests.conftest import tiny_config
 
     # the final loss and probes on 3 windows per domain (the curve's 2 plus one), not on all ~8,000 32-token
     # validation windows: scoring those was over a third of this test
     monkeypatch.setattr(study, "all_rows", lambda c: study_rows.first_rows_per_domain(study_rows.all_rows(c), 3))
-    base = pipeline_config(**{"data.task": "prefix", "data.windows": True, "data.tokenizer": "tokenizer_1k.json",
+    base = tiny_config(**{"data.task": "prefix", "data.windows": True, "data.tokenizer": "tokenizer_1k.json",
                           "model.vocab_size": 1024, "data.seq_len": 32, "eval.every": 1, "eval.output_only": True,
                           "eval.rows_per_domain": 2, "checkpoint.every": 100})
     logs = []
