@@ -55,7 +55,7 @@ jax.config.update("jax_enable_compilation_cache", False)
 @pytest.fixture(scope="module", autouse=True)
 def release_compiled_programs():
     """Drop JAX's compiled programs after a test file once the process holds a third of the kernel's memory
-    mappings. Each XLA:CPU executable holds ~25-30 mappings (its code and data sections) for as long as a jit cache
+    mappings. Each XLA:CPU executable holds ~30 mappings (its code and data sections) for as long as a jit cache
     keeps it, and the kernel allows a process 65,530 (vm.max_map_count): a long-lived xdist worker that kept every
     file's programs passed 42,000 mappings after 19 files (one file adds up to ~10,000), and at the limit LLVM's
     mmap fails ("Cannot allocate memory") and XLA segfaults mid-compile or mid-serialize. Cleared only when needed:
