@@ -70,15 +70,19 @@ def release_compiled_programs():
                           f"files (a module-level Compiled object, a cache of jitted closures)", stacklevel=1)
 
 
-def _read_int(path):
+def _max_mappings():
+    """The kernel's per-process limit; Linux's default where the setting cannot be read; 0 (nothing to watch)
+    where /proc/self/maps does not exist (not Linux)."""
+    if not os.path.exists("/proc/self/maps"):
+        return 0
     try:
-        with open(path) as f:
+        with open("/proc/sys/vm/max_map_count") as f:
             return int(f.read())
     except (OSError, ValueError):
-        return 0  # not Linux: no limit to watch
+        return 65530
 
 
-MAX_MAPS = _read_int("/proc/sys/vm/max_map_count")
+MAX_MAPS = _max_mappings()
 
 
 def _mappings():
