@@ -2,9 +2,12 @@
 code and data sections as separate mappings until the cache lets it go, and the kernel allows a process
 vm.max_map_count of them (65,530 by default). Past that, LLVM's mmap fails ("Cannot allocate memory") and XLA
 segfaults; the test suite's workers clear JAX's caches before they get there (tests/conftest.py).
+XLA_FLAGS as given (tests/conftest.py's FAST_COMPILE_XLA_FLAGS for the suite's programs; the fusion-emitter flag
+exists only below jaxlib 0.11):
 
-    python -m benchmarks.xla_cpu_mappings --programs 300          # mappings per kept program, then after clearing
-    python -m benchmarks.xla_cpu_mappings --programs 3000         # past the limit: expect the process to crash
+    XLA_FLAGS="--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false" \
+        python -m benchmarks.xla_cpu_mappings --programs 300     # mappings per kept program, then after clearing
+    ... --programs 3000                                           # past the limit: expect the process to crash
 """
 
 import argparse
@@ -21,12 +24,7 @@ def mappings() -> int:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--programs", type=int, default=300, help="distinct programs to compile and keep")
-    ap.add_argument("--suite_flags", action=argparse.BooleanOptionalAction, default=True,
-                    help="compile with the test suite's XLA flags (tests/conftest.py)")
     a = ap.parse_args(argv)
-    if a.suite_flags:  # before jax is imported
-        os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
-                                   " --xla_cpu_use_fusion_emitters=false")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
     import jax.numpy as jnp

@@ -15,7 +15,7 @@ def get_config():
     c.checkpoint.every = 10
     c.log.every = 5
     c.eval.update(every=10, rows_per_domain=2, batch_size=8)
-    # At these shapes compiling dominates a run: ragged_dot compiles a train step in a quarter of slab's time
-    # (slab, CPU's `auto` choice, wins per step at the default config's size).
+    # At these shapes compiling dominates a run, and ragged_dot compiles faster than slab (CPU's `auto` choice,
+    # which wins per step at the default config's size).
     c.execution.grouped_matmul = "ragged_dot"
     return c

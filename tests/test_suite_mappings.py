@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import MAX_MAPS, _mappings
 
 
-@pytest.mark.skipif(not MAX_MAPS, reason="no /proc/sys/vm/max_map_count: not Linux, no mapping limit to guard")
+@pytest.mark.skipif(not MAX_MAPS, reason="no /proc/self/maps: not Linux, no mapping limit to guard")
 def test_cached_programs_hold_mappings_until_jax_caches_are_cleared():
     jax.clear_caches()
     gc.collect()
