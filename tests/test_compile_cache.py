@@ -85,6 +85,7 @@ from configs.tiny import get_config  # not tests.conftest: importing it would se
 from train import loop
 config = get_config()
 config.train.steps = 2
+config.execution.grouped_matmul = "auto"  # CPU's default (slab): configs/tiny.py's ragged_dot step can compile in under 1 s
 config.log.update(progress=False, peak_flops=1e12, tensorboard=False)
 for name in ("first", "second"):
     records.clear()
