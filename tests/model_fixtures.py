@@ -5,7 +5,7 @@ import functools
 import jax
 from flax import nnx
 
-from moe import ModelConfig, Transformer
+from moe import Execution, ModelConfig, Transformer
 
 TINY = dict(vocab_size=61, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=48,
             first_k_dense=1, n_routed_experts=8, n_shared_experts=1, top_k=2, moe_d_ff=16, n_group=2,
@@ -28,3 +28,10 @@ def forward_fn(**overrides):
         return model(tokens, segment_ids_BxL=segment_ids, prefix_len_B=prefix_len)[0]
 
     return fwd
+
+
+def ragged_execution(**settings) -> Execution:
+    """An Execution whose routed experts run by ragged_dot, for tests whose subject is not the experts' kernel: it
+    compiles in a fraction of the time of CPU's default (auto: slab), which tests/test_grouped_kernels.py holds
+    equal to it and tests/test_pinned.py trains end to end."""
+    return Execution(grouped_matmul="ragged_dot", **settings)

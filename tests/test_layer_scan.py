@@ -6,11 +6,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moe import Execution
 from moe import model as layer_scan
 from moe.decoding.generate import init_cache
 from moe.model import runs_of_equal_blocks, scan_blocks
-from tests.model_fixtures import TINY, tiny_model
+from tests.model_fixtures import TINY, ragged_execution, tiny_model
 
 # 5 layers: one dense, four MoE (one scanned run of 4); the interleaved family alternates dense and MoE.
 DEEP = dict(n_layers=5)
@@ -40,7 +39,7 @@ def loop_reference():
     model = tiny_model(**DEEP)
     tokens = jax.random.randint(jax.random.key(3), (2, 9), 0, TINY["vocab_size"])
     seg = jnp.asarray([[1] * 9, [1] * 6 + [0] * 3])
-    return model, tokens, seg, _loss_and_grads(model, tokens, seg, Execution(scan_layers=False))
+    return model, tokens, seg, _loss_and_grads(model, tokens, seg, ragged_execution(scan_layers=False))
 
 
 @pytest.mark.parametrize("remat", [False, "full", "save_moe"])
@@ -53,10 +52,10 @@ def test_scanned_layers_equal_the_loop_values_and_gradients(remat, loop_referenc
     monkeypatch.setattr(layer_scan, "scan_blocks",
                         lambda call, blocks, *a: scanned.append(len(blocks)) or scan_blocks(call, blocks, *a))
     graphdef, state = nnx.split(model)
-    jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(tokens, execution=Execution(scan_layers=True)))(state)
+    jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(tokens, execution=ragged_execution(scan_layers=True)))(state)
     assert scanned == [4]
     scanned.clear()
-    ex = Execution(remat=bool(remat), remat_policy=remat or "full", scan_layers=True)
+    ex = ragged_execution(remat=bool(remat), remat_policy=remat or "full", scan_layers=True)
     (got_logits, got_aux), got_grads = _loss_and_grads(model, tokens, seg, ex)
     assert scanned == [4]  # and so is the compared run (remat included)
     np.testing.assert_allclose(got_logits, want_logits, rtol=1e-5, atol=1e-6)
@@ -77,12 +76,13 @@ def test_scanned_layers_return_each_layers_attention_and_decode_unrolled():
     """Attention maps come back one per layer; with a KV cache the blocks run one by one (same logits)."""
     model = tiny_model(**DEEP)
     tokens = jax.random.randint(jax.random.key(4), (1, 6), 0, TINY["vocab_size"])
-    ex = Execution(scan_layers=True)
-    _, aux = model(tokens, execution=ex, return_attention=True)
-    want = model(tokens, return_attention=True)[1]["attention"]
-    assert len(aux["attention"]) == DEEP["n_layers"]
-    for got, w in zip(aux["attention"], want, strict=True):
-        np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6)
+    scan, loop = ragged_execution(scan_layers=True), ragged_execution()
+    attention = nnx.jit(lambda m, t, ex: m(t, execution=ex, return_attention=True)[1]["attention"], static_argnums=2)
+    got, want = attention(model, tokens, scan), attention(model, tokens, loop)
+    assert len(got) == DEEP["n_layers"]
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
     cache = init_cache(model.cfg, 1, 8)
-    logits, _ = model(tokens, execution=ex, cache=cache, cache_index=0)
-    np.testing.assert_allclose(logits, model(tokens)[0], rtol=1e-5, atol=1e-5)
+    logits, _ = nnx.jit(lambda m, t, c: m(t, execution=scan, cache=c, cache_index=0))(model, tokens, cache)
+    np.testing.assert_allclose(logits, nnx.jit(lambda m, t: m(t, execution=loop)[0])(model, tokens), rtol=1e-5,
+                               atol=1e-5)

@@ -7,8 +7,9 @@ import optax
 import pytest
 from flax import nnx
 
-from moe import Execution, ModelConfig, Transformer
+from moe import ModelConfig, Transformer
 from moe.lm_loss import chunk_count, cross_entropy, weighted_cross_entropy
+from tests.model_fixtures import ragged_execution
 
 B, L, D, V = 2, 12, 8, 40
 
@@ -63,11 +64,11 @@ def test_model_token_losses_equal_the_logits_cross_entropy():
         return optax.softmax_cross_entropy_with_integer_labels(logits, targets).sum()
 
     def via_chunks(state):
-        ce, _ = nnx.merge(graphdef, state).token_losses(tokens, targets, execution=Execution(loss_chunks=3))
+        ce, _ = nnx.merge(graphdef, state).token_losses(tokens, targets, execution=ragged_execution(loss_chunks=3))
         return ce.sum()
 
     def via_fused_objective(state):  # what the train step differentiates
-        _, aux = nnx.merge(graphdef, state).token_losses(tokens, targets, execution=Execution(loss_chunks=3),
+        _, aux = nnx.merge(graphdef, state).token_losses(tokens, targets, execution=ragged_execution(loss_chunks=3),
                                                          loss_weights_BxL=jax.numpy.ones((B, L)))
         return aux["objective"]
 

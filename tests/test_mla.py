@@ -26,7 +26,7 @@ from moe.attention import (
 from moe.hf.write import architecture, glm4_moe_unsupported_features, unsupported_features
 from moe.mla import MLA
 from moe.model import abstract_model
-from tests.model_fixtures import TINY, tiny_model
+from tests.model_fixtures import TINY, ragged_execution, tiny_model
 
 # Dq = 12 query/key dims per head against Dv = 6 value dims: xla / cudnn pad them to one width.
 MLA_FIELDS = dict(attention="mla", q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
@@ -188,14 +188,14 @@ def test_attention_matches_transformers_deepseek_v3(q_lora_rank, interleave, yar
         want, want_probs = attn(torch.tensor(x), rotary(torch.tensor(x), torch.tensor(pos)), causal)
     idx = jnp.broadcast_to(jnp.arange(L), (B, L))
     inputs = BlockInputs(jnp.asarray(pos), attention_mask("causal", idx, idx, n_heads=4), jnp.ones((B, L), bool))
-    got, _, probs = mla(jnp.asarray(x), inputs, Execution(attention_impl="einsum"), return_probs=True)
+    got, _, probs = mla(jnp.asarray(x), inputs, ragged_execution(attention_impl="einsum"), return_probs=True)
     scale = np.abs(want.numpy()).max()
     np.testing.assert_allclose(np.asarray(got) / scale, want.numpy() / scale, rtol=0, atol=1e-5)
     np.testing.assert_allclose(probs, want_probs.numpy(), rtol=0, atol=1e-5)
     if interleave:  # the layout matters: rotate-half on interleaved weights gives other numbers
         other = mla.cfg.replace(rope_interleave=False)
         mla.cfg = other
-        assert np.abs(np.asarray(mla(jnp.asarray(x), inputs, Execution(attention_impl="einsum"))[0])
+        assert np.abs(np.asarray(mla(jnp.asarray(x), inputs, ragged_execution(attention_impl="einsum"))[0])
                       - want.numpy()).max() > 1e-3
 
 
@@ -231,14 +231,14 @@ def _assert_same(got, want, rtol=1e-5, grad_rtol=1e-4):
 def test_attention_impls_equal_the_einsum_reference(impl):
     """Values and gradients; blockwise runs 2 query blocks at 64 positions, xla pads keys (12) and values (6) to
     one width for jax.nn.dot_product_attention."""
-    _assert_same(_loss_and_grads(Execution(attention_impl=impl)), _loss_and_grads(Execution(attention_impl="einsum")))
+    _assert_same(_loss_and_grads(ragged_execution(attention_impl=impl)), _loss_and_grads(ragged_execution(attention_impl="einsum")))
 
 
 @pytest.mark.parametrize("mask", ["prefix", "mixed", "bidirectional"])
 def test_every_mask(mask):
     """The probabilities (return_attention) are zero exactly where the mask hides a key and sum to 1; xla (which
     gets the boolean mask, per head for mixed) equals the einsum path."""
-    logits, attn, _ = ref = _loss_and_grads(Execution(attention_impl="einsum"), mask, L=12)
+    logits, attn, _ = ref = _loss_and_grads(ragged_execution(attention_impl="einsum"), mask, L=12)
     assert len(attn) == MLA_MODEL["n_layers"]
     idx = jnp.broadcast_to(jnp.arange(12), (4, 12))
     prefix = jnp.asarray([6, 3, 12, 1], jnp.int32) if mask != "bidirectional" else None
@@ -246,16 +246,16 @@ def test_every_mask(mask):
     for p in attn:
         assert np.all(np.asarray(p)[~visible] == 0)
         np.testing.assert_allclose(np.asarray(p).sum(-1), 1.0, rtol=1e-5)
-    _assert_same(_loss_and_grads(Execution(attention_impl="xla"), mask, L=12), ref)
+    _assert_same(_loss_and_grads(ragged_execution(attention_impl="xla"), mask, L=12), ref)
 
 
 def test_scanned_rematerialized_bf16_and_sharded():
     """Scanned layers with remat, and a (data, fsdp, tensor) mesh with the MoE layers scanned, equal the plain
     forward and its gradients; bf16 execution stays close to fp32."""
-    plain = _loss_and_grads(Execution())
-    _assert_same(_loss_and_grads(Execution(scan_layers=True, remat=True)), plain)
-    _assert_same(_loss_and_grads(Execution(scan_layers=True), sharded=True), plain)
-    bf16 = _loss_and_grads(Execution(dtype="bfloat16"))
+    plain = _loss_and_grads(ragged_execution())
+    _assert_same(_loss_and_grads(ragged_execution(scan_layers=True, remat=True)), plain)
+    _assert_same(_loss_and_grads(ragged_execution(scan_layers=True), sharded=True), plain)
+    bf16 = _loss_and_grads(ragged_execution(dtype="bfloat16"))
     assert bf16[0].dtype == jnp.float32 and np.all(np.isfinite(bf16[0]))
     np.testing.assert_allclose(bf16[0], plain[0], atol=0.05 * float(np.abs(plain[0]).max()))
 

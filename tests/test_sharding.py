@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from moe import Execution, sharding
-from tests.model_fixtures import forward_fn, tiny_model
+from tests.model_fixtures import forward_fn, ragged_execution, tiny_model
 
 
 @pytest.mark.parametrize("dispatch,grouped,scan", [("dropless", "slab", False), ("dropless", "blocked", False),
@@ -64,10 +64,10 @@ def test_sharded_blockwise_attention_and_chunked_loss_match_single_device(scan):
         return ce, grads
 
     want_ce, want_grads = jax.jit(losses_and_grads, static_argnums=2)(
-        state, tokens, Execution(attention_impl="einsum", loss_chunks=1))
+        state, tokens, ragged_execution(attention_impl="einsum", loss_chunks=1))
     sharded_state = jax.device_put(state, sharding.state_shardings(state, mesh))
     batch_spec = jax.sharding.NamedSharding(mesh, sharding.logical_to_spec(("batch", "length")))
-    ex = Execution(attention_impl="blockwise", loss_chunks=4, mesh=mesh, scan_layers=scan)
+    ex = ragged_execution(attention_impl="blockwise", loss_chunks=4, mesh=mesh, scan_layers=scan)
     got_ce, got_grads = jax.jit(losses_and_grads, static_argnums=2)(
         sharded_state, jax.device_put(tokens, batch_spec), ex)
     np.testing.assert_allclose(got_ce, want_ce, rtol=1e-5, atol=1e-6)

@@ -27,7 +27,10 @@ def _batch(B=8, L=16, V=64, seed=0):
             "domains": rng.integers(0, 3, (B, L)).astype(np.int32)}
 
 
-def _two_steps(mesh_shape, grad_accum=1, dispatch="dropless", loss_chunks=1, fused_loss=True, remat=""):
+def _two_steps(mesh_shape, grad_accum=1, dispatch="dropless", loss_chunks=1, fused_loss=True, remat="",
+               grouped="ragged_dot"):
+    """Two train steps. The experts' grouped matmul is ragged_dot (it compiles in a fraction of the slab's
+    time); CPU's default (auto: slab) runs on one mesh below, and equals ragged_dot in tests/test_grouped_kernels.py."""
     c = tiny_config(**{"model.vocab_size": 64, "train.grad_accum": grad_accum, "train.bias_update_rate": 1e-2})
     mcfg = parse(c).model
     n = int(np.prod(mesh_shape))
@@ -36,7 +39,7 @@ def _two_steps(mesh_shape, grad_accum=1, dispatch="dropless", loss_chunks=1, fus
     graphdef, state, shardings = init_state(mcfg, tx, 0, mesh)
     dispatch, _, permute = dispatch.partition(":")  # dropless:gather: execution.permute_grad
     ex = Execution(dispatch=dispatch, mesh=mesh, loss_chunks=loss_chunks, remat=bool(remat),
-                   remat_policy=remat or "full", permute_grad=permute or "auto")
+                   remat_policy=remat or "full", permute_grad=permute or "auto", grouped_matmul=grouped)
     step = jax.jit(make_train_step(graphdef, tx, optim.schedule(c.train), c.train, ex,
                                    train_forward if fused_loss else forward))
     spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
@@ -53,17 +56,16 @@ def single_device():
     return _two_steps((1, 1, 1, 1))
 
 
-@pytest.mark.parametrize("mesh_shape,dispatch,remat", [((8, 1, 1, 1), "dropless", ""), ((2, 2, 2, 1), "dropless", ""),
-                                                       # a GPU's default, partitioned by XLA
-                                                       ((2, 2, 2, 1), "dropless:gather", ""),
-                                                       ((2, 2, 2, 1), "expert_parallel_dropless", ""),
-                                                       ((2, 2, 2, 1), "expert_parallel_dropless:gather", ""),
-                                                       ((1, 2, 2, 2), "expert_parallel_dropless", ""),
-                                                       # the exchanged rows kept for the backward pass
-                                                       ((2, 2, 2, 1), "expert_parallel_dropless", "save_moe")])
-def test_sharded_step_equals_single_device(single_device, mesh_shape, dispatch, remat):
+@pytest.mark.parametrize("mesh_shape,dispatch,remat,grouped", [
+    ((8, 1, 1, 1), "dropless", "", "ragged_dot"), ((2, 2, 2, 1), "dropless", "", "ragged_dot"),
+    ((2, 2, 2, 1), "dropless:gather", "", "ragged_dot"),  # a GPU's default, partitioned by XLA
+    ((2, 2, 2, 1), "expert_parallel_dropless", "", "ragged_dot"),
+    ((2, 2, 2, 1), "expert_parallel_dropless:gather", "", "auto"),  # CPU's grouped matmul inside shard_map
+    ((1, 2, 2, 2), "expert_parallel_dropless", "", "ragged_dot"),
+    ((2, 2, 2, 1), "expert_parallel_dropless", "save_moe", "ragged_dot")])  # the exchanged rows kept for backward
+def test_sharded_step_equals_single_device(single_device, mesh_shape, dispatch, remat, grouped):
     ref_state, ref_metrics = single_device
-    state, metrics = _two_steps(mesh_shape, dispatch=dispatch, remat=remat)
+    state, metrics = _two_steps(mesh_shape, dispatch=dispatch, remat=remat, grouped=grouped)
     for a, b in zip(metrics, ref_metrics):
         np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5)
         np.testing.assert_allclose(a["grad_norm"], b["grad_norm"], rtol=1e-4)
