@@ -47,13 +47,23 @@ def value_and_grads(fn, sizes, x, ws):
     """((loss, (d/dx, d/dw_gate, d/dw_up, d/dw_down, and d/d of any further argument in ws)), y) of fn(x,
     group_sizes, *ws) under a fixed nonlinear loss that weights every entry differently, so that a wrong row or
     column shows."""
-    n, d = x.shape
+    grads, forward = _compiled(fn, len(ws))
     gs = jnp.asarray(sizes, jnp.int32)
-    weight_N = jnp.arange(n * d, dtype=jnp.float32).reshape(n, d) / (n * d)
-    loss = lambda x, *w: jnp.sum(jnp.sin(fn(x, gs, *w).astype(jnp.float32)) * weight_N)
     # fp32 products in full precision on every backend (GPUs default to TF32): comparisons of algorithms.
     with jax.default_matmul_precision("highest"):
-        return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(1 + len(ws)))))(x, *ws), jax.jit(fn)(x, gs, *ws)
+        return grads(x, gs, *ws), forward(x, gs, *ws)
+
+
+@functools.cache
+def _compiled(fn, n_ws: int):
+    """fn's jitted loss gradients and forward, the group sizes an argument: one program per fn and shapes, whatever
+    the routing."""
+    def loss(x, gs, *w):
+        n, d = x.shape
+        weight_N = jnp.arange(n * d, dtype=jnp.float32).reshape(n, d) / (n * d)
+        return jnp.sum(jnp.sin(fn(x, gs, *w).astype(jnp.float32)) * weight_N)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, *range(2, 2 + n_ws)))), jax.jit(fn)
 
 
 def relative_errors(fn, sizes, x, ws) -> np.ndarray:

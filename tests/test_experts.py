@@ -25,14 +25,17 @@ def _loss(fn, x, w_router, ws, K):
     return jnp.sum(jnp.sin(y) * jnp.arange(y.size).reshape(y.shape) / y.size)
 
 
+# Compiled whole: run op by op, each distinct operation would be compiled on its own.
+DROPLESS, REFERENCE = jax.jit(experts.dropless), jax.jit(experts.reference)
+GRAD = jax.jit(jax.grad(_loss, argnums=(1, 2, 3)), static_argnums=(0, 4))
+
+
 def test_dropless_equals_reference_values_and_grads():
     x, w_router, ws, K = _inputs()
     _, ids, gates = router.route(x, w_router, jnp.zeros(8), top_k=K)
-    np.testing.assert_allclose(experts.dropless(x, ids, gates, *ws), experts.reference(x, ids, gates, *ws),
-                               rtol=1e-5, atol=1e-5)
-    grad = jax.grad(_loss, argnums=(1, 2, 3))
-    g_fast = grad(experts.dropless, x, w_router, ws, K)
-    g_ref = grad(experts.reference, x, w_router, ws, K)
+    np.testing.assert_allclose(DROPLESS(x, ids, gates, *ws), REFERENCE(x, ids, gates, *ws), rtol=1e-5, atol=1e-5)
+    g_fast = GRAD(experts.dropless, x, w_router, ws, K)
+    g_ref = GRAD(experts.reference, x, w_router, ws, K)
     for a, b in zip(jax.tree.leaves(g_fast), jax.tree.leaves(g_ref)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
@@ -41,8 +44,7 @@ def test_dropless_with_empty_experts():
     x, _, ws, _ = _inputs(seed=1)
     ids = jnp.zeros((40, 2), jnp.int32).at[:, 1].set(5)  # only experts 0 and 5 get tokens
     gates = jnp.full((40, 2), 0.5)
-    np.testing.assert_allclose(experts.dropless(x, ids, gates, *ws), experts.reference(x, ids, gates, *ws),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(DROPLESS(x, ids, gates, *ws), REFERENCE(x, ids, gates, *ws), rtol=1e-5, atol=1e-5)
 
 
 def test_blocked_and_ragged_grouped_matmuls_agree_with_reference():
@@ -52,10 +54,10 @@ def test_blocked_and_ragged_grouped_matmuls_agree_with_reference():
                     lambda *a, **kw: kernels.grouped_swiglu_blocked(*a, block=8, **kw)):  # small blocks: many boundaries
         fn = lambda *a, g=grouped: experts.dropless(*a, grouped=g)
         _, ids, gates = router.route(x, w_router, jnp.zeros(8), top_k=K)
-        np.testing.assert_allclose(fn(x, ids, gates, *ws), experts.reference(x, ids, gates, *ws),
-                                   rtol=1e-5, atol=1e-5)
-        g_fast = jax.grad(_loss, argnums=(1, 2, 3))(fn, x, w_router, ws, K)
-        g_ref = jax.grad(_loss, argnums=(1, 2, 3))(experts.reference, x, w_router, ws, K)
+        np.testing.assert_allclose(jax.jit(fn)(x, ids, gates, *ws), REFERENCE(x, ids, gates, *ws), rtol=1e-5,
+                                   atol=1e-5)
+        g_fast = GRAD(fn, x, w_router, ws, K)
+        g_ref = GRAD(experts.reference, x, w_router, ws, K)
         for a, b in zip(jax.tree.leaves(g_fast), jax.tree.leaves(g_ref)):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
@@ -63,8 +65,8 @@ def test_blocked_and_ragged_grouped_matmuls_agree_with_reference():
 def test_blocked_grouped_matmul_zeroes_padding_rows_like_ragged_dot():
     x, _, ws, _ = _inputs(seed=3, T=30)
     sizes = jnp.asarray([5, 0, 7, 3, 0, 0, 6, 1], jnp.int32)  # 22 of 30 rows belong to a group
-    ragged = kernels.grouped_swiglu_ragged(x, sizes, *ws)
-    blocked = kernels.grouped_swiglu_blocked(x, sizes, *ws, block=4)
+    ragged = jax.jit(kernels.grouped_swiglu_ragged)(x, sizes, *ws)
+    blocked = jax.jit(kernels.grouped_swiglu_blocked, static_argnames="block")(x, sizes, *ws, block=4)
     np.testing.assert_allclose(blocked, ragged, rtol=1e-5, atol=1e-5)
     assert float(jnp.abs(blocked[22:]).max()) == 0.0
 
@@ -85,7 +87,7 @@ def test_dropless_gather_permute_equals_scatter(K):
     def value_and_grads(permute):
         loss = lambda x, g, *w: jnp.sum(jnp.sin(experts.dropless(x, ids, g, *w, grouped="ragged_dot",
                                                                  permute=permute)))
-        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))(x, gates, *ws)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))(x, gates, *ws)
 
     (got, got_g), (want, want_g) = value_and_grads("gather"), value_and_grads("scatter")
     np.testing.assert_allclose(got, want, rtol=1e-6)

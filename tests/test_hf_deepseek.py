@@ -199,7 +199,7 @@ def test_mtp_layer_is_imported_and_equals_the_papers_module(built, tmp_path):
         logits = rms(h, "shared_head.norm.weight") @ torch.tensor(sd["lm_head.weight"]).T
         ref = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V), tok[:, 2:].reshape(-1),
                                                 reduction="none").reshape(2, -1).numpy()
-    _, aux = model.token_losses(jnp.asarray(TOKENS[:, :-1]), jnp.asarray(TOKENS[:, 1:]), mtp=True)
+    _, aux = nnx.jit(lambda m, t, y: m.token_losses(t, y, mtp=True))(model, TOKENS[:, :-1], TOKENS[:, 1:])
     ours = np.asarray(aux.mtp.ce[0])[:, :ref.shape[1]]
     np.testing.assert_allclose(ours, ref, rtol=1e-4, atol=1e-4)
 

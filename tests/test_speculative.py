@@ -13,9 +13,10 @@ from flax import nnx
 from moe import ModelConfig, Transformer
 from moe.decoding.generate import generate
 from moe.decoding.speculative import speculative_generate
-from tests.model_fixtures import TINY
+from tests.model_fixtures import TINY, ragged_execution
 from train import export_dir
 
+EX = ragged_execution()  # the equality holds for any execution
 MLA = dict(attention="mla", q_lora_rank=0, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
 
 
@@ -31,8 +32,8 @@ def test_speculative_output_is_greedy_output(attention):
     # two prompt lengths (the prompt fills the draft cache's slots [0, P - 1)); seeds 0 and 1 share compiled programs
     for seed, P in ((0, 3), (1, 3), (2, 6)):
         prompt = jnp.asarray(np.random.default_rng(seed).integers(1, TINY["vocab_size"], (1, P)), jnp.int32)
-        ref = generate(model, prompt, jax.random.key(0), max_new_tokens=20, temperature=0.0)
-        out, d, a = speculative_generate(model, prompt, max_new_tokens=20)
+        ref = generate(model, prompt, jax.random.key(0), max_new_tokens=20, temperature=0.0, execution=EX)
+        out, d, a = speculative_generate(model, prompt, max_new_tokens=20, execution=EX)
         np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
         drafts, accepted = drafts + int(d), accepted + int(a)
     assert 0 < accepted < drafts  # both branches ran
