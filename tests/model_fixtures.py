@@ -32,6 +32,6 @@ def forward_fn(**overrides):
 
 def ragged_execution(**settings) -> Execution:
     """An Execution whose routed experts run by ragged_dot, for tests whose subject is not the experts' kernel: it
-    compiles in a fraction of the time of CPU's default (auto: slab), which tests/test_grouped_kernels.py holds
-    equal to it and tests/test_pinned.py trains end to end."""
+    compiles in a fraction of the time of CPU's default (auto: slab; benchmarks/grouped_compile_time.py), which
+    tests/test_grouped_kernels.py holds equal to it and tests/test_pinned.py trains end to end."""
     return Execution(grouped_matmul="ragged_dot", **settings)

@@ -231,7 +231,8 @@ def _assert_same(got, want, rtol=1e-5, grad_rtol=1e-4):
 def test_attention_impls_equal_the_einsum_reference(impl):
     """Values and gradients; blockwise runs 2 query blocks at 64 positions, xla pads keys (12) and values (6) to
     one width for jax.nn.dot_product_attention."""
-    _assert_same(_loss_and_grads(ragged_execution(attention_impl=impl)), _loss_and_grads(ragged_execution(attention_impl="einsum")))
+    _assert_same(_loss_and_grads(ragged_execution(attention_impl=impl)),
+                 _loss_and_grads(ragged_execution(attention_impl="einsum")))
 
 
 @pytest.mark.parametrize("mask", ["prefix", "mixed", "bidirectional"])

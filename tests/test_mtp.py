@@ -12,18 +12,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moe import ConfigError, Execution, ModelConfig, Transformer, sharding
+from moe import ConfigError, ModelConfig, Transformer, sharding
 from moe.model import split_model
 from tests.conftest import tiny_config
-from tests.model_fixtures import TINY
+from tests.model_fixtures import TINY, ragged_execution
 from train import optim
 from train.preflight import parse
 from train.state import init_state
 from train.step import make_train_step
 
-# ragged_dot: the experts' kernel is not what these tests are about, and it compiles in a fraction of CPU's
-# default (slab; equal to it in tests/test_grouped_kernels.py).
-EX = Execution(dispatch="dropless", loss_chunks=1, grouped_matmul="ragged_dot")
+EX = ragged_execution(dispatch="dropless", loss_chunks=1)
 B, L = 2, 12
 
 
@@ -170,8 +168,7 @@ def _steps(mesh_shape=(1, 1, 1, 1), depth=1, weight=0.3, steps=2, balance=1e-4):
     mesh = sharding.make_mesh(*mesh_shape, devices=jax.devices()[:int(np.prod(mesh_shape))])
     tx = optim.optimizer(c.train)
     graphdef, state, _ = init_state(mcfg, tx, 0, mesh)
-    step = jax.jit(make_train_step(graphdef, tx, optim.schedule(c.train), c.train,
-                                   Execution(mesh=mesh, grouped_matmul="ragged_dot")))
+    step = jax.jit(make_train_step(graphdef, tx, optim.schedule(c.train), c.train, ragged_execution(mesh=mesh)))
     spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("data", "fsdp")))
     metrics = []
     for i in range(steps):
