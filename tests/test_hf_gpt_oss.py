@@ -99,7 +99,9 @@ def test_routing_analysis_runs(gpt_oss, tmp_path):
 
 
 @pytest.mark.parametrize("changes,field", [
-    (dict(quantization_config={"quant_method": "mxfp4"}), "quantization_config"),
+    (dict(quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": "lm_head"}),
+     "quantization_config.modules_to_not_convert"),
+    (dict(quantization_config={"quant_method": "mxfp4", "group_size": 32}), "quantization_config.group_size"),
     (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}), "rope_type"),
     (dict(layer_types=["chunked_attention"] * 4), "layer_types"),
 ])

@@ -2,8 +2,10 @@
 DeepSeek's rule w[i, j] = q[i, j] * scale_inv[i // bm, j // bn], partial edge tiles included (transformers 5.25's
 CPU path splits rows evenly instead); a tiny deepseek_v3 quantized here to FP8 (blocks that do not divide its
 dims) loads with every tensor equal to that rule and with transformers' logits and experts on the same dequantized
-weights; quantization_config is accepted only for block FP8; gpt-oss's MXFP4 dequantization equals the format's
-definition and transformers' own."""
+weights; FP8 with one scale per tensor or per output row (weight_block_size null) imports as transformers'
+Fp8Dequantize computes it, bit for bit; quantization_config is accepted only for FP8 and gpt-oss's MXFP4 (the rest
+refused naming the field); gpt-oss's MXFP4 dequantization equals the format's definition and transformers' own
+(the checkpoints: tests/test_hf_mxfp4.py)."""
 
 import json
 import math
@@ -167,12 +169,14 @@ def test_fp8_checkpoints_without_scales_or_config_are_refused(fp8, tmp_path):
     (dict(FP8_CONFIG, activation_scheme="static"), "quantization_config.activation_scheme"),
     (dict(FP8_CONFIG, scale_fmt="e8m0_bytes"), "quantization_config.scale_fmt"),
     (dict(FP8_CONFIG, kv_cache_scheme="fp8"), "quantization_config.kv_cache_scheme"),
-    ({"quant_method": "mxfp4"}, "quantization_config.quant_method"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "quantization_config.quant_method"),
+    ({"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}, "quantization_config.quant_method"),
+    ({"quant_method": "mxfp4", "dequantize": True, "block": 32}, "quantization_config.block"),
+    (dict(FP8_CONFIG, modules_to_not_convert=[1]), "quantization_config.modules_to_not_convert"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quantization_config.quant_method"),
     ("fp8", "quantization_config"),
 ])
-def test_quantization_config_other_than_block_fp8_is_refused(fp8, quant, field):
+def test_quantization_configs_not_read_are_refused(fp8, quant, field):
     with pytest.raises(HFImportError, match=field.replace(".", r"\.")) as e:
         model_config(dict(fp8["config"], quantization_config=quant))
     assert "\n" not in str(e.value)
@@ -229,3 +233,83 @@ def test_mxfp4_nan_scales_and_bad_shapes_are_refused():
         dequantize_mxfp4(blocks, np.zeros(3, np.uint8))
     with pytest.raises(HFImportError, match="overflow fp32"):
         dequantize_mxfp4(np.full((1, 16), 0x77, np.uint8), np.full(1, 254, np.uint8))
+
+
+# FP8 with one scale per tensor or per output row (FineGrainedFP8Config with weight_block_size null).
+
+SCALED_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": None}
+
+
+def to_torch_fp8(q):
+    return torch.from_numpy(np.ascontiguousarray(q).view(np.uint8)).view(torch.float8_e4m3fn)
+
+
+def transformers_dequantized(q, s):
+    """transformers' own CPU dequantization of an FP8 weight and its weight_scale_inv (Fp8Dequantize)."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    return Fp8Dequantize(None)._dequantize_one(to_torch_fp8(q), torch.from_numpy(s), torch.float32).numpy()
+
+
+def quantize_scaled(w, scale_shape):
+    """q = e4m3(w / s) with s = amax / 448 over the whole tensor (scale_shape [], [1], [1, 1]) or each row ([out, 1])."""
+    per_row = len(scale_shape) == 2 and scale_shape[0] > 1
+    amax = np.abs(w).max(-1, keepdims=True) if per_row else np.abs(w).max().reshape(1, 1)
+    s = (amax / 448).astype(np.float32)
+    return np.clip(w / s, -448, 448).astype(E4M3), s.reshape(scale_shape)
+
+
+def test_scaled_fp8_equals_transformers_dequantization():
+    from moe.hf.quant import dequantize_fp8_scaled
+
+    rng = np.random.default_rng(0)
+    w = rng.normal(size=(40, 30)).astype(np.float32)
+    for shape in ((), (1,), (1, 1), (40, 1)):
+        q, s = quantize_scaled(w, shape)
+        ours = dequantize_fp8_scaled(q, s, "w")
+        np.testing.assert_array_equal(ours, transformers_dequantized(q, s))
+        assert 0 < np.abs(ours - w).max() < np.abs(w).max() / 16  # e4m3's rounding
+    q3 = rng.normal(size=(3, 8, 64)).astype(E4M3)
+    for shape in ((3, 1, 1), (3, 8, 1)):  # fused experts [E, out, in]
+        s3 = rng.uniform(0.5, 2, shape).astype(np.float32)
+        np.testing.assert_array_equal(dequantize_fp8_scaled(q3, s3), transformers_dequantized(q3, s3))
+    with pytest.raises(HFImportError, match=r"'w': scale \[2, 1\] is neither one value nor one per output row"):
+        dequantize_fp8_scaled(q, np.ones((2, 1), np.float32), "w")
+
+
+def test_scaled_fp8_checkpoint_imports_as_transformers_dequantizes_it(fp8, tmp_path):
+    """Attention weights with one scale each ([]), dense MLPs [1], experts one per output row ([out, 1]); every
+    variable equals transformers' Fp8Dequantize of the stored tensors, bit for bit, in memory and by boxes."""
+    stored, meant = {}, {}
+    for k, v in fp8["sd"].items():
+        if quantized_linear(k, v):
+            shape = (v.shape[0], 1) if ".experts." in k else (1,) if ".mlp." in k else ()
+            q, s = quantize_scaled(v, shape)
+            stored[k], stored[k + "_scale_inv"], meant[k] = q, s, transformers_dequantized(q, s)
+        else:
+            stored[k] = v.astype(ml_dtypes.bfloat16)
+            meant[k] = stored[k].astype(np.float32)
+    save_file(stored, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    config = dict(fp8["config"], quantization_config=SCALED_CONFIG)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = load_model(str(tmp_path))
+    want = our_tensors(model.cfg, LAYOUTS["deepseek_v3"].layout(config), meant, "test")
+    got = flat_variables(model)
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    files = SafetensorsFiles(str(tmp_path), quantization(config, "config.json"))
+    rng = np.random.default_rng(1)
+    for name in ("model.layers.1.self_attn.o_proj.weight", "model.layers.0.mlp.down_proj.weight",
+                 "model.layers.1.mlp.experts.2.up_proj.weight"):
+        whole = files.read(name)
+        np.testing.assert_array_equal(whole, meant[name])
+        for _ in range(3):
+            box = tuple(slice(*sorted(rng.choice(n + 1, 2, replace=False))) for n in whole.shape)
+            np.testing.assert_array_equal(files.read_block(name, box), whole[box], err_msg=name)
+    # a block-sized scale under weight_block_size null is refused naming the tensor and the shapes it may have
+    name = "model.layers.1.self_attn.o_proj.weight"
+    save_file({**stored, name + "_scale_inv": np.ones((3, 2), np.float32)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(HFImportError, match=r"o_proj\.weight_scale_inv' is F32\[3, 2\].*one F32 value .* one per "
+                                            r"output row"):
+        SafetensorsFiles(str(tmp_path), quantization(config, "config.json"))

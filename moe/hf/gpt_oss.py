@@ -11,9 +11,12 @@
              (expert_bias), the clamped SwiGLU (clamp(up, +-limit) + 1) * g sigmoid(alpha g), g = min(gate, limit)
              (expert_act "clamped_swiglu", swiglu_limit, swiglu_alpha); they run the plain loop over experts
 Missing fields take GptOssConfig's defaults (head_dim 64, theta 150000, YaRN factor 32 over 4,096 positions).
-Refused: the Hub's MXFP4 experts (quantization_config mxfp4: the loader reads only block FP8; import a dequantized
-copy, e.g. save_pretrained of Mxfp4Config(dequantize=True)), RoPE other than default or YaRN, layer_types other than
-full / sliding attention.
+The Hub's MXFP4 experts (quantization_config {"quant_method": "mxfp4", "modules_to_not_convert": [...]}: each
+`experts.gate_up_proj_blocks` / `_scales` and `experts.down_proj_blocks` / `_scales` pair) are dequantized to fp32
+as they are read, in the in-memory, sharded and layer-streamed imports alike (moe/hf/tensors.py, moe/hf/quant.py):
+the weights equal transformers' Mxfp4Config(dequantize=True) bit for bit; a module listed in
+modules_to_not_convert must be stored plain.
+Refused: RoPE other than default or YaRN, layer_types other than full / sliding attention.
 """
 
 from moe.config import ModelConfig
