@@ -5,11 +5,14 @@
     python -m benchmarks.hf_import_memory --src /tmp/moe_head,.
     # DeepSeek's block FP8 (e4m3 Linear weights + F32 scale_inv per 128 x 128 tile, BF16 elsewhere):
     python -m benchmarks.hf_import_memory --dtype float8
+    # gpt-oss's MXFP4 experts (U8 blocks + E8M0 scales, BF16 elsewhere), a gpt_oss checkpoint of the same size:
+    python -m benchmarks.hf_import_memory --dtype mxfp4
 
 Writes a random glm4_moe checkpoint (moe.hf.write_hf_checkpoint of a freshly initialized moe.Transformer: d_model
 1024, 16 routed experts of width 384 top-2 + 1 shared, one dense first layer, vocabulary 8192, as many layers as
 reach --gb GB of fp32 parameters) as sharded safetensors in --dtype (float8: written in fp32, then every Linear
-weight of every shard quantized as DeepSeek-V3 ships them, with its quantization_config), then loads it once per
+weight of every shard quantized as DeepSeek-V3 ships them, with its quantization_config; mxfp4: a random gpt_oss
+checkpoint as the Hub ships gpt-oss, GPT_OSS_SHAPE, one shard per layer), then loads it once per
 --src tree, each in a fresh subprocess: the growth of its resident memory (VmHWM, the high-water mark, minus VmRSS
 after importing jax and moe.hf and starting the CPU backend) over the model's fp32 bytes is the ratio (1.0:
 nothing but the model).
@@ -61,6 +64,8 @@ def model_config(gb: float):
 
 
 def write_checkpoint(out: str, gb: float, dtype: str, shard_mb: int) -> None:
+    if dtype == "mxfp4":
+        return write_gpt_oss_mxfp4(out, gb)
     import jax
     from flax import nnx
 
@@ -127,6 +132,64 @@ def quantize_blocks(w, block: int):
     return q.astype(ml_dtypes.float8_e4m3fn), s.astype(np.float32)
 
 
+GPT_OSS_SHAPE = dict(hidden_size=1024, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=4,
+                     head_dim=128, num_local_experts=16, num_experts_per_tok=2, vocab_size=8192, sliding_window=128,
+                     rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=4096)
+
+
+def gpt_oss_params(c: dict, n_layers: int) -> int:
+    """Parameters of a gpt_oss model of config `c` (GPT_OSS_SHAPE's keys) with n_layers layers (untied head)."""
+    D, F, E, Dh = c["hidden_size"], c["intermediate_size"], c["num_local_experts"], c["head_dim"]
+    H, N, V = c["num_attention_heads"], c["num_key_value_heads"], c["vocab_size"]
+    layer = 2 * D * (H + N) * Dh + (H + 2 * N) * Dh + D + H + E * (D + 1) + E * (3 * D * F + 2 * F + D) + 2 * D
+    return 2 * V * D + D + n_layers * layer
+
+
+def gpt_oss_layers(gb: float, c: dict = GPT_OSS_SHAPE) -> int:
+    """As many gpt_oss layers of config `c` as make `gb` GB of fp32 parameters (at least 2)."""
+    one = gpt_oss_params(c, 1) - gpt_oss_params(c, 0)
+    return max(2, round((gb * 1e9 / 4 - gpt_oss_params(c, 0)) / one))
+
+
+def write_gpt_oss_mxfp4(out: str, gb: float, c: dict = GPT_OSS_SHAPE) -> None:
+    """A random gpt_oss checkpoint of config `c` as openai/gpt-oss ships it: each layer's experts as MXFP4 `*_blocks`
+    (random codes) and `*_scales` (2^-7 .. 2^-2), everything else BF16 ~ N(0, 0.02); one shard per layer."""
+    import ml_dtypes
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    n = gpt_oss_layers(gb, c)
+    D, F, E, Dh = c["hidden_size"], c["intermediate_size"], c["num_local_experts"], c["head_dim"]
+    H, N, V = c["num_attention_heads"], c["num_key_value_heads"], c["vocab_size"]
+    rng = np.random.default_rng(0)
+    bf16 = lambda *shape: (rng.standard_normal(shape, np.float32) * 0.02).astype(ml_dtypes.bfloat16)
+    mxfp4 = lambda *shape: (rng.integers(0, 256, (*shape, 16), np.uint8), rng.integers(120, 126, shape, np.uint8))
+    weight_map = {}
+
+    def shard(name, tensors):
+        save_file(tensors, os.path.join(out, name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, name))
+
+    shard("ends.safetensors", {"model.embed_tokens.weight": bf16(V, D), "lm_head.weight": bf16(V, D),
+                               "model.norm.weight": bf16(D)})
+    for i in range(n):
+        p = f"model.layers.{i}."
+        t = {p + "input_layernorm.weight": bf16(D), p + "post_attention_layernorm.weight": bf16(D),
+             p + "self_attn.sinks": bf16(H), p + "mlp.router.weight": bf16(E, D), p + "mlp.router.bias": bf16(E),
+             p + "mlp.experts.gate_up_proj_bias": bf16(E, 2 * F), p + "mlp.experts.down_proj_bias": bf16(E, D)}
+        for w, rows in (("q", H * Dh), ("k", N * Dh), ("v", N * Dh)):
+            t[f"{p}self_attn.{w}_proj.weight"], t[f"{p}self_attn.{w}_proj.bias"] = bf16(rows, D), bf16(rows)
+        t[p + "self_attn.o_proj.weight"], t[p + "self_attn.o_proj.bias"] = bf16(D, H * Dh), bf16(D)
+        for w, rows, cols in (("gate_up_proj", 2 * F, D), ("down_proj", D, F)):
+            t[f"{p}mlp.experts.{w}_blocks"], t[f"{p}mlp.experts.{w}_scales"] = mxfp4(E, rows, cols // 32)
+        shard(f"layer-{i:03d}.safetensors", t)
+    Path(out, "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    quant = {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                                        "lm_head"], "quant_method": "mxfp4"}
+    Path(out, "config.json").write_text(json.dumps(dict(c, model_type="gpt_oss", num_hidden_layers=n,
+                                                        quantization_config=quant)))
+
+
 def measure(src: str, checkpoint: str) -> dict:
     """One load of `checkpoint` by the moe.hf of tree `src`, in a fresh process."""
     env = dict(os.environ, PYTHONPATH=os.path.abspath(src), JAX_PLATFORMS="cpu")
@@ -145,8 +208,9 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="python -m benchmarks.hf_import_memory", description=__doc__.splitlines()[0])
     p.add_argument("--gb", type=float, default=1.0, help="the model's fp32 parameter bytes, in GB (1e9)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float8"],
-                   help="the checkpoint's dtype (float8: DeepSeek's block FP8 for the Linear weights)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float8", "mxfp4"],
+                   help="the checkpoint's dtype (float8: DeepSeek's block FP8 for the Linear weights; mxfp4: a "
+                        "gpt_oss checkpoint with MXFP4 experts)")
     p.add_argument("--shard_mb", type=int, default=100, help="largest safetensors shard, MiB")
     p.add_argument("--src", default=".", help="comma-separated source trees whose moe.hf loads the checkpoint")
     p.add_argument("--json", default="", help="also write the rows here")
@@ -162,7 +226,9 @@ def main(argv=None):
         write_checkpoint(tmp, args.gb, args.dtype, args.shard_mb)
         shards = sorted(f for f in os.listdir(tmp) if f.endswith(".safetensors"))
         size = sum(os.path.getsize(os.path.join(tmp, f)) for f in shards)
-        print(f"checkpoint: glm4_moe, {model_config(args.gb).n_layers} layers, {args.dtype}, {len(shards)} shards, "
+        kind, n = ("gpt_oss", gpt_oss_layers(args.gb)) if args.dtype == "mxfp4" else ("glm4_moe",
+                                                                                    model_config(args.gb).n_layers)
+        print(f"checkpoint: {kind}, {n} layers, {args.dtype}, {len(shards)} shards, "
               f"{size / 1e6:.0f} MB on disk, written in {time.perf_counter() - t0:.0f} s")
         rows = [measure(s, tmp) for s in srcs]
     print(f"{time.strftime('%Y-%m-%d')} | {host_cpu()}\n")

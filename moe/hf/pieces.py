@@ -42,9 +42,8 @@ class Piece:
             return out.reshape(self.shape)
         if self.rows or self.cols or tuple(src.shapes[self.names[0]]) != self.hf_shape:  # part of the rows / columns
             rows = slice(self.rows, self.rows + self.hf_shape[-2])
-            cols = slice(self.cols, self.cols + self.step * (self.hf_shape[-1] - 1) + 1)
+            cols = slice(self.cols, self.cols + self.step * (self.hf_shape[-1] - 1) + 1, self.step)
             arr = src.read_block(self.names[0], (slice(None),) * (len(self.hf_shape) - 2) + (rows, cols))
-            arr = arr[..., ::self.step] if self.step > 1 else arr
         else:
             arr = src.read(self.names[0])
         return (arr.transpose(self.perm) if self.perm else arr).reshape(self.shape)

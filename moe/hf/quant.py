@@ -205,11 +205,17 @@ def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, name: str = "tensor
     return out.reshape(*blocks.shape[:-2], -1)
 
 
-def mxfp4_weight(blocks: np.ndarray, scales: np.ndarray, name: str = "tensor") -> np.ndarray:
+def mxfp4_weight(blocks: np.ndarray, scales: np.ndarray, name: str = "tensor", cols=slice(None)) -> np.ndarray:
     """The weight transformers holds for gpt-oss's `X_blocks` [E, out, G, 16] / `X_scales` [E, out, G]: the fp32
-    dequantization transposed to [E, G * 32, out] (integrations/mxfp4.py), returned as a view (the caller's
-    contiguous copy is the only other one)."""
+    dequantization transposed to [E, G * 32, out] (integrations/mxfp4.py), its input columns `cols` of G * 32. Filled
+    one expert at a time: the result and one expert's [out, G * 32] are all the fp32 held."""
     if blocks.ndim != 4:
         raise HFImportError(f"tensor {name!r}: MXFP4 blocks are [E, out, in / 32, 16] (gpt-oss's experts), got "
                             f"{list(blocks.shape)}")
-    return dequantize_mxfp4(blocks, scales, name).swapaxes(1, 2)
+    out = None
+    for e in range(blocks.shape[0]):
+        w = dequantize_mxfp4(blocks[e], scales[e], name)[:, cols]
+        if out is None:
+            out = np.empty((blocks.shape[0], *w.shape[::-1]), np.float32)
+        out[e] = w.T
+    return out

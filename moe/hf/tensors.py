@@ -148,12 +148,24 @@ class SafetensorsFiles:
         return self._as_read(arr)
 
     def read_block(self, name: str, index) -> np.ndarray:
-        """tensor[index] for a tuple of unit-step slices (one per axis; missing trailing ones are whole), read from
-        the byte ranges of the box only, as `read` returns tensors (FP8 dequantized)."""
+        """tensor[index] for a tuple of slices (one per axis; missing trailing ones are whole; positive steps), read
+        from the byte ranges of the box the slices span only, as `read` returns tensors (FP8, MXFP4 dequantized;
+        MXFP4 only the rows its last axis's step takes)."""
+        shape = self._mxfp4.get(name) or self._at[name][2]
+        box, steps = [], []
+        for s, n in zip(tuple(index) + (slice(None),) * len(shape), shape):
+            a, b, step = s.indices(n)
+            if step < 1:
+                raise ValueError(f"read_block({name!r}): step {step}; only positive steps")
+            box.append((a, max(a, a + step * (len(range(a, b, step)) - 1) + 1)))
+            steps.append(slice(None, None, step))
         if name in self._mxfp4:
-            return self._mxfp4_block(name, index)
+            return self._mxfp4_block(name, box, steps[-1].step)
+        return self._read_box(name, box)[tuple(steps)]
+
+    def _read_box(self, name: str, box) -> np.ndarray:
+        """tensor[a0:b0, a1:b1, ...] for box [(a0, b0), ...], as `read` returns tensors."""
         path, dtype, shape, offset, _ = self._at[name]
-        box = [s.indices(n)[:2] for s, n in zip(tuple(index) + (slice(None),) * len(shape), shape)]
         if dtype != FP8:
             return self._as_read(self._box(name, path, STORED[dtype], shape, offset, box))
         if isinstance(self.quant, Fp8Scaled):
@@ -174,18 +186,17 @@ class SafetensorsFiles:
         w = dequantize_fp8(q, s, self.quant, name)
         return w[(...,) + tuple(slice(a - w0, b - w0) for (a, b), (w0, _) in zip(box[-2:], wide[-2:]))]
 
-    def _mxfp4_block(self, name: str, index) -> np.ndarray:
-        """weight[index] of an MXFP4 weight ([E, in, out]): the blocks and scales of its experts, output rows and
-        32-column groups of input, dequantized and cut back to the box."""
-        shape = self._mxfp4[name]
-        (e0, e1), (i0, i1), (o0, o1) = [s.indices(n)[:2] for s, n in zip(tuple(index) + (slice(None),) * 3, shape)]
+    def _mxfp4_block(self, name: str, box, step: int = 1) -> np.ndarray:
+        """weight[box] of an MXFP4 weight ([E, in, out]), every step-th output of it: the blocks and scales of its
+        experts, output rows and 32-column groups of input, those rows dequantized and cut back to the box."""
+        (e0, e1), (i0, i1), (o0, o1) = box
         g0, g1 = i0 // 32, -(-i1 // 32)
         b_path, _, b_shape, b_offset, _ = self._at[name + BLOCKS]
         s_path, _, s_shape, s_offset, _ = self._at[name + SCALES]
         blocks = self._box(name + BLOCKS, b_path, STORED["U8"], b_shape, b_offset, [(e0, e1), (o0, o1), (g0, g1),
                                                                                       (0, 16)])
         scales = self._box(name + SCALES, s_path, STORED["U8"], s_shape, s_offset, [(e0, e1), (o0, o1), (g0, g1)])
-        return mxfp4_weight(blocks, scales, name)[:, i0 - 32 * g0:i1 - 32 * g0]
+        return mxfp4_weight(blocks[:, ::step], scales[:, ::step], name, slice(i0 - 32 * g0, i1 - 32 * g0))
 
     def fingerprint(self) -> str:
         """A hash of what the headers say (every tensor's file, dtype, shape and byte range) and of each file's size:
