@@ -3,7 +3,8 @@
 Dispatches on config.json `model_type` (FAMILIES: one module per family, each listing its MODEL_TYPES; NESTED:
 multimodal wrappers read through their `text_config`; docs/hf_import.md tabulates them all); each family module
 maps config.json to a ModelConfig that reproduces HF's forward exactly and says where its tensors live. Every field a family reads is type-checked first (common.check_field_types), and a
-`quantization_config` must be DeepSeek's block FP8 (quant.quantization; its weights are dequantized on load).
+`quantization_config` must be FP8 (block or per-tensor scales) or gpt-oss's MXFP4 (quant.quantization; its weights
+are dequantized on load).
 Params are fp32 (the checkpoint's dtype is upcast). With a mesh, every variable is placed straight into its sharded
 array, each process reading only the slices its devices hold (moe/hf/sharded.py); `open_checkpoint` is what the
 layer-streamed forward (moe/hf/stream.py) reads from.
@@ -85,7 +86,7 @@ def _family(c: dict, where: str):
 
 def _family_config(c: dict, where: str):
     family = _family(c, where)
-    quantization(c, where)  # refused unless DeepSeek's block FP8
+    quantization(c, where)  # refused unless FP8 or gpt-oss's MXFP4
     try:
         return family.model_config(c, where)
     except KeyError as e:

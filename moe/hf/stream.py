@@ -5,7 +5,7 @@
 
 Only one block's weights are in memory at a time: `stream.block(i)` reads layer i through the import's own mapping
 (moe.hf.weights.plan: the same tensors, shapes and checks) into the model's own `moe.model.Block`, each tensor read
-in the checkpoint's dtype (BF16 / F16 bytes as stored; block FP8 dequantized tile by tile as it is read,
+in the checkpoint's dtype (BF16 / F16 bytes as stored; FP8 and MXFP4 dequantized as they are read,
 moe/hf/quant.py) and held in fp32, the dtype the block computes in, one tensor converted at a time (keep_dtype: held
 as stored, half the bytes, but XLA:CPU then makes an fp32 copy of every weight inside the computation: more at the
 peak). The caller drops the block before reading the next. The ends of the model (embedding; final norm and
