@@ -172,6 +172,8 @@ def test_fp8_checkpoints_without_scales_or_config_are_refused(fp8, tmp_path):
     ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "quantization_config.quant_method"),
     ({"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0}, "quantization_config.quant_method"),
     ({"quant_method": "mxfp4", "dequantize": True, "block": 32}, "quantization_config.block"),
+    ({"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.(1"]},
+     "quantization_config.modules_to_not_convert"),
     (dict(FP8_CONFIG, modules_to_not_convert=[1]), "quantization_config.modules_to_not_convert"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quantization_config.quant_method"),
     ("fp8", "quantization_config"),

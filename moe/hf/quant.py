@@ -93,6 +93,12 @@ def quantization(c: dict, where: str) -> Fp8Blocks | Fp8Scaled | Mxfp4 | None:
     if method == "mxfp4":
         for key in sorted(set(q) - MXFP4_KEYS):
             refuse(where, f"quantization_config.{key}", q[key], "an MXFP4 setting this importer does not know")
+        for pattern in q.get("modules_to_not_convert") or ():
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                refuse(where, "quantization_config.modules_to_not_convert", pattern,
+                       f"not a regular expression ({e}); transformers matches each entry as one")
         return Mxfp4(tuple(q.get("modules_to_not_convert") or ()))
     if method in NOT_READ:
         refuse(where, "quantization_config.quant_method", method, NOT_READ[method])
