@@ -1,6 +1,6 @@
 """gpt-oss's MXFP4 experts (moe/hf/quant.py, moe/hf/tensors.py): a tiny random gpt_oss whose experts are quantized
 here to MXFP4 and written as the Hub writes them (`*_blocks` / `*_scales`, the rest BF16) imports bit for bit as
-the same weights dequantized and written in BF16, in memory and streamed a block at a time; transformers'
+the same weights dequantized and written in BF16, in memory, streamed a block at a time and sharded; transformers'
 Mxfp4Config(dequantize=True) loads the same weights and computes our logits and expert ids; modules_to_not_convert
 is transformers' pattern rule and must agree with what is stored; a box of an MXFP4 weight reads only its blocks,
 and dequantizing one holds one fp32 copy of it."""
@@ -205,3 +205,27 @@ def test_the_memory_benchmarks_gpt_oss_checkpoint_loads_with_its_parameter_count
     model = load_model(str(tmp_path))
     assert model.cfg.n_layers == gpt_oss_layers(gb, c) == 3
     assert sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) == gpt_oss_params(c, 3)
+
+
+def test_the_sharded_import_of_mxfp4_experts_equals_the_single_host_one(mxfp4):
+    """Every variable's slice (a device's shard) read on its own equals the slice of the whole; on 8 devices (fsdp 2 x
+    expert 4) the sharded import holds the single-host import's values."""
+    from moe.hf import load_hf_moe
+    from moe.hf.load import open_checkpoint
+    from moe.hf.weights import plan
+    from moe.sharding import make_mesh
+    from tests.test_hf_sharded import _boxes
+
+    ck = open_checkpoint(mxfp4["q"])
+    rng = np.random.default_rng(3)
+    for step in plan(ck.cfg, ck.layout, ck.files.shapes, ck.where):
+        for k, piece in step.pieces.items():
+            if ".ffn.w_" in k:
+                whole = piece.read(ck.files)
+                for box in _boxes(piece.shape, rng, n=3):
+                    np.testing.assert_array_equal(piece.read_slice(ck.files, box), whole[box], err_msg=k)
+    want = flat_variables(load_model(mxfp4["q"]))
+    model, _ = load_hf_moe(mxfp4["q"], mesh=make_mesh(1, 2, 4, 1))
+    got = flat_variables(model)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
