@@ -24,10 +24,23 @@ def attention_params(cfg: ModelConfig) -> tuple[int, int]:
         matmul = query + D * (R + Dr) + R * H * (Dn + Dv) + H * Dv * D
         return matmul + Q + R, matmul  # + the q and kv latent norms
     N, Dh = cfg.n_kv_heads, cfg.head_dim
-    matmul = D * Dh * (2 * H + 2 * N)
-    attn = matmul + cfg.qkv_bias * Dh * (H + 2 * N) + cfg.attn_out_bias * D
+    matmul = D * Dh * (2 * H + 2 * N) + cfg.attn_output_gate * D * H * Dh  # the gate: q_proj twice as wide
+    attn = matmul + cfg.qkv_bias * Dh * ((1 + cfg.attn_output_gate) * H + 2 * N) + cfg.attn_out_bias * D
     attn += {"none": 0, "head": 2 * Dh, "full": (H + N) * Dh, "weightless": 0}[cfg.qk_norm] + cfg.attn_sinks * H
     return attn, matmul
+
+
+def gdn_params(cfg: ModelConfig) -> tuple[int, int]:
+    """(parameters of one Gated DeltaNet layer, of them the matmul weights) (moe/gdn.py): the qkvz and ba
+    projections, the conv taps, dt_bias, A_log, the output norm and W_o."""
+    D, Hk, Hv, Dk, Dv = cfg.d_model, cfg.gdn_key_heads, cfg.gdn_value_heads, cfg.gdn_key_dim, cfg.gdn_value_dim
+    matmul = D * (2 * Hk * Dk + 2 * Hv * Dv) + D * 2 * Hv + Hv * Dv * D
+    return matmul + (2 * Hk * Dk + Hv * Dv) * cfg.gdn_conv_kernel + 2 * Hv + Dv, matmul
+
+
+def mixer_params(cfg: ModelConfig, layer: int) -> tuple[int, int]:
+    """attention_params, or gdn_params for a layer of model.linear_layers."""
+    return gdn_params(cfg) if layer in cfg.linear_layer_ids else attention_params(cfg)
 
 
 def _ffn_params(cfg: ModelConfig, layer: int) -> tuple[int, int, int]:
@@ -56,16 +69,16 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     """total: every parameter; active: parameters one token touches (embedding row excluded from neither). An MTP
     module adds its block, eh_proj [2D, D] and three norms (it shares the embedding and head)."""
     D, V = cfg.d_model, cfg.vocab_size
-    attn = attention_params(cfg)[0]
     norms = 2 * D
     embed = V * D * (1 if cfg.tie_embeddings else 2) + D  # + final norm
     total = active = embed + cfg.mtp_depth * (2 * D * D + 3 * D)
     for i in _blocks(cfg):
         ffn_total, ffn_active, _ = _ffn_params(cfg, i)
+        attn = mixer_params(cfg, i)[0]
         total += attn + norms + ffn_total
         active += attn + norms + ffn_active
     if cfg.dual_sublayers:  # LongCat-Flash: a second attention, two more norms and two dense SwiGLUs per layer
-        extra = cfg.n_layers * (attn + norms + 2 * 3 * D * cfg.d_ff)
+        extra = cfg.n_layers * (attention_params(cfg)[0] + norms + 2 * 3 * D * cfg.d_ff)
         total, active = total + extra, active + extra
     return {"total": total, "active": active}
 
@@ -74,9 +87,8 @@ def matmul_params_per_token(cfg: ModelConfig) -> int:
     """Weights in matmuls one token goes through (no embedding lookup, no norms, no routing bias); an MTP module's
     block, eh_proj and the shared head once more per depth."""
     D = cfg.d_model
-    attn = attention_params(cfg)[1]
-    blocks = sum(attn + _ffn_params(cfg, i)[2] for i in _blocks(cfg))
-    blocks += cfg.dual_sublayers * cfg.n_layers * (attn + 3 * D * cfg.d_ff * 2)  # LongCat-Flash's second sublayer
+    blocks = sum(mixer_params(cfg, i)[1] + _ffn_params(cfg, i)[2] for i in _blocks(cfg))
+    blocks += cfg.dual_sublayers * cfg.n_layers * (attention_params(cfg)[1] + 3 * D * cfg.d_ff * 2)  # LongCat-Flash's second sublayer
     return blocks + (1 + cfg.mtp_depth) * D * cfg.vocab_size + cfg.mtp_depth * 2 * D * D
 
 
@@ -86,12 +98,15 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     The attention term counts the full L x L square (as PaLM's MFU does), not the causal half. MLA trains in the
     expanded form (per-head keys of qk_nope_head_dim + qk_rope_head_dim, values of v_head_dim; moe/mla.py).
     """
-    n = len(_blocks(cfg))
+    n = len(_blocks(cfg)) - len(cfg.linear_layer_ids)  # Gated DeltaNet layers: below
     if cfg.attention == "mla":
         attention = 6 * n * seq_len * cfg.n_heads * (cfg.qk_head_dim + cfg.v_head_dim)
     else:
         attention = 6 * 2 * n * seq_len * cfg.n_heads * cfg.head_dim
-    return 6 * matmul_params_per_token(cfg) + attention
+    # Gated DeltaNet, per token and value head: decay, k^T S, the rank-1 write and q^T S, ~4 [Dk, Dv] passes of 2
+    # flops each (x3 for fwd+bwd), whatever the length
+    recurrent = 6 * 4 * len(cfg.linear_layer_ids) * cfg.gdn_value_heads * cfg.gdn_key_dim * cfg.gdn_value_dim
+    return 6 * matmul_params_per_token(cfg) + attention + recurrent
 
 
 def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: str = "float32") -> int:
@@ -99,4 +114,5 @@ def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: str = "float32") -> int:
     kv heads (gqa), or the kv latent and the shared roped key (mla)."""
     per_layer = (cfg.kv_lora_rank + cfg.qk_rope_head_dim if cfg.attention == "mla"
                  else 2 * cfg.n_kv_heads * cfg.head_dim)
-    return cfg.n_layers * (1 + cfg.dual_sublayers) * per_layer * jnp.dtype(dtype).itemsize
+    n = cfg.n_layers - len(cfg.linear_layer_ids)  # a Gated DeltaNet layer's state does not grow
+    return n * (1 + cfg.dual_sublayers) * per_layer * jnp.dtype(dtype).itemsize

@@ -51,6 +51,9 @@ class BlockInputs:
     # The tokens' ids [B, L]: what a hash-routed MoE layer routes by (DeepSeek-V4). An MTP module's blocks get the
     # main call's (t_i at position i). None: no layer may route by hash.
     token_ids_BxL: jax.Array | None = None
+    # Packed rows' segment ids [B, L] (0: padding), for the recurrent mixers (moe/gdn.py) that must not carry state
+    # across documents; None: one sequence per row.
+    segment_ids_BxL: jax.Array | None = None
 
 
 # Masks.
@@ -318,13 +321,15 @@ class Attention(nnx.Module):
     def __init__(self, cfg, rngs: nnx.Rngs, layer: int | None = None):
         """The attention of model layer `layer` (None: the default layer; model.nope_layers differ)."""
         D, H, N, Dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = param(rngs, (D, H, Dh), ("embed", "heads", "head_dim"), cfg.init_std)
+        # With attn_output_gate each head's query columns are [q | gate] (Qwen3-Next's q_proj, per head).
+        Dq = 2 * Dh if cfg.attn_output_gate else Dh
+        self.wq = param(rngs, (D, H, Dq), ("embed", "heads", "head_dim"), cfg.init_std)
         self.wk = param(rngs, (D, N, Dh), ("embed", "kv_heads", "head_dim"), cfg.init_std)
         self.wv = param(rngs, (D, N, Dh), ("embed", "kv_heads", "head_dim"), cfg.init_std)
         self.wo = param(rngs, (H, Dh, D), ("heads", "head_dim", "embed"), cfg.out_init_std)
         # Options of other MoE families (off by default; see moe/config.py).
         if cfg.qkv_bias:
-            self.bq = nnx.Param(jnp.zeros((H, Dh), jnp.float32), out_sharding=("heads", "head_dim"))
+            self.bq = nnx.Param(jnp.zeros((H, Dq), jnp.float32), out_sharding=("heads", "head_dim"))
             self.bk = nnx.Param(jnp.zeros((N, Dh), jnp.float32), out_sharding=("kv_heads", "head_dim"))
             self.bv = nnx.Param(jnp.zeros((N, Dh), jnp.float32), out_sharding=("kv_heads", "head_dim"))
         if cfg.attn_out_bias:
@@ -334,8 +339,8 @@ class Attention(nnx.Module):
         self.norm_qk = cfg.qk_norm != "none" and layer not in cfg.nope_layer_ids
         if cfg.qk_norm in ("head", "full") and self.norm_qk:
             q_dim, k_dim = (Dh, Dh) if cfg.qk_norm == "head" else (H * Dh, N * Dh)
-            self.q_norm = RMSNorm(q_dim, cfg.norm_eps)
-            self.k_norm = RMSNorm(k_dim, cfg.norm_eps)
+            self.q_norm = RMSNorm(q_dim, cfg.norm_eps, cfg.norm_offset)
+            self.k_norm = RMSNorm(k_dim, cfg.norm_eps, cfg.norm_offset)
         elif self.norm_qk:
             self.q_norm = self.k_norm = WeightlessRMSNorm(cfg.norm_eps)
         self.scale_query = bool(cfg.query_scale_beta) and not self.use_rope
@@ -374,6 +379,8 @@ class Attention(nnx.Module):
             q_BxLxHxDh = q_BxLxHxDh + self.bq[...].astype(dt)
             k_BxLxNxDh = k_BxLxNxDh + self.bk[...].astype(dt)
             v_BxLxNxDh = v_BxLxNxDh + self.bv[...].astype(dt)
+        if cfg.attn_output_gate:
+            q_BxLxHxDh, gate_BxLxHxDh = jnp.split(q_BxLxHxDh, 2, axis=-1)
         if self.norm_qk and not cfg.qk_norm_after_rope:
             q_BxLxHxDh = self._qk_norm(self.q_norm, q_BxLxHxDh)
             k_BxLxNxDh = self._qk_norm(self.k_norm, k_BxLxNxDh)
@@ -403,6 +410,8 @@ class Attention(nnx.Module):
                                                 causal=inputs.causal, cached=cache is not None,
                                                 return_probs=return_probs,
                                                 sinks_H=self.sinks[...] if cfg.attn_sinks else None)
+        if cfg.attn_output_gate:
+            out_BxLxHxDh = out_BxLxHxDh * jax.nn.sigmoid(gate_BxLxHxDh)
         out_BxLxD = matmul_rows(out_BxLxHxDh, self.wo[...].astype(dt), contract=2)
         return self._out_bias(out_BxLxD), new_cache, probs_BxHxLxS
 

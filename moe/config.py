@@ -65,6 +65,20 @@ class ModelConfig:
                                         "value (gpt-oss's sinks)")
     dual_sublayers: bool = field(False, doc="LongCat-Flash's layer: two (attention, dense SwiGLU) sublayers and one "
                                             "MoE fed by the first sublayer's normed input and added at the end")
+    attn_output_gate: bool = field(False, doc="gqa: the query projection also emits a gate per head and channel; the "
+                                              "attention output is multiplied by sigmoid(gate) before the output "
+                                              "projection (Qwen3-Next's gated attention)")
+    norm_offset: bool = field(False, doc="zero-centred RMSNorm x / rms(x) * (1 + w), w stored and initialised 0: the "
+                                         "blocks', final and q/k norms (Qwen3-Next); not the Gated DeltaNet output norm")
+    # Gated DeltaNet (moe/gdn.py): a recurrent token mixer in place of attention on linear_layers (Qwen3-Next).
+    linear_layers: str = field("", doc="comma-separated layers whose token mixer is Gated DeltaNet (moe/gdn.py) "
+                                       "instead of attention (Qwen3-Next's linear_attention layers); '' = none")
+    gdn_key_heads: int = field(0, non_negative, doc="Gated DeltaNet: query/key heads (> 0 with linear_layers)")
+    gdn_value_heads: int = field(0, non_negative, doc="Gated DeltaNet: value heads, a multiple of gdn_key_heads "
+                                                      "(value head j reads key head j // (value / key heads))")
+    gdn_key_dim: int = field(0, non_negative, doc="Gated DeltaNet: dims of one query/key head")
+    gdn_value_dim: int = field(0, non_negative, doc="Gated DeltaNet: dims of one value head")
+    gdn_conv_kernel: int = field(4, positive, doc="Gated DeltaNet: taps of the causal depthwise convolution")
     attention: str = field("gqa", one_of(*ATTENTIONS),
                            doc="gqa (the fields above) | mla: DeepSeek-V2/V3 multi-head latent attention (moe/mla.py), "
                                "n_heads heads of the MLA fields below")
@@ -190,6 +204,11 @@ class ModelConfig:
     def uses_rope(self, layer: int | None) -> bool:
         """Layer `layer` rotates q and k (None: the model's default)."""
         return self.rope and layer not in self.nope_layer_ids
+
+    @functools.cached_property
+    def linear_layer_ids(self) -> tuple[int, ...]:
+        """The layers whose token mixer is Gated DeltaNet (moe/gdn.py)."""
+        return _layer_ids(self.linear_layers)
 
     @functools.cached_property
     def dense_layer_ids(self) -> tuple[int, ...]:
@@ -328,6 +347,7 @@ def validate(c: ModelConfig) -> None:
         fail("query_scale_beta", "needs model.query_scale_period >= 1, and attention 'mla' or model.nope_layers")
     _validate_mla(c, fail)
     _validate_yarn(c, fail)
+    _validate_gdn(c, fail)
     if c.shared_expert_gate and not c.n_shared_experts:
         fail("shared_expert_gate", "needs a shared expert (n_shared_experts >= 1)")
     try:
@@ -417,3 +437,26 @@ def _validate_yarn(c: ModelConfig, fail) -> None:
     if not c.yarn_beta_fast >= c.yarn_beta_slow > 0:  # equal betas: a step, no ramp (Kimi-K2 ships 1 and 1)
         fail("yarn_beta_fast", f"must be >= yarn_beta_slow, and both > 0; got {c.yarn_beta_fast} and "
                                f"{c.yarn_beta_slow}")
+
+
+def _validate_gdn(c: ModelConfig, fail) -> None:
+    if (c.attn_output_gate or c.norm_offset or c.linear_layers) and (c.attention == "mla" or c.dual_sublayers):
+        fail("attn_output_gate" if c.attn_output_gate else "norm_offset" if c.norm_offset else "linear_layers",
+             "is implemented for attention 'gqa' without dual_sublayers only")
+    if c.norm_offset and c.mtp_depth:
+        fail("norm_offset", "is not implemented with MTP modules (their norms are plain)")
+    try:
+        ids = _layer_ids(c.linear_layers)
+    except ValueError:
+        fail("linear_layers", f"must be comma-separated layer indices like '0,1,2', got {c.linear_layers!r}")
+    if any(not 0 <= i < c.n_layers for i in ids):
+        fail("linear_layers", f"indices must lie in [0, n_layers) = [0, {c.n_layers}), got {c.linear_layers!r}")
+    if not ids:
+        return
+    if c.mask != "causal":
+        fail("linear_layers", f"Gated DeltaNet is a left-to-right recurrence: it needs mask 'causal', got {c.mask!r}")
+    for name in ("gdn_key_heads", "gdn_value_heads", "gdn_key_dim", "gdn_value_dim"):
+        if getattr(c, name) <= 0:
+            fail(name, f"Gated DeltaNet layers (model.linear_layers) need a positive {name}")
+    if c.gdn_value_heads % c.gdn_key_heads:
+        fail("gdn_value_heads", f"must be a multiple of gdn_key_heads ({c.gdn_key_heads}), got {c.gdn_value_heads}")

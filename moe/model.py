@@ -30,6 +30,7 @@ from moe.config import ModelConfig
 from moe.dispatch import kernels
 from moe.dispatch.execution import Execution
 from moe.ffn import MLP, MoE, RoutingBias
+from moe.gdn import GatedDeltaNet, is_recurrent_cache
 from moe.lm_loss import cross_entropy, logits, weighted_cross_entropy
 from moe.mla import MLA
 from moe.mtp import MTPModule, MTPOutput, mtp_forward
@@ -49,9 +50,12 @@ class BlockOutput(NamedTuple):
 
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rngs: nnx.Rngs):
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = MLA(cfg, rngs) if cfg.attention == "mla" else Attention(cfg, rngs, layer)
-        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_offset)
+        if layer in cfg.linear_layer_ids:  # Qwen3-Next: a recurrent token mixer in the attention's place
+            self.attn = GatedDeltaNet(cfg, rngs)
+        else:
+            self.attn = MLA(cfg, rngs) if cfg.attention == "mla" else Attention(cfg, rngs, layer)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_offset)
         self.is_moe = cfg.is_moe_layer(layer)
         self.ffn = MoE(cfg, rngs, layer) if self.is_moe else MLP(cfg.d_model, cfg.d_ff, cfg, rngs)
 
@@ -153,7 +157,7 @@ class Transformer(nnx.Module):
             self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), cfg.init_std)
             layer = DualBlock if cfg.dual_sublayers else Block
             self.blocks = nnx.List([layer(cfg, i, rngs) for i in range(cfg.n_layers)])
-            self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+            self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_offset)
             if not cfg.tie_embeddings:
                 self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.init_std)
             if cfg.mtp_depth:  # after the main model's parameters: its random init is the same with or without
@@ -293,7 +297,8 @@ class Transformer(nnx.Module):
         tokens' ids (hash routing)."""
         cfg = self.cfg
         B, L = tokens_BxL.shape
-        check_keys(cfg, L if cache is None else jax.tree.leaves(cache[0])[0].shape[1], cache is not None)
+        S = L if cache is None else cache_slots(cache, L)
+        check_keys(cfg, S, cache is not None)
         offset = 0 if cache is None else cache_index
         q_idx_BxL = jnp.broadcast_to(offset + jnp.arange(L, dtype=jnp.int32), (B, L))
         if positions_BxL is None:
@@ -305,13 +310,13 @@ class Transformer(nnx.Module):
                                   k_seg_BxK=segment_ids_BxL)
             # a causal mask hides every later key: kernels may skip them
             return BlockInputs(positions_BxL, mask, valid_BxL, causal=cfg.mask == "causal", token_ids_BxL=tokens_BxL,
+                               segment_ids_BxL=segment_ids_BxL,
                                chunked_mask=self._chunked(mask, q_idx_BxL, q_idx_BxL),
                                sliding_mask=self._sliding(mask, q_idx_BxL, q_idx_BxL))
         if segment_ids_BxL is not None:
             # The cache does not record the segment of the slots written earlier, so it cannot mask across
             # segments: decode one sequence per row.
             raise ValueError("segment_ids (packed rows) cannot be used with a KV cache; decode one sequence per row")
-        S = jax.tree.leaves(cache[0])[0].shape[1]  # every cache array is [B, S, ...]
         k_idx_BxS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
         mask = attention_mask(cfg.mask, q_idx_BxL, k_idx_BxS, n_heads=cfg.n_heads, prefix_len_B=prefix_len_B,
                               k_valid_BxK=k_idx_BxS < offset + L)
@@ -344,6 +349,12 @@ class Transformer(nnx.Module):
         B, L, D = x_BxLxD.shape
         logits_BxLxV = logits(self.final_norm(x_BxLxD).reshape(B * L, D), self.head()).reshape(B, L, -1)
         return ex.constrain(logits_BxLxV, ("batch", "length", "act_vocab"))
+
+
+def cache_slots(cache, L: int) -> int:
+    """S, the slots of a KV cache (every attention cache array is [B, S, ...]); a Gated DeltaNet layer's recurrent
+    cache has no slots (moe/gdn.py). A cache of recurrent layers only: L (the mask then concerns no layer)."""
+    return next((jax.tree.leaves(c)[0].shape[1] for c in cache if not is_recurrent_cache(c)), L)
 
 
 def check_keys(cfg: ModelConfig, n_keys: int, cached: bool) -> None:

@@ -18,14 +18,18 @@ def param(rngs: nnx.Rngs, shape, names, std: float) -> nnx.Param:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float):
-        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=("norm",))
+    def __init__(self, dim: int, eps: float, offset: bool = False):
+        """offset: the zero-centred form x / rms(x) * (1 + scale), scale initialised 0 (Qwen3-Next)."""
+        self.scale = nnx.Param(jnp.full((dim,), 0.0 if offset else 1.0, jnp.float32), out_sharding=("norm",))
         self.eps = eps
+        self.offset = offset
 
     def __call__(self, x):
         # Normalize in fp32, then scale in the input dtype (as HF does, so exports match exactly).
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.offset:  # HF's Qwen3NextRMSNorm scales in fp32, then casts
+            return (x32 * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
         return self.scale[...].astype(x.dtype) * x32.astype(x.dtype)
 
 

@@ -14,22 +14,28 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from moe import gdn
 from moe.dispatch.execution import Execution
 from moe.model import DEFAULT_EXECUTION, Transformer
 
 
 def init_cache(cfg, batch: int, max_len: int, dtype: str = "float32"):
     """One dict per layer: {"k", "v": [B,S,N,Dh]} (gqa), or {"latent": [B,S,R], "k_rope": [B,S,Dr]} (mla: the
-    normalized kv latent and the roped shared key, moe/mla.py); moe.accounting.kv_cache_bytes_per_token counts it.
+    normalized kv latent and the roped shared key, moe/mla.py), or a Gated DeltaNet layer's fixed-size state
+    (moe/gdn.py); moe.accounting.kv_cache_bytes_per_token counts what grows per token.
     A dual-sublayer layer (LongCat-Flash) holds a pair of them."""
     if cfg.dual_sublayers:
         return [[layer_cache(cfg, batch, max_len, dtype) for _ in range(2)] for _ in range(cfg.n_layers)]
-    return [layer_cache(cfg, batch, max_len, dtype) for _ in range(cfg.n_layers)]
+    return [layer_cache(cfg, batch, max_len, dtype, i) for i in range(cfg.n_layers)]
 
 
-def layer_cache(cfg, batch: int, max_len: int, dtype: str = "float32") -> dict:
-    """One layer's cache (init_cache's entry): also an MTP module's block (moe/decoding/speculative.py)."""
+def layer_cache(cfg, batch: int, max_len: int, dtype: str = "float32", layer: int | None = None) -> dict:
+    """Layer `layer`'s cache (init_cache's entry; None: an attention layer, also an MTP module's block,
+    moe/decoding/speculative.py). A Gated DeltaNet layer (model.linear_layers) holds its conv inputs and recurrent
+    state instead, whatever max_len (moe/gdn.py)."""
     dt = jnp.dtype(dtype)
+    if layer in cfg.linear_layer_ids:
+        return gdn.init_cache(cfg, batch, dt)
     if cfg.attention == "mla":
         return {"latent": jnp.zeros((batch, max_len, cfg.kv_lora_rank), dt),
                 "k_rope": jnp.zeros((batch, max_len, cfg.qk_rope_head_dim), dt)}

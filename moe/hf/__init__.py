@@ -4,7 +4,7 @@
     write_hf_checkpoint(model, "out/hf", "tokenizer.json")   # Glm4MoeForCausalLM, or DeepseekV3ForCausalLM (MLA)
 
 Import: one module per family (glm4_moe.py, qwen_moe.py, olmoe.py, mixtral.py, ernie4_5_moe.py, dots1.py,
-hunyuan_v1_moe.py, minimax_m2.py, hy_v3.py, llama4.py (llama4_text), gpt_oss.py, and with multi-head latent
+hunyuan_v1_moe.py, minimax_m2.py, hy_v3.py, llama4.py (llama4_text), gpt_oss.py, qwen3_next.py, and with multi-head latent
 attention deepseek.py (deepseek_v2 / deepseek_v3 / kimi_k2, kimi_k25's text model, glm4_moe_lite), deepseek_dsa.py
 (deepseek_v32 / glm_moe_dsa up to index_topk keys), mistral4.py, longcat_flash.py: config.json -> ModelConfig), what they share (common.py: the error, config.json's fields and their JSON types,
 RoPE), the tensor mapping (weights.py), reading safetensors a tensor at a time (tensors.py, which never leaves the

@@ -31,6 +31,7 @@ from moe.hf import (
     mistral4,
     mixtral,
     olmoe,
+    qwen3_next,
     qwen_moe,
 )
 from moe.hf.common import HFImportError, check_field_types, inside, read_config
@@ -44,7 +45,7 @@ from moe.sharding import RULES
 
 FAMILIES = {t: m for m in (glm4_moe, qwen_moe, olmoe, mixtral, deepseek, ernie4_5_moe, dots1, hunyuan_v1_moe,
                             minimax_m2, hy_v3, deepseek_dsa, mistral4,
-                            llama4, gpt_oss, longcat_flash) for t in m.MODEL_TYPES}
+                            llama4, gpt_oss, longcat_flash, qwen3_next) for t in m.MODEL_TYPES}
 # Multimodal wrappers whose text model is one of FAMILIES: model_type -> (its config, its tensors' names).
 NESTED = {"kimi_k25": (deepseek.kimi_k25_text, deepseek.k25_tensor_name)}
 # Known MoE families we cannot reproduce exactly: model_type -> (field, why).

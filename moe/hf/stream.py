@@ -50,7 +50,7 @@ class Ends(Transformer):
             self.embed = nnx.Param(variables["embed"])
         if "final_norm.scale" in variables:
             with nnx.use_eager_sharding(False):  # as Transformer builds it: unsharded
-                self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+                self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, cfg.norm_offset)
             self.final_norm.scale = nnx.Param(variables["final_norm.scale"])
         if "lm_head" in variables:
             self.lm_head = nnx.Param(variables["lm_head"])

@@ -188,20 +188,24 @@ def plan(cfg: ModelConfig, layout: Layout, shapes: dict, where: str) -> list[Ste
                     out[f"{q}mlp.{j}.w_{w}"] = linear(f"{p}mlps.{j}.{w}_proj.weight", n_out, n_in, n_in, n_out)
         elif cfg.attention == "mla":
             out.update(_mla(cfg, a, q + "attn.", take, linear))
+        elif i in cfg.linear_layer_ids:
+            out.update(_gdn(cfg, p + "linear_attn.", q + "attn.", take, linear))
         else:
-            out[q + "attn.wq"] = linear(a + "q_proj.weight", H * Dh, D, D, H, Dh)
+            Dq = 2 * Dh if cfg.attn_output_gate else Dh  # Qwen3-Next: each head's rows [q | gate]
+            out[q + "attn.wq"] = linear(a + "q_proj.weight", H * Dq, D, D, H, Dq)
             out[q + "attn.wk"] = linear(a + "k_proj.weight", N * Dh, D, D, N, Dh)
             out[q + "attn.wv"] = linear(a + "v_proj.weight", N * Dh, D, D, N, Dh)
             out[q + "attn.wo"] = linear(a + "o_proj.weight", D, H * Dh, H, Dh, D)
-        if cfg.qkv_bias:
-            out[q + "attn.bq"] = take(a + "q_proj.bias", H * Dh, shape=(H, Dh))
+        if cfg.qkv_bias and i not in cfg.linear_layer_ids:
+            Dq = 2 * Dh if cfg.attn_output_gate else Dh
+            out[q + "attn.bq"] = take(a + "q_proj.bias", H * Dq, shape=(H, Dq))
             out[q + "attn.bk"] = take(a + "k_proj.bias", N * Dh, shape=(N, Dh))
             out[q + "attn.bv"] = take(a + "v_proj.bias", N * Dh, shape=(N, Dh))
-        if cfg.attn_out_bias:
+        if cfg.attn_out_bias and i not in cfg.linear_layer_ids:
             out[q + "attn.bo"] = take(a + "o_proj.bias", D)
         if cfg.attn_sinks:
             out[q + "attn.sinks"] = take(a + "sinks", H)
-        if cfg.qk_norm in ("head", "full"):  # ("weightless": Llama 4's, nothing stored)
+        if cfg.qk_norm in ("head", "full") and i not in cfg.linear_layer_ids:  # ("weightless": Llama 4's)
             whole = cfg.qk_norm == "full"  # OLMoE: one norm over all heads' q (k)
             qn, kn = layout.qk_norms
             out[q + "attn.q_norm.scale"] = take(f"{a}{qn}.weight", H * Dh if whole else Dh)
@@ -316,6 +320,19 @@ def _mla(cfg, a, q, take, linear):
     else:
         out[q + "wq"] = linear(a + "q_proj.weight", H * (Dn + Dr), D, D, H, Dn + Dr)
     return out
+
+
+def _gdn(cfg, a, q, take, linear):
+    """Gated DeltaNet (Qwen3NextGatedDeltaNet, moe/gdn.py): the projections keep HF's grouping by key head, the
+    conv weight [C, 1, K] its channel order [q | k | v]."""
+    D, Hk, Hv, Dk, Dv = cfg.d_model, cfg.gdn_key_heads, cfg.gdn_value_heads, cfg.gdn_key_dim, cfg.gdn_value_dim
+    r, C, K = Hv // Hk, 2 * Hk * Dk + Hv * Dv, cfg.gdn_conv_kernel
+    return {q + "w_qkvz": linear(a + "in_proj_qkvz.weight", Hk * (2 * Dk + 2 * r * Dv), D, D, Hk, 2 * Dk + 2 * r * Dv),
+            q + "w_ba": linear(a + "in_proj_ba.weight", 2 * Hv, D, D, Hk, 2 * r),
+            q + "conv": take(a + "conv1d.weight", C, 1, K, shape=(C, K)),
+            q + "dt_bias": take(a + "dt_bias", Hv), q + "A_log": take(a + "A_log", Hv),
+            q + "out_norm": take(a + "norm.weight", Dv),
+            q + "wo": linear(a + "out_proj.weight", D, Hv * Dv, Hv, Dv, D)}
 
 
 def _dropped(layout: Layout, imported: int, name: str) -> bool:

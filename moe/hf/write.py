@@ -72,7 +72,7 @@ def glm4_moe_unsupported_features(cfg: ModelConfig) -> list[str]:
                   "qk_norm_after_rope", "nope_layers", "attention_chunk", "query_scale_beta", "sliding_window",
                   "attn_sinks", "expert_act", "expert_bias", "dual_sublayers",
                   "router_group_score", "shared_d_ff", "shared_expert_gate", "attention", "rope_interleave",
-                  "rope_scaling_factor"):
+                  "rope_scaling_factor", "attn_output_gate", "norm_offset", "linear_layers"):
         if getattr(cfg, field) != getattr(defaults, field):
             out.append(f"model.{field}={getattr(cfg, field)!r}")
     return out
