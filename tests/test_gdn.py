@@ -92,14 +92,13 @@ def _whole(model, tokens):
 
 @nnx.jit
 def _cached(model, tokens):
-    """The first 6 tokens as one prefill (the conv history longer than one step), then the rest one at a time."""
+    """Tokens [0, 4) as one prefill, [4, 6) as a continuation of it (the chunked rule from the cached state, the
+    conv from the cached inputs), then one token at a time (the recurrent rule)."""
     B, L = tokens.shape
-    cache = init_cache(model.cfg, B, L)
-    out, aux = model(tokens[:, :6], execution=EX.for_decoding(), cache=cache, cache_index=0)
-    outs, cache = [out], aux.cache
-    for i in range(6, L):
-        out, aux = model(tokens[:, i:i + 1], execution=EX.for_decoding(), cache=cache, cache_index=i,
-                         positions_BxL=jnp.full((B, 1), i, jnp.int32))
+    cache, outs = init_cache(model.cfg, B, L), []
+    for i, j in [(0, 4), (4, 6)] + [(i, i + 1) for i in range(6, L)]:
+        out, aux = model(tokens[:, i:j], execution=EX.for_decoding(), cache=cache, cache_index=i,
+                         positions_BxL=jnp.broadcast_to(jnp.arange(i, j, dtype=jnp.int32), (B, j - i)))
         outs.append(out)
         cache = aux.cache
     return jnp.concatenate(outs, 1)
