@@ -52,7 +52,11 @@ ADDED_KEYS = {"eval.dispatch": "", "execution.loss_chunks": 8, "execution.scan_l
               "model.sliding_window": 0, "model.sliding_layers": "", "model.attn_sinks": False,
               "model.yarn_truncate": True, "model.expert_act": "swiglu", "model.swiglu_limit": 7.0,
               "model.swiglu_alpha": 1.702, "model.expert_bias": False, "model.dual_sublayers": False,
-              "model.mla_lora_scale": False}
+              "model.mla_lora_scale": False,
+              # Qwen3-Next's gated attention, zero-centred norms and Gated DeltaNet layers
+              "model.attn_output_gate": False, "model.norm_offset": False, "model.linear_layers": "",
+              "model.gdn_key_heads": 0, "model.gdn_value_heads": 0, "model.gdn_key_dim": 0, "model.gdn_value_dim": 0,
+              "model.gdn_conv_kernel": 4}
 
 
 def up_to_date(config: dict) -> dict:
