@@ -10,7 +10,7 @@ from flax import nnx
 from moe import Execution, param_counts, router, train_flops_per_token
 from moe.dispatch import experts
 from moe.dispatch.execution import REMAT_POLICIES
-from tests.model_fixtures import TINY, tiny_model
+from tests.model_fixtures import TINY, ragged_execution, tiny_model
 
 
 def test_routing_capture_shapes_and_load():
@@ -57,8 +57,8 @@ def test_remat_gives_identical_gradients(policy, dispatch):
         loss, state = _loss_and_state(tokens, ex)
         return jax.tree.leaves(jax.jit(jax.grad(loss))(state))
 
-    plain = grads(Execution(dispatch=dispatch))
-    for a, b in zip(plain, grads(Execution(dispatch=dispatch, remat=True, remat_policy=policy)), strict=True):
+    plain = grads(ragged_execution(dispatch=dispatch))
+    for a, b in zip(plain, grads(ragged_execution(dispatch=dispatch, remat=True, remat_policy=policy)), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
 
 
@@ -70,8 +70,8 @@ def test_permute_grad_gather_gives_the_scatter_gradients(dispatch, remat=True):
     tokens = jax.random.randint(jax.random.key(2), (2, 10), 0, TINY["vocab_size"])
 
     def grads(permute):
-        loss, state = _loss_and_state(tokens, Execution(dispatch=dispatch, permute_grad=permute, remat=remat,
-                                                        remat_policy="save_moe"))
+        loss, state = _loss_and_state(tokens, ragged_execution(dispatch=dispatch, permute_grad=permute, remat=remat,
+                                                               remat_policy="save_moe"))
         scatter_adds = str(jax.make_jaxpr(jax.grad(loss))(state)).count("scatter-add")
         return jax.tree.leaves(jax.jit(jax.grad(loss))(state)), scatter_adds
 
@@ -107,10 +107,16 @@ def test_forward_exposes_hidden_states_and_attention():
     last entry unembeds to the logits, and one attention map per layer whose rows sum to 1."""
     model = tiny_model()
     tokens = jax.random.randint(jax.random.key(2), (2, 7), 0, TINY["vocab_size"])
-    logits, aux = model(tokens, return_hidden=True, return_attention=True)
+
+    @nnx.jit
+    def forward(m, t):
+        logits, aux = m(t, execution=ragged_execution(), return_hidden=True, return_attention=True)
+        return logits, aux, m.unembed(aux["hidden"][-1]), m.embed_tokens(t)
+
+    logits, aux, unembedded, embedded = forward(model, tokens)
     assert len(aux["hidden"]) == TINY["n_layers"] + 1 and len(aux["attention"]) == TINY["n_layers"]
-    np.testing.assert_allclose(model.unembed(aux["hidden"][-1]), logits, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(model.embed_tokens(tokens), aux["hidden"][0])
+    np.testing.assert_allclose(unembedded, logits, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(embedded, aux["hidden"][0])
     np.testing.assert_allclose(aux["attention"][0].sum(-1), 1.0, rtol=1e-5)
 
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
+from flax import nnx
 
 from analysis.routing import cli as routing
 from rundir import open_run
@@ -40,11 +41,11 @@ def test_the_saved_run_computes_what_it_computed_when_saved(saved):
     run = open_run(saved_run, log=lambda *a: None)
     assert run.step == 4
     tokens = jnp.asarray(ref["tokens"])
-    logits, aux = run.model(tokens, return_routing=True)
+    logits, aux = nnx.jit(lambda m, t: m(t, return_routing=True))(run.model, tokens)
     np.testing.assert_allclose(np.asarray(logits)[:, :, :32], ref["logits"], rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(aux.routing[0].expert_ids), ref["expert_ids"])
     if "mtp_ce" in ref:
-        _, aux = run.model.token_losses(tokens, jnp.roll(tokens, -1, 1), mtp=True)
+        _, aux = nnx.jit(lambda m, t, y: m.token_losses(t, y, mtp=True))(run.model, tokens, jnp.roll(tokens, -1, 1))
         np.testing.assert_allclose(aux.mtp.ce, ref["mtp_ce"], rtol=1e-5, atol=1e-6)
 
 
@@ -79,6 +80,6 @@ def test_the_saved_run_analyzes(saved, tmp_path):
 def test_exports_saved_by_c87e198_load_with_the_runs_numbers(fmt):
     ref = np.load(SAVED["c87e198"][1])
     model, tokenizer = load_export(DATA / "saved_c87e198" / f"export_{fmt}")
-    logits, _ = model(jnp.asarray(ref["tokens"]))
+    logits, _ = nnx.jit(lambda m, t: m(t))(model, jnp.asarray(ref["tokens"]))
     np.testing.assert_allclose(np.asarray(logits)[:, :, :32], ref["logits"], rtol=1e-5, atol=1e-6)
     assert tokenizer.get_vocab_size() == 1024
