@@ -11,6 +11,13 @@ import transformers
 from flax import nnx
 from safetensors.numpy import save_file
 
+from tests.model_fixtures import ragged_execution
+
+# The parity checks' subject is the import (weights, config, attention and router math), not the routed experts'
+# kernel: our side runs ragged_dot, which compiles in a fraction of CPU's default (slab). tests/test_grouped_kernels.py
+# holds the kernels equal; `analysis.routing --hf` runs each family on the default.
+EX = ragged_execution()
+
 
 def random_hf(config, seed=0, cls=None):
     """The model of `config` (class `cls`, default the AutoModelForCausalLM one) in fp32, eval mode, with norm
@@ -51,7 +58,7 @@ def hf_forward(hf, tokens, routers=("mlp.gate", "block_sparse_moe.gate"), chosen
 @nnx.jit
 def ours_forward(model, tokens):
     """Our (logits, per MoE layer the chosen expert ids [B, L, K]), one compiled program per model shape."""
-    logits, aux = model(tokens, return_routing=True)
+    logits, aux = model(tokens, return_routing=True, execution=EX)
     return logits, [r["expert_ids"] for r in aux["routing"]]
 
 

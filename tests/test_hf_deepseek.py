@@ -19,7 +19,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 torch = pytest.importorskip("torch", reason="torch builds the reference models")
 transformers = pytest.importorskip("transformers", reason="transformers builds the reference models")
-from tests.hf_random import hf_forward, ours_forward, random_hf  # noqa: E402
+from tests.hf_random import EX, hf_forward, ours_forward, random_hf  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()  # save_pretrained's bar on stderr
 
@@ -147,7 +147,7 @@ def test_greedy_decoding_matches_generate(family):
     """32 new tokens from a 5-token prompt, 2 rows: our prefill + one-token steps over the latent cache (the
     absorbed form) against transformers' generate(do_sample=False) with its own cache."""
     name, f = family
-    ours = np.asarray(generate(f["model"], jnp.asarray(TOKENS[:, :5]), jax.random.key(0), max_new_tokens=N_NEW,
+    ours = np.asarray(generate(f["model"], jnp.asarray(TOKENS[:, :5]), jax.random.key(0), execution=EX, max_new_tokens=N_NEW,
                                temperature=0.0))
     assert f["tokens"].shape == (2, N_NEW)
     np.testing.assert_array_equal(ours, f["tokens"], err_msg=name)

@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch builds the reference models")
 transformers = pytest.importorskip("transformers", reason="transformers builds the reference models")
-from tests.hf_random import hf_forward, hf_generate, ours_forward, random_hf, same_experts  # noqa: E402
+from tests.hf_random import EX, hf_forward, hf_generate, ours_forward, random_hf, same_experts  # noqa: E402
 from tests.test_hf_more_families import _tokenizer  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()
@@ -60,14 +60,14 @@ def test_logits_experts_and_greedy_tokens_match_transformers_up_to_index_topk(fa
     print(f"{family['name']}: max |logit diff| / max |logit| = {err:.1e}; experts {same_experts(ids, hf_ids)}")
     assert err <= 1e-4
     assert same_experts(ids, hf_ids) == [1.0] * model.cfg.n_moe_layers == [1.0, 1.0]
-    ours = generate(model, jnp.asarray(TOKENS[:, :5]), jax.random.key(0), max_new_tokens=N_NEW, temperature=0.0)
+    ours = generate(model, jnp.asarray(TOKENS[:, :5]), jax.random.key(0), execution=EX, max_new_tokens=N_NEW, temperature=0.0)
     np.testing.assert_array_equal(np.asarray(ours), family["tokens"])
     # past index_topk keys the sparse attention would drop some: refused, in one line
     with pytest.raises(UserError, match=f"25 tokens per row exceed model.max_keys={TOP}") as e:
         model(jnp.zeros((1, TOP + 1), jnp.int32))
     assert "\n" not in str(e.value)
     with pytest.raises(UserError, match=f"a KV cache of {5 + TOP} slots"):
-        generate(model, jnp.asarray(TOKENS[:, :5]), jax.random.key(0), max_new_tokens=TOP, temperature=0.0)
+        generate(model, jnp.asarray(TOKENS[:, :5]), jax.random.key(0), execution=EX, max_new_tokens=TOP, temperature=0.0)
 
 
 def test_routing_analysis_within_and_past_index_topk(family, tmp_path, capsys):

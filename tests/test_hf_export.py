@@ -21,7 +21,9 @@ from moe.hf.write import (
     unsupported_features,
     write_hf_checkpoint,
 )
+from tests.model_fixtures import ragged_execution
 
+EX = ragged_execution()  # the export is the subject, not the experts' kernel (tests/hf_random.py)
 V = 320  # >= the test tokenizer's vocabulary
 BASE = dict(vocab_size=V, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, d_ff=64, first_k_dense=1,
             n_routed_experts=8, n_shared_experts=2, top_k=2, moe_d_ff=16, n_group=4, topk_group=2,
@@ -51,7 +53,7 @@ def tokenizer_path(tmp_path_factory):
 
 @nnx.jit
 def _forward(model, tokens):
-    logits, aux = model(tokens, return_routing=True)
+    logits, aux = model(tokens, return_routing=True, execution=EX)
     return logits, [r["expert_ids"] for r in aux["routing"]]
 
 
@@ -115,7 +117,8 @@ def test_greedy_generation_parity(tmp_path, tokenizer_path, untied):
     write_hf_checkpoint(untied, str(tmp_path), tokenizer_path, "float32", CARD)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path))
     prompt, n = TOKENS[:1, :6], 10
-    ours = np.asarray(generate(untied, jnp.asarray(prompt), jax.random.key(0), max_new_tokens=n, temperature=0.0))
+    ours = np.asarray(generate(untied, jnp.asarray(prompt), jax.random.key(0), execution=EX, max_new_tokens=n,
+                               temperature=0.0))
     with torch.no_grad():
         out = hf.generate(torch.tensor(prompt), attention_mask=torch.ones_like(torch.tensor(prompt)),
                           do_sample=False, max_new_tokens=n)

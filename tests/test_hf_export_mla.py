@@ -18,7 +18,7 @@ from moe.hf import load_hf_moe
 from moe.hf.safetensors_io import flat_variables
 from moe.hf.write import ExportError, architecture, hf_config, unsupported_features, write_hf_checkpoint
 from tests import test_hf_export
-from tests.test_hf_export import CARD, V, _forward, _hf, _hf_logits
+from tests.test_hf_export import CARD, EX, V, _forward, _hf, _hf_logits
 
 tokenizer_path = test_hf_export.tokenizer_path  # the fixture: a BPE tokenizer.json, <|endoftext|> 0, <|pad|> 1
 
@@ -101,7 +101,7 @@ def test_greedy_generation_matches(exported):
     torch, _ = _hf()
     f = exported("yarn_q_lora")
     prompt = TOKENS[:, :5]
-    ours = np.asarray(generate(f["model"], jnp.asarray(prompt), jax.random.key(0), max_new_tokens=N_NEW,
+    ours = np.asarray(generate(f["model"], jnp.asarray(prompt), jax.random.key(0), execution=EX, max_new_tokens=N_NEW,
                                temperature=0.0))
     f["hf"].generation_config.eos_token_id = None  # generate exactly N_NEW tokens, as ours does
     with torch.no_grad():

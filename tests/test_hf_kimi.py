@@ -27,7 +27,7 @@ torch = pytest.importorskip("torch", reason="torch builds the reference models")
 transformers = pytest.importorskip("transformers", reason="transformers builds the reference models")
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
-from tests.hf_random import hf_forward, hf_generate, ours_forward, random_hf, same_experts, write_fp8  # noqa: E402
+from tests.hf_random import EX, hf_forward, hf_generate, ours_forward, random_hf, same_experts, write_fp8  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()  # the K2.5 vision tower is not in the checkpoint: a long report
@@ -107,7 +107,7 @@ def test_kimi_k2_logits_experts_and_greedy_tokens_match_transformers(kimi):
           f"experts {same_experts(ids, hf_ids)}")
     assert err < 1e-5
     assert same_experts(ids, hf_ids) == [1.0] * cfg.n_moe_layers == [1.0, 1.0]
-    ours = np.asarray(generate(model, jnp.asarray(TOKENS[:, :5]), jax.random.key(0), max_new_tokens=N_NEW,
+    ours = np.asarray(generate(model, jnp.asarray(TOKENS[:, :5]), jax.random.key(0), execution=EX, max_new_tokens=N_NEW,
                                temperature=0.0))
     np.testing.assert_array_equal(ours, kimi["tokens"])
 

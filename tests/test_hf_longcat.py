@@ -14,7 +14,7 @@ from flax import nnx
 
 torch = pytest.importorskip("torch", reason="torch builds the reference models")
 transformers = pytest.importorskip("transformers", reason="transformers builds the reference models")
-from tests.hf_random import hf_forward, hf_generate, ours_forward, random_hf, same_experts  # noqa: E402
+from tests.hf_random import EX, hf_forward, hf_generate, ours_forward, random_hf, same_experts  # noqa: E402
 from tests.test_hf_more_families import _tokenizer  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()
@@ -59,7 +59,7 @@ def test_logits_experts_and_greedy_tokens_match_transformers(longcat):
     assert err <= 1e-4
     assert same_experts(ids, hf_ids) == [1.0, 1.0]
     assert sum((np.asarray(i) >= 8).sum() for i in ids) > 0  # zero experts were chosen
-    ours = generate(model, jnp.asarray(TOKENS[:, :5]), jax.random.key(0), max_new_tokens=N_NEW, temperature=0.0)
+    ours = generate(model, jnp.asarray(TOKENS[:, :5]), jax.random.key(0), execution=EX, max_new_tokens=N_NEW, temperature=0.0)
     np.testing.assert_array_equal(np.asarray(ours), longcat["tokens"])
     # transformers counts the router's bias buffer out; ours is a RoutingBias, not a Param, either
     assert param_counts(cfg)["total"] == sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) == \

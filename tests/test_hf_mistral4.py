@@ -14,7 +14,7 @@ from flax import nnx
 
 torch = pytest.importorskip("torch", reason="torch builds the reference models")
 transformers = pytest.importorskip("transformers", reason="transformers builds the reference models")
-from tests.hf_random import hf_forward, hf_generate, ours_forward, random_hf, same_experts  # noqa: E402
+from tests.hf_random import EX, hf_forward, hf_generate, ours_forward, random_hf, same_experts  # noqa: E402
 from tests.test_hf_more_families import _tokenizer  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()
@@ -59,7 +59,7 @@ def test_logits_experts_and_greedy_tokens_match_transformers(mistral4):
     print(f"mistral4: max |logit diff| / max |logit| = {err:.1e}; experts {same_experts(ids, hf_ids)}")
     assert err <= 1e-4
     assert same_experts(ids, hf_ids) == [1.0] * cfg.n_moe_layers == [1.0, 1.0]
-    ours = generate(model, jnp.asarray(TOKENS[:, :5]), jax.random.key(0), max_new_tokens=N_NEW, temperature=0.0)
+    ours = generate(model, jnp.asarray(TOKENS[:, :5]), jax.random.key(0), execution=EX, max_new_tokens=N_NEW, temperature=0.0)
     np.testing.assert_array_equal(np.asarray(ours), mistral4["tokens"])
     # without the query scale the model differs from transformers' past the first 4 positions
     off = nnx.merge(*nnx.split(model))

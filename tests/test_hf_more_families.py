@@ -18,7 +18,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 torch = pytest.importorskip("torch", reason="torch builds the reference models")
 transformers = pytest.importorskip("transformers", reason="transformers builds the reference models")
-from tests.hf_random import hf_forward, hf_generate, ours_forward, random_hf, same_experts  # noqa: E402
+from tests.hf_random import EX, hf_forward, hf_generate, ours_forward, random_hf, same_experts  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()  # Hunyuan's rope `alpha` is reported as an unknown key
@@ -105,7 +105,7 @@ def test_logits_experts_and_greedy_tokens_match_transformers(family):
     print(f"{family['name']}: max |logit diff| / max |logit| = {err:.1e}; experts {agree}")
     assert err <= 1e-4, err
     assert len(hf_ids) == model.cfg.n_moe_layers > 0 and agree == [1.0] * model.cfg.n_moe_layers
-    ours = generate(model, jnp.asarray(TOKENS[:, :5]), jax.random.key(0), max_new_tokens=N_NEW, temperature=0.0)
+    ours = generate(model, jnp.asarray(TOKENS[:, :5]), jax.random.key(0), execution=EX, max_new_tokens=N_NEW, temperature=0.0)
     np.testing.assert_array_equal(np.asarray(ours), family["tokens"])
     # ERNIE's selection bias is a torch Parameter; ours, a RoutingBias as in every family, is not trained
     n_hf = sum(p.numel() for k, p in family["hf"].named_parameters() if not k.endswith("e_score_correction_bias"))

@@ -18,7 +18,7 @@ from safetensors.numpy import load_file, save_file
 
 torch = pytest.importorskip("torch", reason="torch builds the reference models")
 transformers = pytest.importorskip("transformers", reason="transformers builds the reference models")
-from tests.hf_random import hf_forward, hf_generate, ours_forward, random_hf, same_experts  # noqa: E402
+from tests.hf_random import EX, hf_forward, hf_generate, ours_forward, random_hf, same_experts  # noqa: E402
 from tests.test_hf_more_families import _tokenizer  # noqa: E402
 
 transformers.utils.logging.disable_progress_bar()
@@ -76,7 +76,7 @@ def test_logits_experts_and_greedy_tokens_match_transformers(qwen3_next):
     assert err <= 1e-4
     assert ours_64 <= 3 * theirs_64
     assert same_experts(ids, hf_ids) == [1.0] * 3
-    ours = generate(model, jnp.asarray(TOKENS[:, :5]), jax.random.key(0), max_new_tokens=N_NEW, temperature=0.0)
+    ours = generate(model, jnp.asarray(TOKENS[:, :5]), jax.random.key(0), execution=EX, max_new_tokens=N_NEW, temperature=0.0)
     np.testing.assert_array_equal(np.asarray(ours), qwen3_next["tokens"])
     assert param_counts(cfg)["total"] == sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) == \
         qwen3_next["n_params"]
