@@ -19,13 +19,14 @@ def tiny_model(**overrides) -> Transformer:
 
 @functools.cache
 def forward_fn(**overrides):
-    """A jitted (tokens, segment_ids, prefix_len) -> logits for the tiny model with these overrides."""
+    """A jitted (tokens, segment_ids, prefix_len) -> logits for the tiny model with these overrides, its routed
+    experts on ragged_dot (`ragged_execution`)."""
     graphdef, state = nnx.split(tiny_model(**overrides))
 
     @jax.jit
     def fwd(tokens, segment_ids=None, prefix_len=None):
         model = nnx.merge(graphdef, state)
-        return model(tokens, segment_ids_BxL=segment_ids, prefix_len_B=prefix_len)[0]
+        return model(tokens, segment_ids_BxL=segment_ids, prefix_len_B=prefix_len, execution=ragged_execution())[0]
 
     return fwd
 

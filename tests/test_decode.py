@@ -9,7 +9,9 @@ import pytest
 from flax import nnx
 
 from moe import decoding
-from tests.model_fixtures import forward_fn, tiny_model
+from tests.model_fixtures import forward_fn, ragged_execution, tiny_model
+
+EX = ragged_execution()  # decoding is the subject, not the experts' kernel
 
 
 @functools.partial(nnx.jit, static_argnums=2)
@@ -17,11 +19,12 @@ def prefill_then_steps(model, tokens_BxL, P: int, prefix_len_B=None):
     """Logits [B, L, V]: the first P tokens prefilled into a cache of L slots, then one decoding step per token, in
     a loop over traced slot indices as generate runs it (one compiled step, not L - P unrolled ones)."""
     B, L = tokens_BxL.shape
-    logits_p, cache = decoding.prefill(model, tokens_BxL[:, :P], decoding.init_cache(model.cfg, B, L))
+    logits_p, cache = decoding.prefill(model, tokens_BxL[:, :P], decoding.init_cache(model.cfg, B, L),
+                                     execution=EX)
 
     def one(cache, i):
         logits_i, cache = decoding.step(model, jax.lax.dynamic_slice_in_dim(tokens_BxL, i, 1, axis=1), i, cache,
-                                      prefix_len_B)
+                                      prefix_len_B, execution=EX)
         return cache, logits_i
 
     _, steps = jax.lax.scan(one, cache, jnp.arange(P, L))
@@ -62,9 +65,9 @@ def test_prefill_continues_from_any_slot():
     @nnx.jit
     def turns(model, tokens):
         cache = decoding.init_cache(model.cfg, B, L)
-        first, cache = decoding.prefill(model, tokens[:, :P1], cache)
-        second, cache = decoding.prefill(model, tokens[:, P1:P1 + P2], cache, start=P1)
-        last, _ = decoding.step(model, tokens[:, P1 + P2:P1 + P2 + 1], P1 + P2, cache)
+        first, cache = decoding.prefill(model, tokens[:, :P1], cache, execution=EX)
+        second, cache = decoding.prefill(model, tokens[:, P1:P1 + P2], cache, start=P1, execution=EX)
+        last, _ = decoding.step(model, tokens[:, P1 + P2:P1 + P2 + 1], P1 + P2, cache, execution=EX)
         return first, second, last
 
     first, second, last = turns(model, tokens)
@@ -89,7 +92,7 @@ def test_cached_forward_refuses_packed_rows():
 def test_greedy_generate_follows_argmax_of_full_forward():
     model = tiny_model()
     prompt = jax.random.randint(jax.random.key(4), (2, 4), 0, 61)
-    new = decoding.generate(model, prompt, jax.random.key(0), max_new_tokens=6)
+    new = decoding.generate(model, prompt, jax.random.key(0), max_new_tokens=6, execution=EX)
     seq = jnp.concatenate([prompt, new], 1)
     logits = forward_fn()(seq)
     np.testing.assert_array_equal(new, jnp.argmax(logits[:, 3:-1], -1))
@@ -122,8 +125,9 @@ def test_generate_chunks_yield_generates_tokens(temperature):
     as the one-call `generate`, sampling included."""
     model = tiny_model()
     prompt = jax.random.randint(jax.random.key(5), (2, 3), 0, 61)
-    want = decoding.generate(model, prompt, jax.random.key(7), max_new_tokens=9, temperature=temperature)
+    want = decoding.generate(model, prompt, jax.random.key(7), max_new_tokens=9, temperature=temperature,
+                            execution=EX)
     chunks = list(decoding.generate_chunks(model, prompt, jax.random.key(7), max_new_tokens=9, chunk=3,
-                                           temperature=temperature))
+                                           temperature=temperature, execution=EX))
     assert [c.shape[1] for c in chunks] == [1, 3, 3, 2]
     np.testing.assert_array_equal(jnp.concatenate(chunks, 1), want)

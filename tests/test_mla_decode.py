@@ -8,18 +8,19 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from moe import Execution, decoding
+from moe import decoding
 from moe.accounting import kv_cache_bytes_per_token
 from plumbing.errors import UserError
 from rundir import open_run
 from tests.conftest import tiny_config
-from tests.model_fixtures import forward_fn, tiny_model
+from tests.model_fixtures import forward_fn, ragged_execution, tiny_model
 from tests.test_mla import MLA_MODEL
 from train import generate as train_generate
 from train import generation
 from train.loop import run
 
-ABSORBED, NAIVE = Execution(), Execution(attention_impl="einsum")  # the cached MLA forms (moe/mla.py)
+# The cached MLA forms (moe/mla.py), the routed experts on ragged_dot (the attention is the subject)
+ABSORBED, NAIVE = ragged_execution(), ragged_execution(attention_impl="einsum")
 
 
 def test_init_cache_holds_the_latent():
@@ -67,10 +68,11 @@ def test_prefix_masks_decode_like_the_full_forward(mask):
 
     @nnx.jit
     def cached(model, tokens):
-        logits_p, cache = decoding.prefill(model, tokens[:, :P], decoding.init_cache(model.cfg, B, L))
+        logits_p, cache = decoding.prefill(model, tokens[:, :P], decoding.init_cache(model.cfg, B, L),
+                                           execution=ABSORBED)
         steps = []
         for i in range(P, L):
-            logits_i, cache = decoding.step(model, tokens[:, i:i + 1], i, cache, prefix)
+            logits_i, cache = decoding.step(model, tokens[:, i:i + 1], i, cache, prefix, execution=ABSORBED)
             steps.append(logits_i)
         return jnp.concatenate([logits_p, jnp.stack(steps, 1)], 1)
 
@@ -80,11 +82,11 @@ def test_prefix_masks_decode_like_the_full_forward(mask):
 def test_greedy_generate_follows_the_full_forward():
     model = tiny_model(**MLA_MODEL)
     prompt = jax.random.randint(jax.random.key(4), (2, 4), 0, 64)
-    new = decoding.generate(model, prompt, jax.random.key(0), max_new_tokens=5)
+    new = decoding.generate(model, prompt, jax.random.key(0), max_new_tokens=5, execution=ABSORBED)
     logits = forward_fn(**MLA_MODEL)(jnp.concatenate([prompt, new], 1))
     np.testing.assert_array_equal(new, jnp.argmax(logits[:, 3:-1], -1))
     bf16 = decoding.generate(model, prompt, jax.random.key(0), max_new_tokens=5,
-                           execution=Execution(dtype="bfloat16"))
+                           execution=ABSORBED.replace(dtype="bfloat16"))
     assert bf16.shape == new.shape and bool(jnp.all((bf16 >= 0) & (bf16 < 64)))
 
 
