@@ -22,6 +22,7 @@ from moe import (
     train_flops_per_token,
 )
 from moe.accounting import matmul_params_per_token
+from tests.model_fixtures import ragged_execution
 from train.step import balance_term
 
 T, D, E, K = 48, 16, 8, 2
@@ -318,7 +319,7 @@ def test_routing_analysis_on_every_router(variant, tmp_path):
     cfg = ModelConfig(**TINY, **VARIANTS[variant])
     model = Transformer(cfg, nnx.Rngs(0))
     graphdef, state = nnx.split(model)
-    route = collect.make_route_fn(graphdef, prefix=False)
+    route = collect.make_route_fn(graphdef, prefix=False, execution=ragged_execution())
     B, L, n_domains = 4, 16, 2
     acc = stats.RoutingAccumulator(cfg.n_moe_layers, cfg.n_routed_experts, n_domains=n_domains,
                                    vocab_size=cfg.vocab_size, track_tokens=[1, 2],
@@ -356,7 +357,8 @@ def test_routing_analysis_on_every_router(variant, tmp_path):
         assert r["zero_frac_L"].max() > 0
     # The train step's loss terms for this router are finite, and the scopes agree where they must.
     tgt = np.roll(tokens, -1, 1)
-    _, aux = nnx.jit(lambda m, t, y, s: m.token_losses(t, y, segment_ids_BxL=s))(model, tokens, tgt, seg)
+    _, aux = nnx.jit(lambda m, t, y, s: m.token_losses(t, y, segment_ids_BxL=s, execution=ragged_execution()))(
+        model, tokens, tgt, seg)
     assert np.isfinite(float(aux.z_loss)) and float(aux.z_loss) > 0
     np.testing.assert_allclose(balance_term(aux, "sequence"), aux.balance_loss, rtol=1e-6)
     np.testing.assert_allclose(balance_term(aux, "micro_batch", B), aux.balance_loss, rtol=1e-5)
@@ -371,20 +373,21 @@ def test_hash_layers_and_per_layer_top_k_in_the_model():
     model = Transformer(cfg, nnx.Rngs(0))
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 12)))
     inspect = nnx.jit(lambda m, t, ex: m.inspect(t, execution=ex), static_argnums=2)
-    _, aux = inspect(model, tokens, Execution())
+    _, aux = inspect(model, tokens, ragged_execution())
     assert [r.expert_ids.shape[-1] for r in aux.routing] == [3, 1, 2]
     for r, layer in zip(aux.routing[:2], cfg.moe_layer_ids[:2]):
         table = np.asarray(router.hash_table(cfg.vocab_size, cfg.n_routed_experts, cfg.moe_top_k(layer), layer))
         np.testing.assert_array_equal(r.expert_ids, table[np.asarray(tokens)])
         assert float(r.balance_loss) == 0.0 and float(r.rows.tokens_B.sum()) == 0.0  # nothing to balance
     assert float(aux.routing[2].balance_loss) > 0
-    _, scanned = inspect(model, tokens, Execution(scan_layers=True))
+    _, scanned = inspect(model, tokens, ragged_execution(scan_layers=True))
     for a, b in zip(scanned.routing, aux.routing):
         np.testing.assert_array_equal(a.expert_ids, b.expert_ids)
         np.testing.assert_allclose(a.gates, b.gates, rtol=1e-6)
     # An all-hash model with an MTP module: its block routes by the main token ids at its positions.
     all_hash = Transformer(cfg.replace(router="hash", layer_top_k="", n_hash_layers=0), nnx.Rngs(0))
-    _, aux = nnx.jit(lambda m, t: m.token_losses(t, jnp.roll(t, -1, 1), mtp=True))(all_hash, tokens)
+    _, aux = nnx.jit(lambda m, t: m.token_losses(t, jnp.roll(t, -1, 1), mtp=True, execution=ragged_execution()))(
+        all_hash, tokens)
     mtp_routing = aux.mtp.routing[0]
     table = np.asarray(router.hash_table(cfg.vocab_size, cfg.n_routed_experts, cfg.top_k, cfg.n_layers))
     np.testing.assert_array_equal(mtp_routing.expert_ids, table[np.asarray(tokens)])

@@ -22,6 +22,8 @@ from tqdm import tqdm  # text bar: tqdm.auto warns in a notebook without ipywidg
 
 from analysis.routing import DEFAULT_TOKENS
 from analysis.routing.stats import RoutingAccumulator, SaturationAccumulator
+from moe.dispatch.execution import Execution
+from moe.model import DEFAULT_EXECUTION
 from plumbing.errors import UserError
 from rundir import Run
 from train import inputs
@@ -72,15 +74,16 @@ def layer_routing(mcfg, layer_ids) -> dict:
             "routed_by": ["hash" if mcfg.layer_router(i) == "hash" else "top_k" for i in layer_ids]}
 
 
-def make_route_fn(graphdef, prefix: bool):
+def make_route_fn(graphdef, prefix: bool, execution: Execution = DEFAULT_EXECUTION):
     """jit(state, batch) -> per MoE layer (expert_ids [B,L,K], gates [B,L,K]); logits are never materialized
-    on the host (and XLA drops the LM head since nothing uses it)."""
+    on the host (and XLA drops the LM head since nothing uses it). `execution`: fp32, dropless, the platform's
+    kernels by default."""
 
     @jax.jit
     def route(state, tokens_BxL, positions_BxL, segment_ids_BxL, prefix_len_B):
         model = nnx.merge(graphdef, state)
-        _, aux = model.inspect(tokens_BxL, positions_BxL=positions_BxL, segment_ids_BxL=segment_ids_BxL,
-                               prefix_len_B=prefix_len_B if prefix else None)
+        _, aux = model.inspect(tokens_BxL, execution=execution, positions_BxL=positions_BxL,
+                               segment_ids_BxL=segment_ids_BxL, prefix_len_B=prefix_len_B if prefix else None)
         return [(r.expert_ids, r.gates) for r in aux.routing]
 
     return route
