@@ -3,6 +3,7 @@ experts, greedy tokens), shared by the HF parity tests (import and export)."""
 
 import json
 import math
+import shutil
 
 import ml_dtypes
 import numpy as np
@@ -10,7 +11,9 @@ import torch
 import transformers
 from flax import nnx
 from safetensors.numpy import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from analysis.routing import cli as routing
 from tests.model_fixtures import ragged_execution
 
 # The parity checks' subject is the import (weights, config, attention and router math), not the routed experts'
@@ -68,6 +71,30 @@ def hf_generate(hf, prompt, n_new):
         out = hf.generate(torch.tensor(prompt), attention_mask=torch.ones_like(torch.tensor(prompt)),
                           do_sample=False, max_new_tokens=n_new)
     return out[:, prompt.shape[1]:].numpy()
+
+
+def byte_bpe_tokenizer():
+    """A byte-level BPE of < 300 tokens."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog. def f(x): return x + 1"] * 20, trainer)
+    return tok
+
+
+def routing_on_hf(path, tmp_path):
+    """`analysis.routing --hf` on a copy of the checkpoint at `path` (tmp_path/hf, with `byte_bpe_tokenizer`) over
+    ten lines of prose: (the analysis, tmp_path/out/routing.json read back)."""
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(path, hf_dir)
+    byte_bpe_tokenizer().save(str(hf_dir / "tokenizer.json"))
+    (tmp_path / "prose.txt").write_text("The quick brown fox jumps over the lazy dog, again and again.\n" * 10)
+    a, _ = routing.run(routing.parse_args([
+        "--hf", str(hf_dir), "--text", str(tmp_path / "prose.txt"), "--out", str(tmp_path / "out"), "--seq_len", "16",
+        "--batch_size", "4", "--no_progress"]), log=lambda *_: None)
+    return a, json.loads((tmp_path / "out" / "routing.json").read_text())
 
 
 def same_experts(ours, theirs) -> list[float]:

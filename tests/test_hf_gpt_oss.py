@@ -3,8 +3,6 @@ sliding windows of 4 on the even layers, biases on q/k/v/o, the router and the e
 interleaved gate / up columns, YaRN without rounding) loads with transformers' logits, expert ids and KV-cached
 greedy tokens, and analysis.routing --hf runs on it; the pieces are checked against plain formulas."""
 
-import json
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -14,13 +12,19 @@ from flax import nnx
 
 torch = pytest.importorskip("torch", reason="torch builds the reference models")
 transformers = pytest.importorskip("transformers", reason="transformers builds the reference models")
-from tests.hf_random import EX, hf_forward, hf_generate, ours_forward, random_hf, same_experts  # noqa: E402
-from tests.test_hf_more_families import _tokenizer  # noqa: E402
+from tests.hf_random import (  # noqa: E402
+    EX,
+    hf_forward,
+    hf_generate,
+    ours_forward,
+    random_hf,
+    routing_on_hf,
+    same_experts,
+)
 
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()
 
-from analysis.routing import cli as routing  # noqa: E402
 from moe import param_counts  # noqa: E402
 from moe.attention import softmax_attention  # noqa: E402
 from moe.decoding.generate import generate  # noqa: E402
@@ -87,14 +91,7 @@ def test_sinks_and_clamped_swiglu_are_their_formulas():
 
 
 def test_routing_analysis_runs(gpt_oss, tmp_path):
-    hf_dir = tmp_path / "hf"
-    shutil.copytree(gpt_oss["path"], hf_dir)
-    _tokenizer().save(str(hf_dir / "tokenizer.json"))
-    (tmp_path / "prose.txt").write_text("The quick brown fox jumps over the lazy dog, again and again.\n" * 10)
-    a, _ = routing.run(routing.parse_args([
-        "--hf", str(hf_dir), "--text", str(tmp_path / "prose.txt"), "--out", str(tmp_path / "out"), "--seq_len", "16",
-        "--batch_size", "4", "--no_progress"]), log=lambda *_: None)
-    doc = json.loads((tmp_path / "out" / "routing.json").read_text())
+    a, doc = routing_on_hf(gpt_oss["path"], tmp_path)
     assert doc["model_type"] == "gpt_oss" and doc["layer_ids"] == [0, 1, 2, 3] and a.n_tokens > 0
 
 

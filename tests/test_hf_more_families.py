@@ -14,16 +14,22 @@ import numpy as np
 import pytest
 from flax import nnx
 from safetensors.numpy import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 torch = pytest.importorskip("torch", reason="torch builds the reference models")
 transformers = pytest.importorskip("transformers", reason="transformers builds the reference models")
-from tests.hf_random import EX, hf_forward, hf_generate, ours_forward, random_hf, same_experts  # noqa: E402
+from tests.hf_random import (  # noqa: E402
+    EX,
+    hf_forward,
+    hf_generate,
+    ours_forward,
+    random_hf,
+    routing_on_hf,
+    same_experts,
+)
 
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()  # Hunyuan's rope `alpha` is reported as an unknown key
 
-from analysis.routing import cli as routing  # noqa: E402
 from moe import param_counts  # noqa: E402
 from moe.decoding.generate import generate  # noqa: E402
 from moe.hf import HFImportError, load_hf_moe, model_config  # noqa: E402
@@ -61,17 +67,6 @@ FAMILIES = {
         mlp_layer_types=["dense", "sparse", "dense", "sparse"],
         rope_parameters={"rope_type": "default", "rope_theta": 500.0}),
 }
-
-
-def _tokenizer():
-    """A byte-level BPE of < V tokens."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog. def f(x): return x + 1"] * 20, trainer)
-    return tok
 
 
 @pytest.fixture(scope="module")
@@ -147,16 +142,8 @@ def test_hy3_mtp_layers_are_skipped(built, tmp_path):
 
 
 def test_routing_analysis_runs_on_each_family(family, tmp_path):
-    hf_dir = tmp_path / "hf"
-    shutil.copytree(family["path"], hf_dir)
-    _tokenizer().save(str(hf_dir / "tokenizer.json"))
-    (tmp_path / "prose.txt").write_text("The quick brown fox jumps over the lazy dog, again and again.\n" * 10)
-    out = tmp_path / "out"
-    a, _ = routing.run(routing.parse_args([
-        "--hf", str(hf_dir), "--text", str(tmp_path / "prose.txt"), "--out", str(out), "--seq_len", "16",
-        "--batch_size", "4", "--no_progress"]), log=lambda *_: None)
-    doc = json.loads((out / "routing.json").read_text())
-    cfg = model_config(json.loads((hf_dir / "config.json").read_text()))
+    a, doc = routing_on_hf(family["path"], tmp_path)
+    cfg = model_config(json.loads((tmp_path / "hf" / "config.json").read_text()))
     assert doc["model_type"] == family["name"] and doc["layer_ids"] == list(cfg.moe_layer_ids)
     assert a.n_tokens > 0 and doc["n_experts"] == cfg.n_routed_experts
 

@@ -6,7 +6,6 @@ are skipped as transformers skips them, analysis.routing --hf runs on it, and wh
 naming the field."""
 
 import copy
-import json
 import shutil
 
 import jax
@@ -18,13 +17,19 @@ from safetensors.numpy import load_file, save_file
 
 torch = pytest.importorskip("torch", reason="torch builds the reference models")
 transformers = pytest.importorskip("transformers", reason="transformers builds the reference models")
-from tests.hf_random import EX, hf_forward, hf_generate, ours_forward, random_hf, same_experts  # noqa: E402
-from tests.test_hf_more_families import _tokenizer  # noqa: E402
+from tests.hf_random import (  # noqa: E402
+    EX,
+    hf_forward,
+    hf_generate,
+    ours_forward,
+    random_hf,
+    routing_on_hf,
+    same_experts,
+)
 
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()  # the CPU fallbacks of causal_conv1d / flash-linear-attention
 
-from analysis.routing import cli as routing  # noqa: E402
 from moe import param_counts  # noqa: E402
 from moe.decoding.generate import generate  # noqa: E402
 from moe.hf import ExportError, HFImportError, check_exportable, load_hf_moe, model_config  # noqa: E402
@@ -94,14 +99,7 @@ def test_mtp_tensors_are_skipped(qwen3_next, tmp_path):
 
 
 def test_routing_analysis_runs(qwen3_next, tmp_path):
-    hf_dir = tmp_path / "hf"
-    shutil.copytree(qwen3_next["path"], hf_dir)
-    _tokenizer().save(str(hf_dir / "tokenizer.json"))
-    (tmp_path / "prose.txt").write_text("The quick brown fox jumps over the lazy dog, again and again.\n" * 10)
-    a, _ = routing.run(routing.parse_args([
-        "--hf", str(hf_dir), "--text", str(tmp_path / "prose.txt"), "--out", str(tmp_path / "out"), "--seq_len", "16",
-        "--batch_size", "4", "--no_progress"]), log=lambda *_: None)
-    doc = json.loads((tmp_path / "out" / "routing.json").read_text())
+    a, doc = routing_on_hf(qwen3_next["path"], tmp_path)
     assert doc["model_type"] == "qwen3_next" and doc["layer_ids"] == [0, 1, 3] and a.n_tokens > 0
 
 

@@ -131,6 +131,14 @@ def scale_grid(shape, blocks: Fp8Blocks) -> tuple[int, ...]:
     return (*lead, math.ceil(rows / blocks.rows), math.ceil(cols / blocks.cols))
 
 
+def _check_codes_and_scales(q: np.ndarray, scale: np.ndarray, name: str) -> None:
+    """A NaN float8_e4m3fn weight code, or a scale that is not a finite positive number, refused naming the tensor."""
+    if np.any((q.view(np.uint8) & 0x7F) == 0x7F):
+        raise HFImportError(f"tensor {name!r} holds NaN (float8_e4m3fn code 0x7F/0xFF); re-download the checkpoint")
+    if not np.all(np.isfinite(scale) & (scale > 0)):
+        raise HFImportError(f"tensor {name + SCALE_SUFFIX!r} holds a scale that is not a finite positive number")
+
+
 def dequantize_fp8(q: np.ndarray, scale_inv: np.ndarray, blocks: Fp8Blocks, name: str = "tensor") -> np.ndarray:
     """fp32 `q * scale_inv` per [blocks.rows, blocks.cols] tile, partial tiles at the edges (DeepSeek's rule);
     q is float8_e4m3fn [..., out, in], scale_inv float32 [..., ceil(out / rows), ceil(in / cols)]. The product is
@@ -139,10 +147,7 @@ def dequantize_fp8(q: np.ndarray, scale_inv: np.ndarray, blocks: Fp8Blocks, name
     if q.ndim < 2 or tuple(scale_inv.shape) != scale_grid(q.shape, blocks):
         raise HFImportError(f"tensor {name!r}: scale {list(scale_inv.shape)} does not fit weight {list(q.shape)} in "
                             f"blocks of [{blocks.rows}, {blocks.cols}] (needs {list(scale_grid(q.shape, blocks))})")
-    if np.any((q.view(np.uint8) & 0x7F) == 0x7F):
-        raise HFImportError(f"tensor {name!r} holds NaN (float8_e4m3fn code 0x7F/0xFF); re-download the checkpoint")
-    if not np.all(np.isfinite(scale_inv) & (scale_inv > 0)):
-        raise HFImportError(f"tensor {name + SCALE_SUFFIX!r} holds a scale that is not a finite positive number")
+    _check_codes_and_scales(q, scale_inv, name)
     rows, cols = q.shape[-2:]
     out = q.astype(np.float32)
     w = out.reshape(-1, rows, cols)
@@ -169,10 +174,7 @@ def dequantize_fp8_scaled(q: np.ndarray, scale: np.ndarray, name: str = "tensor"
     if q.ndim < 2 or not scaled_fp8_fits(q.shape, scale.shape):
         raise HFImportError(f"tensor {name!r}: scale {list(scale.shape)} is neither one value nor one per output row "
                             f"of weight {list(q.shape)}")
-    if np.any((q.view(np.uint8) & 0x7F) == 0x7F):
-        raise HFImportError(f"tensor {name!r} holds NaN (float8_e4m3fn code 0x7F/0xFF); re-download the checkpoint")
-    if not np.all(np.isfinite(scale) & (scale > 0)):
-        raise HFImportError(f"tensor {name + SCALE_SUFFIX!r} holds a scale that is not a finite positive number")
+    _check_codes_and_scales(q, scale, name)
     out = q.astype(np.float32)
     out *= np.asarray(scale, np.float32).reshape(scale.shape if scale.ndim == q.ndim else (1, 1))
     return out
