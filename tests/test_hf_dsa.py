@@ -4,8 +4,6 @@ loads with transformers' logits, expert ids and KV-cached greedy tokens while no
 longer inputs and KV caches are refused in one line (also by analysis.routing --hf). The indexer's tensors are
 skipped (not read): up to index_topk keys they change nothing."""
 
-import json
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +12,15 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="torch builds the reference models")
 transformers = pytest.importorskip("transformers", reason="transformers builds the reference models")
-from tests.hf_random import EX, hf_forward, hf_generate, ours_forward, random_hf, same_experts  # noqa: E402
-from tests.test_hf_more_families import _tokenizer  # noqa: E402
+from tests.hf_random import (  # noqa: E402
+    EX,
+    hf_forward,
+    hf_generate,
+    ours_forward,
+    random_hf,
+    routing_on_hf,
+    same_experts,
+)
 
 transformers.utils.logging.disable_progress_bar()
 transformers.utils.logging.set_verbosity_error()
@@ -71,14 +76,9 @@ def test_logits_experts_and_greedy_tokens_match_transformers_up_to_index_topk(fa
 
 
 def test_routing_analysis_within_and_past_index_topk(family, tmp_path, capsys):
-    hf_dir = tmp_path / "hf"
-    shutil.copytree(family["path"], hf_dir)
-    _tokenizer().save(str(hf_dir / "tokenizer.json"))
-    (tmp_path / "prose.txt").write_text("The quick brown fox jumps over the lazy dog, again and again.\n" * 10)
-    args = ["--hf", str(hf_dir), "--text", str(tmp_path / "prose.txt"), "--batch_size", "4", "--no_progress"]
-    a, _ = routing.run(routing.parse_args([*args, "--out", str(tmp_path / "out"), "--seq_len", "16"]),
-                       log=lambda *_: None)
-    assert json.loads((tmp_path / "out" / "routing.json").read_text())["layer_ids"] == [1, 2] and a.n_tokens > 0
+    a, doc = routing_on_hf(family["path"], tmp_path)  # 16-token rows
+    assert doc["layer_ids"] == [1, 2] and a.n_tokens > 0
+    args = ["--hf", str(tmp_path / "hf"), "--text", str(tmp_path / "prose.txt"), "--batch_size", "4", "--no_progress"]
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         routing.main([*args, "--out", str(tmp_path / "long"), "--seq_len", "32"])
